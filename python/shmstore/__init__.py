@@ -1,0 +1,70 @@
+"""shmstore: share one copy of a large read-only dataset between many processes.
+
+Records are written once into a named shared-memory segment; every process maps the
+same pages read-only and reads through lazy views, so reading never copies the data
+into the reader (no copy-on-read), under fork, spawn and forkserver alike.
+
+>>> import shmstore
+>>> lst = shmstore.SharedList([{"file_name": "a.jpg", "bbox": [1.0, 2.0, 3.0, 4.0]}])
+>>> lst[0]["bbox"][2]
+3.0
+>>> lst.unlink()
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections.abc as _abc
+
+from shmstore import _native
+from shmstore._native import (
+    CorruptStoreError,
+    DictView,
+    InvalidInputError,
+    ListView,
+    OutOfSharedMemoryError,
+    Ref,
+    SharedDict,
+    SharedList,
+    ShmStoreError,
+    StoreClosedError,
+    StoreExistsError,
+    StoreHandle,
+    StoreIOError,
+    StoreNotFoundError,
+    StorePermissionError,
+    UnsupportedTypeError,
+    __version__,
+    put,
+)
+
+# Views and stores are registered (not subclassed) so they stay plain native objects:
+# isinstance(view, collections.abc.Mapping) holds, and they remain untracked by the GC.
+_abc.Sequence.register(ListView)
+_abc.Mapping.register(DictView)
+_abc.Sequence.register(SharedList)
+_abc.Mapping.register(SharedDict)
+
+# Names this process created and still owns are removed when the interpreter exits.
+atexit.register(_native._cleanup_at_exit)
+
+__all__ = [
+    "CorruptStoreError",
+    "DictView",
+    "InvalidInputError",
+    "ListView",
+    "OutOfSharedMemoryError",
+    "Ref",
+    "SharedDict",
+    "SharedList",
+    "ShmStoreError",
+    "StoreClosedError",
+    "StoreExistsError",
+    "StoreHandle",
+    "StoreIOError",
+    "StoreNotFoundError",
+    "StorePermissionError",
+    "UnsupportedTypeError",
+    "__version__",
+    "put",
+]

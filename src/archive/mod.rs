@@ -1,0 +1,38 @@
+//! Pure-Rust archive layer (no pyo3): the value model, the streaming builder, the header
+//! and the validating reader. See docs/format.md for the byte layout.
+
+pub mod builder;
+pub mod header;
+pub mod key;
+pub mod reader;
+pub mod value;
+
+#[cfg(test)]
+mod tests;
+
+pub use builder::Builder;
+pub use header::{Header, Kind};
+pub use key::Key;
+pub use reader::{Node, Reader};
+pub use value::{ArchivedValue, ArrayMeta, Extent, Value};
+
+/// Everything that can go wrong building or reading an archive.
+#[derive(Debug, thiserror::Error)]
+pub enum ArchiveError {
+    /// The bytes are not a well-formed archive (truncated, corrupted, wrong checksum).
+    #[error("{0}")]
+    Corrupt(String),
+    /// The archive is still being written; readers must not use it yet.
+    #[error("the archive is still being written (not sealed yet)")]
+    Unsealed,
+    #[error("archive format version {0} is not supported (this shmstore reads version 1)")]
+    Version(u16),
+    /// The input cannot be archived (a record too large for its in-record offsets, ...).
+    #[error("{0}")]
+    Invalid(String),
+    /// A dict key given twice; carries the entry number of the first occurrence.
+    #[error("duplicate key (first given for entry {0})")]
+    DuplicateKey(u32),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}

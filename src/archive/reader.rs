@@ -1,0 +1,459 @@
+//! Validating reader over an archive's bytes (a read-only mapping).
+//!
+//! Checking is split so that no byte is trusted before it is checked, yet a reader pays
+//! only for what it touches:
+//! - at open: the header, region bounds and one checksum over the metadata (index,
+//!   symbols, keys, table) — O(records), not O(bytes);
+//! - at the first access of a record in this process: the record span's checksum and
+//!   rkyv's structural validation (bytecheck) of that record — then a bit is set and later
+//!   accesses are free.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use rkyv::rancor;
+use xxhash_rust::xxh3::xxh3_64;
+
+use super::header::{Header, Kind, INDEX_ENTRY, PAYLOAD_ALIGN, SPAN_ALIGN};
+use super::key::{decode_key, Key};
+use super::value::{typestr_itemsize, ArchivedArrayMeta, ArchivedExtent, ArchivedValue};
+use super::ArchiveError;
+
+/// A validated position of an archived value: only the [`Reader`] makes these, from values
+/// it has validated, so turning one back into a reference is sound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Node {
+    rec: u32,
+    pos: u64,
+}
+
+impl Node {
+    /// The record this node belongs to.
+    pub fn record(self) -> u32 {
+        self.rec
+    }
+    /// Absolute byte position in the archive.
+    pub fn pos(self) -> u64 {
+        self.pos
+    }
+}
+
+/// Where array data lives and how to read it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ArrayView<'a> {
+    pub typestr: &'a str,
+    pub shape: Vec<usize>,
+    /// Absolute byte offset of the data in the archive (64-byte aligned).
+    pub offset: usize,
+    pub nbytes: usize,
+}
+
+pub struct Reader<B> {
+    backing: B,
+    header: Header,
+    /// One bit per record: span checksum and structure checked in this process.
+    validated: Vec<AtomicU64>,
+    /// Absolute [start, end) of each symbol's UTF-8 bytes.
+    symbols: Vec<(usize, usize)>,
+}
+
+fn corrupt<T>(msg: impl Into<String>) -> Result<T, ArchiveError> {
+    Err(ArchiveError::Corrupt(msg.into()))
+}
+
+fn u64_at(bytes: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap())
+}
+
+fn u32_at(bytes: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap())
+}
+
+impl<B: AsRef<[u8]>> Reader<B> {
+    /// Check the header and metadata; records are checked lazily on first access.
+    pub fn open(backing: B) -> Result<Self, ArchiveError> {
+        let bytes = backing.as_ref();
+        let header = Header::parse(bytes)?;
+        if header.kind == Kind::Dict {
+            let cap = header.table_len / 8;
+            if !cap.is_power_of_two() || header.keys_len < (header.count + 1) * 8 {
+                return corrupt("dict table/keys region malformed");
+            }
+        }
+        let symbols = parse_symbols(bytes, &header)?;
+        let words = header.count.div_ceil(64) as usize;
+        Ok(Reader {
+            validated: (0..words).map(|_| AtomicU64::new(0)).collect(),
+            backing,
+            header,
+            symbols,
+        })
+    }
+
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+
+    pub fn kind(&self) -> Kind {
+        self.header.kind
+    }
+
+    pub fn len(&self) -> u64 {
+        self.header.count
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.header.count == 0
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        self.backing.as_ref()
+    }
+
+    pub fn backing(&self) -> &B {
+        &self.backing
+    }
+
+    fn span(&self, rec: u64) -> (usize, usize, u64) {
+        let at = self.header.index_off as usize + rec as usize * INDEX_ENTRY;
+        let b = self.bytes();
+        (
+            u64_at(b, at) as usize,
+            u64_at(b, at + 8) as usize,
+            u64_at(b, at + 16),
+        )
+    }
+
+    fn check_span(&self, rec: u64) -> Result<(usize, usize), ArchiveError> {
+        let (start, end, hash) = self.span(rec);
+        let min = std::mem::size_of::<ArchivedValue>();
+        if start % SPAN_ALIGN as usize != 0
+            || start < super::header::HEADER_LEN
+            || end > self.header.index_off as usize
+            || end < start + min
+        {
+            return corrupt(format!("record {rec}: span {start}..{end} out of bounds"));
+        }
+        if xxh3_64(&self.bytes()[start..end]) != hash {
+            return corrupt(format!("record {rec}: checksum mismatch (the data was modified)"));
+        }
+        Ok((start, end))
+    }
+
+    /// Run the full checks on a record now (normally done on first access).
+    pub fn validate_record(&self, rec: u64) -> Result<(), ArchiveError> {
+        if rec >= self.header.count {
+            return Err(ArchiveError::Invalid(format!("record {rec} out of range")));
+        }
+        let (word, bit) = ((rec / 64) as usize, 1u64 << (rec % 64));
+        if self.validated[word].load(Ordering::Acquire) & bit != 0 {
+            return Ok(());
+        }
+        let (start, end) = self.check_span(rec)?;
+        rkyv::access::<ArchivedValue, rancor::Error>(&self.bytes()[start..end])
+            .map_err(|e| ArchiveError::Corrupt(format!("record {rec}: invalid structure: {e}")))?;
+        self.validated[word].fetch_or(bit, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// Check every record (O(archive size)). Readers never need this for safety.
+    pub fn validate_all(&self) -> Result<(), ArchiveError> {
+        (0..self.header.count).try_for_each(|r| self.validate_record(r))
+    }
+
+    /// The root value of record `rec` (validated on first access in this process).
+    pub fn root(&self, rec: u64) -> Result<Node, ArchiveError> {
+        self.validate_record(rec)?;
+        let (_, end, _) = self.span(rec);
+        Ok(Node {
+            rec: rec as u32,
+            pos: (end - std::mem::size_of::<ArchivedValue>()) as u64,
+        })
+    }
+
+    /// Rebuild a node from an untrusted (record, position) pair, e.g. from a pickle:
+    /// the record is validated, then the value at `pos` is validated as a subtree.
+    pub fn node_checked(&self, rec: u64, pos: u64) -> Result<Node, ArchiveError> {
+        self.validate_record(rec)?;
+        let (start, end, _) = self.span(rec);
+        let pos = pos as usize;
+        if pos < start || pos >= end {
+            return corrupt(format!("position {pos} is not inside record {rec}"));
+        }
+        rkyv::api::high::access_pos::<ArchivedValue, rancor::Error>(
+            &self.bytes()[start..end],
+            pos - start,
+        )
+        .map_err(|e| ArchiveError::Corrupt(format!("record {rec}: no value at {pos}: {e}")))?;
+        Ok(Node {
+            rec: rec as u32,
+            pos: pos as u64,
+        })
+    }
+
+    /// The archived value behind a node.
+    pub fn get(&self, node: Node) -> &ArchivedValue {
+        let bytes = self.bytes();
+        let pos = node.pos as usize;
+        assert!(pos + std::mem::size_of::<ArchivedValue>() <= bytes.len());
+        // SAFETY: `Node`s are only created by this reader (private fields) for positions
+        // of values that it validated: a record root after `validate_record` (checksum +
+        // bytecheck of the whole record), a value reached from such a validated value
+        // (`child`, which checks the reference points into this archive), or a subtree
+        // validated by `access_pos` (`node_checked`). The bytes are immutable for the
+        // reader's lifetime (sealed archive, read-only mapping), so the validation holds.
+        unsafe { &*(bytes.as_ptr().add(pos) as *const ArchivedValue) }
+    }
+
+    /// A node for `value`, a value reached from `parent`'s (validated) tree.
+    pub fn child(&self, parent: Node, value: &ArchivedValue) -> Node {
+        let base = self.bytes().as_ptr() as usize;
+        let addr = value as *const ArchivedValue as usize;
+        assert!(
+            addr >= base && addr - base < self.bytes().len(),
+            "value does not belong to this archive"
+        );
+        Node {
+            rec: parent.rec,
+            pos: (addr - base) as u64,
+        }
+    }
+
+    /// Number of interned symbols.
+    pub fn symbol_count(&self) -> usize {
+        self.symbols.len()
+    }
+
+    /// An interned string.
+    pub fn symbol(&self, id: u32) -> Result<&str, ArchiveError> {
+        let &(s, e) = self
+            .symbols
+            .get(id as usize)
+            .ok_or_else(|| ArchiveError::Corrupt(format!("symbol {id} out of range")))?;
+        // SAFETY: every symbol's bytes were checked to be UTF-8 in `parse_symbols` when the
+        // reader opened, and the archive bytes never change afterwards.
+        Ok(unsafe { std::str::from_utf8_unchecked(&self.bytes()[s..e]) })
+    }
+
+    /// Dict archives: the key of entry `i`.
+    pub fn key(&self, i: u64) -> Result<Key<'_>, ArchiveError> {
+        if self.header.kind != Kind::Dict || i >= self.header.count {
+            return Err(ArchiveError::Invalid(format!("no key {i}")));
+        }
+        let b = self.bytes();
+        let ko = self.header.keys_off as usize;
+        let blob = ko + (self.header.count as usize + 1) * 8;
+        let end = ko + self.header.keys_len as usize;
+        let s = u64_at(b, ko + i as usize * 8) as usize;
+        let e = u64_at(b, ko + (i as usize + 1) * 8) as usize;
+        if s > e || blob + e > end {
+            return corrupt(format!("key {i}: offsets out of bounds"));
+        }
+        let (k, rest) = decode_key(&b[blob + s..blob + e])?;
+        if !rest.is_empty() {
+            return corrupt(format!("key {i}: trailing bytes"));
+        }
+        Ok(k)
+    }
+
+    /// Dict archives: the entry number of `key`, if present. Bounded probing: a corrupted
+    /// table can give a wrong answer or an error, never a hang.
+    pub fn lookup(&self, key: &Key<'_>) -> Result<Option<u64>, ArchiveError> {
+        if self.header.kind != Kind::Dict {
+            return Ok(None);
+        }
+        let h = key.stable_hash();
+        let b = self.bytes();
+        let cap = self.header.table_len / 8;
+        let mask = cap - 1;
+        let to = self.header.table_off as usize;
+        let mut i = h & mask;
+        for _ in 0..cap {
+            let slot = u64_at(b, to + i as usize * 8);
+            if slot == 0 {
+                return Ok(None);
+            }
+            if slot >> 32 == h >> 32 {
+                let e = (slot & 0xffff_ffff) - 1;
+                if self.key(e)?.key_eq(key) {
+                    return Ok(Some(e));
+                }
+            }
+            i = (i + 1) & mask;
+        }
+        Ok(None)
+    }
+
+    /// A key stored inside a record as a `Key`.
+    pub fn value_key<'s>(&'s self, v: &'s ArchivedValue) -> Result<Key<'s>, ArchiveError> {
+        self.value_key_depth(v, 0)
+    }
+
+    fn value_key_depth<'s>(
+        &'s self,
+        v: &'s ArchivedValue,
+        depth: usize,
+    ) -> Result<Key<'s>, ArchiveError> {
+        use std::borrow::Cow::Borrowed;
+        Ok(match v {
+            ArchivedValue::None => Key::None,
+            ArchivedValue::Bool(b) => Key::Bool(*b),
+            ArchivedValue::Int(i) => Key::Int(i.to_native()),
+            ArchivedValue::BigInt(b) => Key::BigInt(Borrowed(b.as_slice())),
+            ArchivedValue::Float(f) => Key::Float(f.to_native()),
+            ArchivedValue::Str(s) => Key::Str(Borrowed(s.as_str())),
+            ArchivedValue::Sym(id) => Key::Str(Borrowed(self.symbol(id.to_native())?)),
+            ArchivedValue::Bytes(b) => Key::Bytes(Borrowed(b.as_slice())),
+            ArchivedValue::Tuple(items) if depth < 64 => Key::Tuple(
+                items
+                    .iter()
+                    .map(|it| self.value_key_depth(it, depth + 1))
+                    .collect::<Result<_, _>>()?,
+            ),
+            _ => return corrupt("a dict key of a type that cannot be a key"),
+        })
+    }
+
+    /// Look `key` up in an archived dict (`items` interleaved `k0, v0, k1, v1, ...`, `index`
+    /// empty for small dicts); returns the entry number. Bounded: never loops forever.
+    pub fn dict_find(
+        &self,
+        items: &[ArchivedValue],
+        index: &[rkyv::Archived<u32>],
+        key: &Key<'_>,
+    ) -> Result<Option<usize>, ArchiveError> {
+        self.dict_probe(items, index, key.stable_hash(), |k| {
+            Ok(self.value_key(k)?.key_eq(key))
+        })
+    }
+
+    /// `dict_find` for a str key without building a `Key` (the hot path of `view['field']`).
+    pub fn dict_find_str(
+        &self,
+        items: &[ArchivedValue],
+        index: &[rkyv::Archived<u32>],
+        key: &str,
+    ) -> Result<Option<usize>, ArchiveError> {
+        let hash = if index.is_empty() { 0 } else { super::key::hash_str(key) };
+        self.dict_probe(items, index, hash, |k| {
+            Ok(match k {
+                ArchivedValue::Sym(id) => self.symbol(id.to_native())? == key,
+                ArchivedValue::Str(s) => s.as_str() == key,
+                _ => false,
+            })
+        })
+    }
+
+    fn dict_probe(
+        &self,
+        items: &[ArchivedValue],
+        index: &[rkyv::Archived<u32>],
+        hash: u64,
+        mut matches: impl FnMut(&ArchivedValue) -> Result<bool, ArchiveError>,
+    ) -> Result<Option<usize>, ArchiveError> {
+        if index.is_empty() {
+            for (i, k) in items.iter().step_by(2).enumerate() {
+                if matches(k)? {
+                    return Ok(Some(i));
+                }
+            }
+            return Ok(None);
+        }
+        let cap = index.len();
+        if !cap.is_power_of_two() {
+            return corrupt("dict index size is not a power of two");
+        }
+        let mut i = hash as usize & (cap - 1);
+        for _ in 0..cap {
+            let e = index[i].to_native() as usize;
+            if e == 0 {
+                return Ok(None);
+            }
+            let k = items
+                .get(2 * (e - 1))
+                .ok_or_else(|| ArchiveError::Corrupt("dict index out of range".into()))?;
+            if matches(k)? {
+                return Ok(Some(e - 1));
+            }
+            i = (i + 1) & (cap - 1);
+        }
+        Ok(None)
+    }
+
+    /// Absolute [start, end) of a record's span.
+    fn span_range(&self, node: Node) -> (usize, usize) {
+        let (s, e, _) = self.span(node.rec as u64);
+        (s, e)
+    }
+
+    fn extent(&self, node: Node, ext: &ArchivedExtent) -> Result<(usize, usize), ArchiveError> {
+        let (s, e) = self.span_range(node);
+        let off = ext.offset.to_native();
+        let len = ext.len.to_native();
+        match off.checked_add(len) {
+            Some(end) if end <= (e - s) as u64 => Ok((s + off as usize, len as usize)),
+            _ => corrupt(format!("record {}: payload out of bounds", node.rec)),
+        }
+    }
+
+    /// Out-of-line bytes of a `BytesExt` value in `node`'s record.
+    pub fn payload(&self, node: Node, ext: &ArchivedExtent) -> Result<&[u8], ArchiveError> {
+        let (off, len) = self.extent(node, ext)?;
+        Ok(&self.bytes()[off..off + len])
+    }
+
+    /// Check an array's metadata against its data and return where it lives.
+    pub fn array<'s>(
+        &'s self,
+        node: Node,
+        meta: &'s ArchivedArrayMeta,
+    ) -> Result<ArrayView<'s>, ArchiveError> {
+        let typestr = meta.typestr.as_str();
+        let Some(itemsize) = typestr_itemsize(typestr) else {
+            return corrupt(format!("array with unsupported dtype {typestr:?}"));
+        };
+        let shape: Vec<usize> = meta.shape.iter().map(|d| d.to_native() as usize).collect();
+        let n = shape
+            .iter()
+            .try_fold(itemsize, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| ArchiveError::Corrupt("array shape overflows".into()))?;
+        let (offset, nbytes) = self.extent(node, &meta.data)?;
+        if n != nbytes || offset % PAYLOAD_ALIGN as usize != 0 || shape.len() > 64 {
+            return corrupt(format!("record {}: array metadata inconsistent", node.rec));
+        }
+        Ok(ArrayView {
+            typestr,
+            shape,
+            offset,
+            nbytes,
+        })
+    }
+}
+
+fn parse_symbols(bytes: &[u8], h: &Header) -> Result<Vec<(usize, usize)>, ArchiveError> {
+    let so = h.symbols_off as usize;
+    let sl = h.symbols_len as usize;
+    if sl < 8 {
+        return corrupt("symbol table truncated");
+    }
+    let n = u32_at(bytes, so) as usize;
+    let offs = so + 4;
+    let blob = offs + (n + 1) * 4;
+    if n > super::builder::MAX_SYMBOLS || blob > so + sl {
+        return corrupt("symbol table malformed");
+    }
+    let mut out = Vec::with_capacity(n);
+    let mut prev = u32_at(bytes, offs) as usize;
+    for i in 0..n {
+        let next = u32_at(bytes, offs + (i + 1) * 4) as usize;
+        if next < prev || blob + next > so + sl {
+            return corrupt("symbol table offsets malformed");
+        }
+        let s = &bytes[blob + prev..blob + next];
+        if std::str::from_utf8(s).is_err() {
+            return corrupt(format!("symbol {i} is not UTF-8"));
+        }
+        out.push((blob + prev, blob + next));
+        prev = next;
+    }
+    Ok(out)
+}

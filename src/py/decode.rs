@@ -1,0 +1,129 @@
+//! Archive values -> Python: lazy (views for containers) or deep (`to_python`).
+//! Every Python object made here lives in this process's private heap.
+
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyList, PyString, PyTuple};
+use pyo3::IntoPyObjectExt;
+
+use super::errors::{archive_err, Exc};
+use super::store::Store;
+use super::views::{new_untracked, ArrayOwner, DictView, ListView};
+use crate::archive::{ArchivedValue, Key, Node};
+
+static NP_ASARRAY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+fn bigint<'py>(py: Python<'py>, bytes: &[u8]) -> PyResult<Bound<'py, PyAny>> {
+    let kwargs = PyDict::new(py);
+    kwargs.set_item("signed", true)?;
+    py.get_type::<pyo3::types::PyInt>().call_method(
+        "from_bytes",
+        (PyBytes::new(py, bytes), "little"),
+        Some(&kwargs),
+    )
+}
+
+/// The value at `v` (inside `parent`'s record). `deep`: containers become plain objects.
+pub fn value<'py>(
+    py: Python<'py>,
+    store: &Arc<Store>,
+    parent: Node,
+    v: &ArchivedValue,
+    deep: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    let err = |e| archive_err(e, &store.describe());
+    Ok(match v {
+        ArchivedValue::None => py.None().into_bound(py),
+        ArchivedValue::Bool(b) => PyBool::new(py, *b).to_owned().into_any(),
+        ArchivedValue::Int(i) => i.to_native().into_bound_py_any(py)?,
+        ArchivedValue::BigInt(b) => bigint(py, b.as_slice())?,
+        ArchivedValue::Float(f) => PyFloat::new(py, f.to_native()).into_any(),
+        ArchivedValue::Str(s) => PyString::new(py, s.as_str()).into_any(),
+        ArchivedValue::Sym(id) => store.py_symbol(py, id.to_native())?.into_any(),
+        ArchivedValue::Bytes(b) => PyBytes::new(py, b.as_slice()).into_any(),
+        ArchivedValue::BytesExt(ext) => {
+            PyBytes::new(py, store.reader.payload(parent, ext).map_err(err)?).into_any()
+        }
+        ArchivedValue::List(items) | ArchivedValue::Tuple(items) => {
+            let node = store.reader.child(parent, v);
+            let is_tuple = matches!(v, ArchivedValue::Tuple(_));
+            if !deep {
+                return Ok(new_untracked(py, ListView::new(store.clone(), node))?.into_any());
+            }
+            let objs = items
+                .iter()
+                .map(|it| value(py, store, node, it, true))
+                .collect::<PyResult<Vec<_>>>()?;
+            if is_tuple {
+                PyTuple::new(py, objs)?.into_any()
+            } else {
+                PyList::new(py, objs)?.into_any()
+            }
+        }
+        ArchivedValue::Dict(_) | ArchivedValue::IndexedDict(_) => {
+            let node = store.reader.child(parent, v);
+            if !deep {
+                return Ok(new_untracked(py, DictView::new(store.clone(), node))?.into_any());
+            }
+            let (items, _) = dict_parts(v);
+            let d = PyDict::new(py);
+            for kv in items.chunks_exact(2) {
+                d.set_item(value(py, store, node, &kv[0], true)?, value(py, store, node, &kv[1], true)?)?;
+            }
+            d.into_any()
+        }
+        ArchivedValue::Array(meta) => {
+            let a = store.reader.array(parent, meta).map_err(err)?;
+            let owner = ArrayOwner::new(store.clone(), a.typestr, a.shape, a.offset);
+            let owner = new_untracked(py, owner)?;
+            let asarray = NP_ASARRAY.get_or_try_init(py, || {
+                let np = py.import("numpy").map_err(|e| {
+                    Exc::Base.err(format!("numpy is needed to read the arrays of this store: {e}"))
+                })?;
+                Ok::<_, PyErr>(np.getattr("asarray")?.unbind())
+            })?;
+            asarray.bind(py).call1((owner,))?
+        }
+    })
+}
+
+/// Interleaved items and index of an archived dict (empty for anything else).
+pub fn dict_parts(v: &ArchivedValue) -> (&[ArchivedValue], &[rkyv::Archived<u32>]) {
+    match v {
+        ArchivedValue::Dict(items) => (items.as_slice(), &[]),
+        ArchivedValue::IndexedDict(d) => (d.items.as_slice(), d.index.as_slice()),
+        _ => (&[], &[]),
+    }
+}
+
+/// The value of a node (a record root or a view's position).
+pub fn node_value<'py>(
+    py: Python<'py>,
+    store: &Arc<Store>,
+    node: Node,
+    deep: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    let v = store.reader.get(node);
+    // A node's own value: its "parent" for payload bounds is the same record.
+    value(py, store, node, v, deep)
+}
+
+/// A dict key (from a dict archive's key table) as a Python object.
+pub fn key<'py>(py: Python<'py>, k: &Key<'_>) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match k {
+        Key::None => py.None().into_bound(py),
+        Key::Bool(b) => PyBool::new(py, *b).to_owned().into_any(),
+        Key::Int(i) => i.into_bound_py_any(py)?,
+        Key::BigInt(b) => bigint(py, b)?,
+        Key::Float(f) => PyFloat::new(py, *f).into_any(),
+        Key::Str(s) => PyString::new(py, s).into_any(),
+        Key::Bytes(b) => PyBytes::new(py, b).into_any(),
+        Key::Tuple(items) => PyTuple::new(
+            py,
+            items.iter().map(|it| key(py, it)).collect::<PyResult<Vec<_>>>()?,
+        )?
+        .into_any(),
+    })
+}

@@ -1,0 +1,32 @@
+//! pyo3 binding layer: a thin adapter over `archive` and `segment`.
+
+mod decode;
+mod encode;
+mod errors;
+mod handles;
+mod store;
+mod views;
+
+use pyo3::prelude::*;
+
+#[pymodule(gil_used = false)]
+mod _native {
+    use super::*;
+
+    #[pymodule_export]
+    use super::handles::{
+        put, RecordIter, Ref, SharedDict, SharedList, StoreHandle, KeyIter, _cleanup_at_exit,
+        _rebuild, _rebuild_view, _store_info,
+    };
+    #[pymodule_export]
+    use super::views::{ArrayOwner, DictIter, DictView, ListIter, ListView};
+
+    #[pymodule_init]
+    fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
+        // Rust `log` records -> Python `logging` (loggers "shmstore.*").
+        let _ = pyo3_log::try_init();
+        m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+        errors::register(m)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,265 @@
+//! `Store`: one mapped archive in this process (mapping + validating reader + a cache of
+//! interned key strings), the per-process attach cache, and building a new store.
+
+use std::collections::HashMap;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyString;
+
+use super::errors::{archive_err, segment_err, Exc};
+use crate::archive::{Builder, Kind, Reader};
+use crate::segment::{self, Mapping, SegmentWriter};
+
+/// One mapped archive. Views, arrays and handles hold an `Arc<Store>`; the mapping lives
+/// until the last of them is gone (invariant 3).
+pub struct Store {
+    pub reader: Reader<Mapping>,
+    /// Where it came from: a segment name (shared memory) or a saved file.
+    pub source: Source,
+    /// (device, inode) of the mapped file, to notice a name that now means another store.
+    ident: (u64, u64),
+    /// Python str objects for the symbol table (dict keys), made once per process.
+    py_symbols: PyOnceLock<Vec<Py<PyString>>>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Source {
+    Segment { name: String, path: PathBuf },
+    File { path: PathBuf },
+}
+
+impl Source {
+    pub fn path(&self) -> &Path {
+        match self {
+            Source::Segment { path, .. } | Source::File { path } => path,
+        }
+    }
+    pub fn name(&self) -> String {
+        match self {
+            Source::Segment { name, .. } => name.clone(),
+            Source::File { path } => path.display().to_string(),
+        }
+    }
+}
+
+impl Store {
+    pub fn mapping(&self) -> &Mapping {
+        self.reader.backing()
+    }
+
+    /// "store 'shmstore-…'" for error messages.
+    pub fn describe(&self) -> String {
+        format!("store {:?}", self.source.name())
+    }
+
+    pub fn kind(&self) -> Kind {
+        self.reader.kind()
+    }
+
+    pub fn nbytes(&self) -> usize {
+        self.reader.bytes().len()
+    }
+
+    /// The Python str for symbol `id` (shared, immutable, private to this process).
+    pub fn py_symbol<'py>(&self, py: Python<'py>, id: u32) -> PyResult<Bound<'py, PyString>> {
+        let syms = self.py_symbols.get_or_try_init(py, || {
+            (0..self.reader.symbol_count() as u32)
+                .map(|i| {
+                    let s = self.reader.symbol(i).map_err(|e| archive_err(e, &self.describe()))?;
+                    Ok::<_, PyErr>(PyString::intern(py, s).unbind())
+                })
+                .collect::<PyResult<Vec<_>>>()
+        })?;
+        syms.get(id as usize)
+            .map(|s| s.bind(py).clone())
+            .ok_or_else(|| Exc::Corrupt.err(format!("{}: symbol {id} out of range", self.describe())))
+    }
+}
+
+fn file_ident(path: &Path) -> Option<(u64, u64)> {
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// name/path -> store: N attaches of one store in a process share one mapping.
+fn cache() -> &'static Mutex<HashMap<PathBuf, Weak<Store>>> {
+    static CACHE: OnceLock<Mutex<HashMap<PathBuf, Weak<Store>>>> = OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
+
+fn cached(path: &Path) -> Option<Arc<Store>> {
+    let mut map = cache().lock().unwrap_or_else(|p| p.into_inner());
+    let store = map.get(path).and_then(Weak::upgrade);
+    match store {
+        // Same file still behind the name: reuse. A recreated name is a new store.
+        Some(s) if file_ident(path) == Some(s.ident) => Some(s),
+        _ => {
+            map.retain(|_, w| w.strong_count() > 0);
+            None
+        }
+    }
+}
+
+fn remember(store: &Arc<Store>) {
+    cache()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(store.source.path().to_owned(), Arc::downgrade(store));
+}
+
+fn open_store(py: Python<'_>, source: Source) -> PyResult<Arc<Store>> {
+    if let Some(s) = cached(source.path()) {
+        return Ok(s);
+    }
+    let (path, name, owner_check) = match &source {
+        Source::Segment { name, path } => (path.clone(), name.clone(), true),
+        Source::File { path } => (path.clone(), path.display().to_string(), false),
+    };
+    let store = py.detach(|| {
+        let mapping = Mapping::open(&path, &name, owner_check).map_err(StoreErr::Segment)?;
+        let ident = file_ident(&path).unwrap_or((0, 0));
+        let reader = Reader::open(mapping).map_err(StoreErr::Archive)?;
+        Ok::<_, StoreErr>(Store {
+            reader,
+            source: source.clone(),
+            ident,
+            py_symbols: PyOnceLock::new(),
+        })
+    });
+    let store = Arc::new(store.map_err(|e| e.into_py(&format!("store {name:?}")))?);
+    log::debug!("attached {} ({} bytes)", store.source.name(), store.nbytes());
+    remember(&store);
+    Ok(store)
+}
+
+enum StoreErr {
+    Segment(segment::SegmentError),
+    Archive(crate::archive::ArchiveError),
+}
+
+impl StoreErr {
+    fn into_py(self, context: &str) -> PyErr {
+        match self {
+            StoreErr::Segment(e) => segment_err(e),
+            StoreErr::Archive(e) => archive_err(e, context),
+        }
+    }
+}
+
+/// Attach to the segment `name` in the segment directory (or `dir`).
+pub fn attach(py: Python<'_>, name: &str, dir: Option<&Path>) -> PyResult<Arc<Store>> {
+    let name = segment::normalize_name(name).map_err(segment_err)?;
+    let dir = dir.map(Path::to_owned).unwrap_or_else(segment::default_dir);
+    let path = dir.join(&name);
+    open_store(py, Source::Segment { name, path })
+}
+
+/// Attach by full path (what pickles carry): a segment if the file name has our prefix and
+/// the file is in a segment directory, else a saved archive file.
+pub fn attach_source(py: Python<'_>, source: Source) -> PyResult<Arc<Store>> {
+    open_store(py, source)
+}
+
+/// Map a saved archive file.
+pub fn open_file(py: Python<'_>, path: &Path) -> PyResult<Arc<Store>> {
+    let abs = std::path::absolute(path)
+        .map_err(|e| Exc::Io.err(format!("{}: {e}", path.display())))?;
+    open_store(py, Source::File { path: abs })
+}
+
+/// Check that `store` holds `want`, else a clear error naming the right class.
+pub fn expect_kind(store: &Store, want: Kind) -> PyResult<()> {
+    let have = store.kind();
+    if have == want {
+        return Ok(());
+    }
+    let class = |k: Kind| match k {
+        Kind::List => "SharedList",
+        Kind::Dict => "SharedDict",
+        Kind::Object => "Ref",
+    };
+    Err(Exc::Invalid.err(format!(
+        "{} holds a {} (use {}), not a {}",
+        store.describe(),
+        have.name(),
+        class(have),
+        want.name()
+    )))
+}
+
+/// Build a new store: `feed` writes the records into the builder; on any error (including
+/// a Python exception raised by the input iterator) the partial segment is removed.
+pub fn build(
+    py: Python<'_>,
+    kind: Kind,
+    name: Option<&str>,
+    feed: impl FnOnce(&mut Builder<SegmentWriter>) -> PyResult<()>,
+) -> PyResult<Arc<Store>> {
+    let name = match name {
+        Some(n) => segment::normalize_name(n).map_err(segment_err)?,
+        None => segment::random_name(),
+    };
+    let dir = segment::default_dir();
+    let context = format!("store {name:?}");
+    let writer = SegmentWriter::create(&dir, &name).map_err(segment_err)?;
+    let mut builder =
+        Builder::new(writer, kind, std::process::id()).map_err(|e| archive_err(e, &context))?;
+    feed(&mut builder)?;
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    let (writer, total) = builder.finish(now_ms).map_err(|e| archive_err(e, &context))?;
+    let path = py.detach(|| writer.publish()).map_err(segment_err)?;
+    let opened = py.detach(|| {
+        let mapping = Mapping::open(&path, &name, true).map_err(StoreErr::Segment)?;
+        mapping.take_ownership();
+        let ident = file_ident(&path).unwrap_or((0, 0));
+        let reader = Reader::open(mapping).map_err(StoreErr::Archive)?;
+        Ok::<_, StoreErr>((reader, ident))
+    });
+    let (reader, ident) = match opened {
+        Ok(x) => x,
+        Err(e) => {
+            let _ = std::fs::remove_file(&path);
+            return Err(e.into_py(&context));
+        }
+    };
+    let store = Arc::new(Store {
+        reader,
+        source: Source::Segment { name, path },
+        ident,
+        py_symbols: PyOnceLock::new(),
+    });
+    log::debug!("created {} ({total} bytes, {} records)", store.source.name(), store.reader.len());
+    remember(&store);
+    Ok(store)
+}
+
+/// Write the archive to a regular file (atomically: temp file + rename).
+pub fn save(py: Python<'_>, store: &Store, path: &Path) -> PyResult<()> {
+    let bytes = store.reader.bytes();
+    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let file_name = path
+        .file_name()
+        .ok_or_else(|| Exc::Invalid.err(format!("{}: not a file path", path.display())))?;
+    let tmp = dir.join(format!(".{}.tmp-{}", file_name.to_string_lossy(), std::process::id()));
+    let res = py.detach(|| -> std::io::Result<()> {
+        segment::preflight(dir, bytes.len() as u64).map_err(std::io::Error::other)?;
+        std::fs::write(&tmp, bytes)?;
+        std::fs::rename(&tmp, path)
+    });
+    res.map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        match e.into_inner() {
+            Some(inner) => match inner.downcast::<segment::SegmentError>() {
+                Ok(seg) => segment_err(*seg),
+                Err(other) => Exc::Io.err(format!("saving to {}: {other}", path.display())),
+            },
+            None => Exc::Io.err(format!("saving to {}", path.display())),
+        }
+    })
+}

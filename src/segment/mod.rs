@@ -1,0 +1,127 @@
+//! Pure-Rust segment layer (no pyo3): named shared-memory segments as files in a tmpfs
+//! directory (`/dev/shm` by default), written once through a capacity-checked writer,
+//! sealed (mode 0400), published atomically under their final name, then mapped read-only.
+//!
+//! Why files + memmap2 rather than the `shared_memory` crate: see docs/architecture.md.
+
+mod mapping;
+mod writer;
+
+use std::path::{Path, PathBuf};
+
+pub use mapping::{cleanup_owned, Mapping};
+pub use writer::{free_bytes, preflight, SegmentWriter};
+
+/// Every segment name starts with this, so sweeps and listings can find ours.
+pub const PREFIX: &str = "shmstore-";
+/// Longest accepted name (NAME_MAX is 255; leave room for the build suffix).
+pub const MAX_NAME: usize = 200;
+
+/// Errors of the segment layer.
+#[derive(Debug, thiserror::Error)]
+pub enum SegmentError {
+    #[error("no shmstore segment named {name:?} (looked for {path}); it was unlinked, its creator exited, or the name is wrong")]
+    NotFound { name: String, path: PathBuf },
+    #[error("a segment named {name:?} already exists ({path}); choose another name or attach to it")]
+    Exists { name: String, path: PathBuf },
+    #[error("{path} belongs to uid {owner}, not to this user (uid {me}); shmstore only attaches to its own user's segments")]
+    WrongOwner { path: PathBuf, owner: u32, me: u32 },
+    #[error("not enough space in {dir}: the store needs {needed} bytes but only {free} are free; {hint}")]
+    Full {
+        dir: PathBuf,
+        needed: u64,
+        free: u64,
+        hint: String,
+    },
+    #[error("invalid segment name {name:?}: {why}")]
+    BadName { name: String, why: &'static str },
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl SegmentError {
+    pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
+        SegmentError::Io {
+            path: path.to_owned(),
+            source,
+        }
+    }
+}
+
+/// The directory segments live in: `$SHMSTORE_DIR`, else `/dev/shm`.
+pub fn default_dir() -> PathBuf {
+    std::env::var_os("SHMSTORE_DIR")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/dev/shm"))
+}
+
+/// A fresh unguessable name: the prefix and 128 random bits.
+pub fn random_name() -> String {
+    let mut bytes = [0u8; 16];
+    // getrandom only fails when the OS has no entropy source at all.
+    getrandom::fill(&mut bytes).expect("the OS random source is unavailable");
+    let mut s = String::with_capacity(PREFIX.len() + 32);
+    s.push_str(PREFIX);
+    for b in bytes {
+        s.push_str(&format!("{b:02x}"));
+    }
+    s
+}
+
+/// Check a user-given name and add the prefix if it is missing.
+pub fn normalize_name(name: &str) -> Result<String, SegmentError> {
+    let bad = |why| {
+        Err(SegmentError::BadName {
+            name: name.to_owned(),
+            why,
+        })
+    };
+    if name.is_empty() {
+        return bad("it is empty");
+    }
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    {
+        return bad("use only letters, digits, '-', '_' and '.'");
+    }
+    if name.starts_with('.') {
+        return bad("it must not start with '.'");
+    }
+    let full = if name.starts_with(PREFIX) {
+        name.to_owned()
+    } else {
+        format!("{PREFIX}{name}")
+    };
+    if full.len() > MAX_NAME {
+        return bad("it is longer than 200 characters");
+    }
+    if full.contains(".part-") {
+        return bad("'.part-' is reserved for stores being built");
+    }
+    Ok(full)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert_eq!(normalize_name("coco").unwrap(), "shmstore-coco");
+        assert_eq!(normalize_name("shmstore-x").unwrap(), "shmstore-x");
+        assert!(normalize_name("a/b").is_err());
+        assert!(normalize_name("").is_err());
+        assert!(normalize_name("..").is_err());
+        assert!(normalize_name(&"x".repeat(300)).is_err());
+        let r = random_name();
+        assert!(r.starts_with(PREFIX) && r.len() == PREFIX.len() + 32);
+        assert_ne!(random_name(), r);
+        assert_eq!(normalize_name(&r).unwrap(), r);
+    }
+}
