@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
-use pyo3::exceptions::{PyKeyError, PyStopIteration, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySlice, PyString, PyTuple, PyType};
 use pyo3::PyClassInitializer;
@@ -312,13 +312,13 @@ impl RecordIter {
         slf
     }
 
-    fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+    fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
         let i = self.next.fetch_add(1, Ordering::Relaxed);
         if i >= self.store.reader.len() {
             self.next.store(self.store.reader.len(), Ordering::Relaxed);
-            return Err(PyStopIteration::new_err(()));
+            return Ok(None);
         }
-        record(py, &self.store, i)
+        record(py, &self.store, i).map(Some)
     }
 }
 
@@ -500,14 +500,14 @@ impl KeyIter {
         slf
     }
 
-    fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+    fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
         let i = self.next.fetch_add(1, Ordering::Relaxed);
         if i >= self.store.reader.len() {
             self.next.store(self.store.reader.len(), Ordering::Relaxed);
-            return Err(PyStopIteration::new_err(()));
+            return Ok(None);
         }
         let k = self.store.reader.key(i).map_err(err(&self.store))?;
-        decode::key(py, &k)
+        decode::key(py, &k).map(Some)
     }
 }
 

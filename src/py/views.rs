@@ -7,7 +7,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use pyo3::exceptions::{PyIndexError, PyKeyError, PyStopIteration, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyIndexError, PyKeyError, PyTypeError, PyValueError};
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::pyclass::CompareOp;
@@ -261,7 +261,7 @@ impl ListIter {
         slf
     }
 
-    fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+    fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
         let items = match self.store.reader.get(self.node) {
             ArchivedValue::List(items) | ArchivedValue::Tuple(items) => items.as_slice(),
             _ => &[],
@@ -269,10 +269,10 @@ impl ListIter {
         let k = self.next.fetch_add(1, Ordering::Relaxed);
         if k >= items.len() {
             self.next.store(items.len(), Ordering::Relaxed);
-            return Err(PyStopIteration::new_err(()));
+            return Ok(None);
         }
         let i = if self.reverse { items.len() - 1 - k } else { k };
-        decode::value(py, &self.store, self.node, &items[i], false)
+        decode::value(py, &self.store, self.node, &items[i], false).map(Some)
     }
 }
 
@@ -439,15 +439,15 @@ impl DictIter {
         slf
     }
 
-    fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+    fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
         let (items, _) = decode::dict_parts(self.store.reader.get(self.node));
         let n = items.len() / 2;
         let i = self.next.fetch_add(1, Ordering::Relaxed);
         if i >= n {
             self.next.store(n, Ordering::Relaxed);
-            return Err(PyStopIteration::new_err(()));
+            return Ok(None);
         }
-        decode::value(py, &self.store, self.node, &items[2 * i], true)
+        decode::value(py, &self.store, self.node, &items[2 * i], true).map(Some)
     }
 }
 

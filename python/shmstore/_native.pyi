@@ -1,0 +1,216 @@
+"""Type stubs for the Rust extension `shmstore._native` (kept by hand; checked by stubtest)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
+from types import TracebackType
+from typing import Any, SupportsIndex, TypeVar, overload
+
+__version__: str
+
+_S = TypeVar("_S", bound="StoreHandle")
+
+Key = Any
+"""A dict key: str, int, float, bool, None, bytes, or a tuple of these."""
+
+class ShmStoreError(Exception):
+    """Base class of every error shmstore raises."""
+
+class StoreNotFoundError(ShmStoreError, FileNotFoundError):
+    """No store has that name (unlinked, never created, or its creator is gone)."""
+
+class StoreExistsError(ShmStoreError, FileExistsError):
+    """A store with that name already exists."""
+
+class StorePermissionError(ShmStoreError, PermissionError):
+    """The store belongs to another user."""
+
+class CorruptStoreError(ShmStoreError, ValueError):
+    """The bytes of a store are not a valid, complete archive."""
+
+class UnsupportedTypeError(ShmStoreError, TypeError):
+    """A value of a type shmstore cannot store; the message gives its path."""
+
+class InvalidInputError(ShmStoreError, ValueError):
+    """Input that cannot be stored as given (duplicate key, bad name, too large a record)."""
+
+class StoreClosedError(ShmStoreError, ValueError):
+    """The handle was closed; attach again to keep reading."""
+
+class OutOfSharedMemoryError(ShmStoreError, MemoryError):
+    """Not enough room in /dev/shm (or SHMSTORE_DIR) for the store."""
+
+class StoreIOError(ShmStoreError, OSError):
+    """An operating-system error while creating, mapping or removing a store."""
+
+class StoreHandle:
+    """What every store handle has: name, size, close/unlink, save, pickling by name."""
+
+    @property
+    def name(self) -> str:
+        """The store's name (``shmstore-...``), or the path of a store opened from a file."""
+    @property
+    def nbytes(self) -> int:
+        """Size of the archive in bytes."""
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called on this handle."""
+    def close(self) -> None:
+        """Drop this handle's reference; views and arrays handed out keep working."""
+    def unlink(self) -> None:
+        """Remove the name now; existing mappings (here and elsewhere) keep working."""
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the archive to a regular file (atomically)."""
+    def verify(self) -> None:
+        """Check every record now (checksums and structure)."""
+    def __enter__(self: _S) -> _S: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        """Close; a handle that created the store also unlinks it."""
+    def __reduce__(self) -> tuple[Any, tuple[str, str, str]]: ...
+
+class SharedList(StoreHandle):
+    """A list of records in shared memory (a read-only ``Sequence``).
+
+    >>> lst = SharedList([{"a": 1}, {"a": 2}])
+    >>> lst[1]["a"]
+    2
+    """
+
+    def __new__(cls, iterable: Iterable[Any], *, name: str | None = None) -> SharedList: ...
+    @classmethod
+    def attach(cls, name: str) -> SharedList:
+        """Attach to an existing SharedList by name."""
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> SharedList:
+        """Map a SharedList saved with ``save(path)``."""
+    def __len__(self) -> int: ...
+    @overload
+    def __getitem__(self, index: SupportsIndex) -> Any: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Any]: ...
+    def __iter__(self) -> Iterator[Any]: ...
+    def __reversed__(self) -> Iterator[Any]: ...
+    def __contains__(self, value: object) -> bool: ...
+    def index(self, value: Any) -> int: ...
+    def count(self, value: Any) -> int: ...
+    def to_python(self) -> list[Any]:
+        """All records as plain Python objects."""
+
+class SharedDict(StoreHandle):
+    """A dict of records in shared memory (a read-only ``Mapping``), O(1) lookups.
+
+    >>> d = SharedDict({"doc-1": "text"})
+    >>> d["doc-1"]
+    'text'
+    """
+
+    def __new__(
+        cls, mapping_or_pairs: Mapping[Key, Any] | Iterable[tuple[Key, Any]], *, name: str | None = None
+    ) -> SharedDict: ...
+    @classmethod
+    def attach(cls, name: str) -> SharedDict:
+        """Attach to an existing SharedDict by name."""
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> SharedDict:
+        """Map a SharedDict saved with ``save(path)``."""
+    def __len__(self) -> int: ...
+    def __getitem__(self, key: Key) -> Any: ...
+    def get(self, key: Key, default: Any = None) -> Any: ...
+    def __contains__(self, key: object) -> bool: ...
+    def __iter__(self) -> Iterator[Any]: ...
+    def keys(self) -> KeysView[Any]: ...
+    def values(self) -> ValuesView[Any]: ...
+    def items(self) -> ItemsView[Any, Any]: ...
+    def to_python(self) -> dict[Any, Any]:
+        """All entries as a plain dict."""
+
+class Ref(StoreHandle):
+    """One object shared by name; made by :func:`put`.
+
+    >>> ref = put([1, 2, 3])
+    >>> ref.get()[2]
+    3
+    """
+
+    @classmethod
+    def attach(cls, name: str) -> Ref:
+        """Attach to an object shared with ``put(obj, name=...)``."""
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> Ref:
+        """Map an object saved with ``save(path)``."""
+    def get(self) -> Any:
+        """The shared object: a read-only view, a read-only numpy array, or a scalar."""
+
+def put(obj: Any, *, name: str | None = None) -> Ref:
+    """Share one object (e.g. a numpy array) by name.
+
+    >>> import numpy as np
+    >>> put(np.arange(3)).get()
+    array([0, 1, 2])
+    """
+
+class ListView:
+    """A stored list or tuple: a lazy, read-only ``Sequence``."""
+
+    def __len__(self) -> int: ...
+    @overload
+    def __getitem__(self, index: SupportsIndex) -> Any: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Any] | tuple[Any, ...]: ...
+    def __iter__(self) -> Iterator[Any]: ...
+    def __reversed__(self) -> Iterator[Any]: ...
+    def __contains__(self, value: object) -> bool: ...
+    def index(self, value: Any, start: int = 0, stop: int | None = None) -> int: ...
+    def count(self, value: Any) -> int: ...
+    def to_python(self) -> list[Any] | tuple[Any, ...]:
+        """Plain objects equal to the stored value (tuples stay tuples)."""
+    def __eq__(self, other: object) -> bool: ...
+    def __ne__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
+    def __reduce__(self) -> tuple[Any, tuple[str, str, int, int]]: ...
+
+class DictView:
+    """A stored dict: a lazy, read-only ``Mapping``."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, key: Key) -> Any: ...
+    def get(self, key: Key, default: Any = None) -> Any: ...
+    def __contains__(self, key: object) -> bool: ...
+    def __iter__(self) -> Iterator[Any]: ...
+    def keys(self) -> KeysView[Any]: ...
+    def values(self) -> ValuesView[Any]: ...
+    def items(self) -> ItemsView[Any, Any]: ...
+    def to_python(self) -> dict[Any, Any]:
+        """A plain dict equal to the stored one."""
+    def __eq__(self, other: object) -> bool: ...
+    def __ne__(self, other: object) -> bool: ...
+    def __reduce__(self) -> tuple[Any, tuple[str, str, int, int]]: ...
+
+class ArrayOwner:
+    """Keeps the mapping behind a numpy array alive (the array's ``.base``)."""
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]: ...
+
+class ListViewIterator(Iterator[Any]):
+    def __next__(self) -> Any: ...
+
+class DictViewIterator(Iterator[Any]):
+    def __next__(self) -> Any: ...
+
+class SharedListIterator(Iterator[Any]):
+    def __next__(self) -> Any: ...
+
+class SharedDictIterator(Iterator[Any]):
+    def __next__(self) -> Any: ...
+
+def _rebuild(cls: str, path: str, name: str) -> StoreHandle: ...
+def _rebuild_view(path: str, name: str, rec: int, pos: int) -> ListView | DictView: ...
+def _cleanup_at_exit() -> int: ...
+def _store_info(handle: StoreHandle) -> dict[str, Any]: ...

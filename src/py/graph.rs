@@ -1,0 +1,107 @@
+//! `_native.gc_unreachable`: the snapshot half of `shmstore.leaks` analysis in Rust.
+//!
+//! Python hands over the candidate objects (plus a calibration probe); this reads each
+//! object's refcount and walks its `tp_traverse` to record the edges between candidates,
+//! then `crate::graph::unreachable` decides. Nothing is collected and no reference count is
+//! changed: the objects are only read, so no finalizer or weakref callback can run.
+
+use std::ffi::{c_int, c_void};
+
+use pyo3::exceptions::PyValueError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use crate::graph::{unreachable, AddrIndex};
+
+/// `visitproc` for `tp_traverse`: remember each referent's address.
+unsafe extern "C" fn push_referent(obj: *mut ffi::PyObject, arg: *mut c_void) -> c_int {
+    // SAFETY: `arg` is the `&mut Vec<usize>` that `gc_unreachable` passes to `tp_traverse`,
+    // alive and not otherwise borrowed for the duration of that call.
+    let out = unsafe { &mut *(arg as *mut Vec<usize>) };
+    out.push(obj as usize);
+    0
+}
+
+/// gc_unreachable(objects, /)
+/// --
+///
+/// Indices of the objects in `objects[:-1]` that nothing outside the list keeps alive
+/// (cyclic garbage and what hangs off it). `objects[-1]` must be a fresh object referenced
+/// by the list only (e.g. `[]`): its refcount calibrates the references the list adds.
+/// Each object must appear once and be tracked by the gc. Needs the GIL (refused on a
+/// free-threaded interpreter running without it, where objects may change under the walk).
+#[pyfunction]
+fn gc_unreachable(objects: &Bound<'_, PyList>) -> PyResult<Vec<usize>> {
+    let py = objects.py();
+    let gil_enabled = py
+        .import("sys")?
+        .getattr("_is_gil_enabled")
+        .and_then(|f| f.call0()?.extract::<bool>())
+        .unwrap_or(true);
+    if !gil_enabled {
+        return Err(PyValueError::new_err(
+            "gc_unreachable needs the GIL: on a free-threaded interpreter use the pure-Python \
+             analysis (shmstore.leaks falls back to it automatically)",
+        ));
+    }
+    let total = objects.len();
+    if total == 0 {
+        return Err(PyValueError::new_err(
+            "gc_unreachable expects the candidates followed by a calibration probe; got an empty list",
+        ));
+    }
+    // Why no `py.detach()` here: the refcounts and the edges must be one consistent snapshot,
+    // and the caller relies on no other thread running between them (it also raises the
+    // switch interval). The whole call stays attached; it never calls back into Python.
+    let list = objects.as_ptr();
+    let mut ptrs: Vec<*mut ffi::PyObject> = Vec::with_capacity(total);
+    for i in 0..total {
+        // SAFETY: `list` is a live list we hold a reference to, `i` is in range, and the list
+        // is not mutated during this call (we hold the GIL and run no Python code).
+        let p = unsafe { ffi::PyList_GetItem(list, i as ffi::Py_ssize_t) };
+        if p.is_null() {
+            return Err(PyErr::fetch(py));
+        }
+        ptrs.push(p);
+    }
+    let probe = ptrs.pop().expect("checked non-empty above");
+    // SAFETY: `probe` is a live object (borrowed from the list).
+    let base = unsafe { ffi::Py_REFCNT(probe) };
+
+    let n = ptrs.len();
+    let addrs: Vec<usize> = ptrs.iter().map(|p| *p as usize).collect();
+    let index = AddrIndex::new(&addrs);
+    let mut refcounts: Vec<isize> = Vec::with_capacity(n);
+    let mut offsets: Vec<usize> = Vec::with_capacity(n + 1);
+    let mut targets: Vec<u32> = Vec::with_capacity(n * 2);
+    let mut scratch: Vec<usize> = Vec::with_capacity(64);
+    offsets.push(0);
+    for &p in &ptrs {
+        scratch.clear();
+        // SAFETY: `p` is a live object borrowed from the list; we hold the GIL, so no other
+        // thread mutates it while its type's tp_traverse (which only reads) reports its
+        // referents to `push_referent`. `tp_is_gc` guards objects whose type is GC-capable
+        // but which are not GC objects themselves (static type objects).
+        unsafe {
+            refcounts.push(ffi::Py_REFCNT(p) - base);
+            let tp = ffi::Py_TYPE(p);
+            let is_gc =
+                ffi::PyType_IS_GC(tp) != 0 && (*tp).tp_is_gc.is_none_or(|is_gc| is_gc(p) != 0);
+            if is_gc {
+                if let Some(traverse) = (*tp).tp_traverse {
+                    traverse(p, push_referent, &mut scratch as *mut Vec<usize> as *mut c_void);
+                }
+            }
+        }
+        targets.extend(scratch.iter().filter_map(|&r| index.get(r)));
+        offsets.push(targets.len());
+    }
+    Ok(unreachable(&refcounts, &offsets, &targets))
+}
+
+/// Add this file's functions to `shmstore._native`.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(gc_unreachable, m)?)?;
+    Ok(())
+}
