@@ -150,7 +150,9 @@ impl<W: Write + Seek> Builder<W> {
     /// Fails on a duplicate key, before anything of the record is written.
     pub fn add_key(&mut self, key: &Key<'_>) -> Result<(), ArchiveError> {
         if self.kind != Kind::Dict || self.key_offsets.len() as u64 != self.count + 1 {
-            return Err(ArchiveError::Invalid("add_key: not a dict, or a key is pending".into()));
+            return Err(ArchiveError::Invalid(
+                "add_key: not a dict, or a key is pending".into(),
+            ));
         }
         let hash = key.stable_hash();
         let entry = self.count;
@@ -176,10 +178,14 @@ impl<W: Write + Seek> Builder<W> {
     /// Serialize `value` as the next record, closing its span.
     pub fn finish_record(&mut self, value: &Value) -> Result<(), ArchiveError> {
         if self.kind == Kind::Dict && self.key_offsets.len() as u64 != self.count + 2 {
-            return Err(ArchiveError::Invalid("dict record written without its key".into()));
+            return Err(ArchiveError::Invalid(
+                "dict record written without its key".into(),
+            ));
         }
         if self.kind == Kind::Object && self.count == 1 {
-            return Err(ArchiveError::Invalid("an object archive holds one record".into()));
+            return Err(ArchiveError::Invalid(
+                "an object archive holds one record".into(),
+            ));
         }
         let start = self.ensure_span()?;
         self.pad_to(8)?;
@@ -207,7 +213,9 @@ impl<W: Write + Seek> Builder<W> {
     /// Write the metadata and seal the header. Returns the output and the total size.
     pub fn finish(mut self, created_unix_ms: u64) -> Result<(W, u64), ArchiveError> {
         if self.kind == Kind::Object && self.count != 1 {
-            return Err(ArchiveError::Invalid("an object archive needs one record".into()));
+            return Err(ArchiveError::Invalid(
+                "an object archive needs one record".into(),
+            ));
         }
         self.span_start = None;
         self.pad_to(8)?;
@@ -344,5 +352,7 @@ impl KeyTable {
 
 /// Slots in a dict archive's table for `count` entries.
 pub fn table_capacity(count: u64) -> u64 {
-    (count * TABLE_NUM / TABLE_DEN + 1).next_power_of_two().max(8)
+    (count * TABLE_NUM / TABLE_DEN + 1)
+        .next_power_of_two()
+        .max(8)
 }

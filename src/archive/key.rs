@@ -245,7 +245,11 @@ mod tests {
         roundtrip(Key::Str("héllo".into()));
         roundtrip(Key::Bytes(Cow::Borrowed(b"\x00\x01")));
         roundtrip(Key::BigInt(Cow::Owned(vec![0, 0, 0, 0, 0, 0, 0, 0, 1])));
-        roundtrip(Key::Tuple(vec![Key::Int(1), Key::Str("a".into()), Key::Tuple(vec![])]));
+        roundtrip(Key::Tuple(vec![
+            Key::Int(1),
+            Key::Str("a".into()),
+            Key::Tuple(vec![]),
+        ]));
     }
 
     #[test]
@@ -259,7 +263,10 @@ mod tests {
         }
         assert!(!Key::Float(f64::NAN).key_eq(&Key::Float(f64::NAN)));
         assert!(!Key::Str("1".into()).key_eq(&Key::Int(1)));
-        assert_ne!(Key::Str("a".into()).stable_hash(), Key::Bytes(Cow::Borrowed(b"a")).stable_hash());
+        assert_ne!(
+            Key::Str("a".into()).stable_hash(),
+            Key::Bytes(Cow::Borrowed(b"a")).stable_hash()
+        );
     }
 
     #[test]

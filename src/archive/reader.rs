@@ -134,7 +134,9 @@ impl<B: AsRef<[u8]>> Reader<B> {
             return corrupt(format!("record {rec}: span {start}..{end} out of bounds"));
         }
         if xxh3_64(&self.bytes()[start..end]) != hash {
-            return corrupt(format!("record {rec}: checksum mismatch (the data was modified)"));
+            return corrupt(format!(
+                "record {rec}: checksum mismatch (the data was modified)"
+            ));
         }
         Ok((start, end))
     }
@@ -333,7 +335,11 @@ impl<B: AsRef<[u8]>> Reader<B> {
         index: &[rkyv::Archived<u32>],
         key: &str,
     ) -> Result<Option<usize>, ArchiveError> {
-        let hash = if index.is_empty() { 0 } else { super::key::hash_str(key) };
+        let hash = if index.is_empty() {
+            0
+        } else {
+            super::key::hash_str(key)
+        };
         self.dict_probe(items, index, hash, |k| {
             Ok(match k {
                 ArchivedValue::Sym(id) => self.symbol(id.to_native())? == key,

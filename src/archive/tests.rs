@@ -10,7 +10,11 @@ fn record(i: i64) -> Value {
         Value::Sym(0),
         Value::Int(i),
         Value::Str("name".into()),
-        Value::List(vec![Value::Float(1.5), Value::Str(format!("r{i}")), Value::None]),
+        Value::List(vec![
+            Value::Float(1.5),
+            Value::Str(format!("r{i}")),
+            Value::None,
+        ]),
     ])
 }
 
@@ -73,7 +77,10 @@ fn duplicate_key_rejected_before_write() {
     let mut b = Builder::new(Cursor::new(Vec::new()), Kind::Dict, 1).unwrap();
     b.add_key(&Key::Int(1)).unwrap();
     b.finish_record(&Value::None).unwrap();
-    assert!(matches!(b.add_key(&Key::Bool(true)), Err(ArchiveError::DuplicateKey(0))));
+    assert!(matches!(
+        b.add_key(&Key::Bool(true)),
+        Err(ArchiveError::DuplicateKey(0))
+    ));
 }
 
 #[test]
@@ -91,7 +98,10 @@ fn unsealed_is_refused() {
     // Not finished: the placeholder header is still there.
     let mut bytes = vec![0u8; 256];
     bytes[..8].copy_from_slice(&header::UNSEALED_MAGIC);
-    assert!(matches!(Reader::open(&bytes[..]), Err(ArchiveError::Unsealed)));
+    assert!(matches!(
+        Reader::open(&bytes[..]),
+        Err(ArchiveError::Unsealed)
+    ));
 }
 
 /// Every single-byte corruption is detected by open() or by the first access of the

@@ -70,7 +70,10 @@ pub fn value<'py>(
             let (items, _) = dict_parts(v);
             let d = PyDict::new(py);
             for kv in items.chunks_exact(2) {
-                d.set_item(value(py, store, node, &kv[0], true)?, value(py, store, node, &kv[1], true)?)?;
+                d.set_item(
+                    value(py, store, node, &kv[0], true)?,
+                    value(py, store, node, &kv[1], true)?,
+                )?;
             }
             d.into_any()
         }
@@ -80,7 +83,9 @@ pub fn value<'py>(
             let owner = new_untracked(py, owner)?;
             let asarray = NP_ASARRAY.get_or_try_init(py, || {
                 let np = py.import("numpy").map_err(|e| {
-                    Exc::Base.err(format!("numpy is needed to read the arrays of this store: {e}"))
+                    Exc::Base.err(format!(
+                        "numpy is needed to read the arrays of this store: {e}"
+                    ))
                 })?;
                 Ok::<_, PyErr>(np.getattr("asarray")?.unbind())
             })?;
@@ -122,7 +127,10 @@ pub fn key<'py>(py: Python<'py>, k: &Key<'_>) -> PyResult<Bound<'py, PyAny>> {
         Key::Bytes(b) => PyBytes::new(py, b).into_any(),
         Key::Tuple(items) => PyTuple::new(
             py,
-            items.iter().map(|it| key(py, it)).collect::<PyResult<Vec<_>>>()?,
+            items
+                .iter()
+                .map(|it| key(py, it))
+                .collect::<PyResult<Vec<_>>>()?,
         )?
         .into_any(),
     })

@@ -8,13 +8,13 @@ use pyo3::exceptions::PyUnicodeEncodeError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{
-    PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMemoryView, PyString,
-    PyTuple, PyType,
+    PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMemoryView, PyString, PyTuple,
+    PyType,
 };
 
 use super::errors::{archive_err, Exc};
-use crate::archive::value::DICT_INDEX_MIN;
 use crate::archive::value::IndexedDict;
+use crate::archive::value::DICT_INDEX_MIN;
 use crate::archive::{ArrayMeta, Builder, Key, Value};
 
 /// Containers nested deeper than this are refused (rkyv validation and our readers recurse).
@@ -46,10 +46,18 @@ static NUMPY: PyOnceLock<Numpy> = PyOnceLock::new();
 fn numpy(py: Python<'_>) -> Option<&'static Numpy> {
     NUMPY
         .get_or_try_init(py, || {
-            let modules = py.import("sys").and_then(|s| s.getattr("modules")).map_err(drop)?;
+            let modules = py
+                .import("sys")
+                .and_then(|s| s.getattr("modules"))
+                .map_err(drop)?;
             let module = modules.get_item("numpy").map_err(drop)?;
             let ty = |n: &str| -> Result<Py<PyType>, ()> {
-                Ok(module.getattr(n).map_err(drop)?.cast_into::<PyType>().map_err(drop)?.unbind())
+                Ok(module
+                    .getattr(n)
+                    .map_err(drop)?
+                    .cast_into::<PyType>()
+                    .map_err(drop)?
+                    .unbind())
             };
             Ok::<_, ()>(Numpy {
                 ndarray: ty("ndarray")?,
@@ -101,7 +109,10 @@ impl<'b, W: Write + Seek + Send> Encoder<'b, W> {
     fn unsupported(&self, obj: &Bound<'_, PyAny>, what: &str) -> PyErr {
         let ty = obj.get_type();
         let tname = ty.repr().map(|r| r.to_string()).unwrap_or_default();
-        Exc::Unsupported.err(format!("{}: cannot store {tname}{what}; {SUPPORTED}", self.where_()))
+        Exc::Unsupported.err(format!(
+            "{}: cannot store {tname}{what}; {SUPPORTED}",
+            self.where_()
+        ))
     }
 
     /// Encode one top-level record; `label` is its position (index or key repr).
@@ -150,7 +161,7 @@ impl<'b, W: Write + Seek + Send> Encoder<'b, W> {
             return Ok(Value::Str(self.str_of(s)?.into_owned()));
         }
         if let Ok(i) = obj.cast::<PyInt>() {
-            return Ok(int_value(i)?);
+            return int_value(i);
         }
         if let Ok(f) = obj.cast::<PyFloat>() {
             return Ok(Value::Float(f.value()));
@@ -313,7 +324,9 @@ impl<'b, W: Write + Seek + Send> Encoder<'b, W> {
             return Err(self.unsupported(obj, &format!(" with dtype {typestr}")));
         }
         let shape: Vec<u64> = arr.getattr("shape")?.extract()?;
-        let flat = arr.call_method1("reshape", (-1,))?.call_method1("view", ("u1",))?;
+        let flat = arr
+            .call_method1("reshape", (-1,))?
+            .call_method1("view", ("u1",))?;
         let buf = pyo3::buffer::PyBuffer::<u8>::get(&flat)?;
         if !buf.is_c_contiguous() {
             return Err(self.error_at("numpy gave a non-contiguous buffer"));
@@ -327,8 +340,12 @@ impl<'b, W: Write + Seek + Send> Encoder<'b, W> {
             let data = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
             builder.write_payload(data)
         };
-        let ext = if len > DETACH_COPY { py.detach(write) } else { write() }
-            .map_err(|e| archive_err(e, &self.context))?;
+        let ext = if len > DETACH_COPY {
+            py.detach(write)
+        } else {
+            write()
+        }
+        .map_err(|e| archive_err(e, &self.context))?;
         drop(buf);
         Ok(Value::Array(Box::new(ArrayMeta {
             typestr,

@@ -12,16 +12,56 @@ use crate::segment::SegmentError;
 
 /// (name, builtin base, docstring) of each exception class, in creation order.
 const CLASSES: &[(&str, &str, &str)] = &[
-    ("ShmStoreError", "Exception", "Base class of every error shmstore raises."),
-    ("StoreNotFoundError", "FileNotFoundError", "No store has that name (unlinked, never created, or its creator is gone)."),
-    ("StoreExistsError", "FileExistsError", "A store with that name already exists."),
-    ("StorePermissionError", "PermissionError", "The store belongs to another user."),
-    ("CorruptStoreError", "ValueError", "The bytes of a store are not a valid, complete archive."),
-    ("UnsupportedTypeError", "TypeError", "A value of a type shmstore cannot store; the message gives its path."),
-    ("InvalidInputError", "ValueError", "Input that cannot be stored as given (duplicate key, bad name, too large a record)."),
-    ("StoreClosedError", "ValueError", "The handle was closed; attach again to keep reading."),
-    ("OutOfSharedMemoryError", "MemoryError", "Not enough room in /dev/shm (or SHMSTORE_DIR) for the store."),
-    ("StoreIOError", "OSError", "An operating-system error while creating, mapping or removing a store."),
+    (
+        "ShmStoreError",
+        "Exception",
+        "Base class of every error shmstore raises.",
+    ),
+    (
+        "StoreNotFoundError",
+        "FileNotFoundError",
+        "No store has that name (unlinked, never created, or its creator is gone).",
+    ),
+    (
+        "StoreExistsError",
+        "FileExistsError",
+        "A store with that name already exists.",
+    ),
+    (
+        "StorePermissionError",
+        "PermissionError",
+        "The store belongs to another user.",
+    ),
+    (
+        "CorruptStoreError",
+        "ValueError",
+        "The bytes of a store are not a valid, complete archive.",
+    ),
+    (
+        "UnsupportedTypeError",
+        "TypeError",
+        "A value of a type shmstore cannot store; the message gives its path.",
+    ),
+    (
+        "InvalidInputError",
+        "ValueError",
+        "Input that cannot be stored as given (duplicate key, bad name, too large a record).",
+    ),
+    (
+        "StoreClosedError",
+        "ValueError",
+        "The handle was closed; attach again to keep reading.",
+    ),
+    (
+        "OutOfSharedMemoryError",
+        "MemoryError",
+        "Not enough room in /dev/shm (or SHMSTORE_DIR) for the store.",
+    ),
+    (
+        "StoreIOError",
+        "OSError",
+        "An operating-system error while creating, mapping or removing a store.",
+    ),
 ];
 
 static TYPES: PyOnceLock<Vec<Py<PyType>>> = PyOnceLock::new();

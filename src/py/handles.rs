@@ -68,7 +68,10 @@ impl StoreHandle {
     /// Whether `close()` was called on this handle.
     #[getter]
     fn closed(&self) -> bool {
-        self.inner.read().unwrap_or_else(|p| p.into_inner()).is_none()
+        self.inner
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_none()
     }
 
     /// Drop this handle's reference to the mapping. Views and arrays already handed out
@@ -126,7 +129,9 @@ impl StoreHandle {
         Ok(false)
     }
 
-    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<(Bound<'py, PyAny>, (String, String, String))> {
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyAny>, (String, String, String))> {
         let py = slf.py();
         let store = slf.get().store()?;
         let (path, name, _, _) = reduce_args(&store, 0, 0);
@@ -186,7 +191,11 @@ use pyo3::PyClass;
 impl SharedList {
     #[new]
     #[pyo3(signature = (iterable, *, name=None))]
-    fn py_new(py: Python<'_>, iterable: &Bound<'_, PyAny>, name: Option<&str>) -> PyResult<PyClassInitializer<Self>> {
+    fn py_new(
+        py: Python<'_>,
+        iterable: &Bound<'_, PyAny>,
+        name: Option<&str>,
+    ) -> PyResult<PyClassInitializer<Self>> {
         let iter = iterable.try_iter()?;
         let store = store::build(py, Kind::List, name, |builder| {
             let context = "records".to_string();
@@ -194,7 +203,9 @@ impl SharedList {
             for (i, item) in iter.enumerate() {
                 let item = item?;
                 let v = enc.record(&item, Some(Seg0::Index(i)))?;
-                enc.builder.finish_record(&v).map_err(|e| enc.error_at(&e.to_string()))?;
+                enc.builder
+                    .finish_record(&v)
+                    .map_err(|e| enc.error_at(&e.to_string()))?;
             }
             Ok(())
         })?;
@@ -203,13 +214,25 @@ impl SharedList {
 
     /// Attach to an existing SharedList by name (any process of the same user).
     #[classmethod]
-    fn attach<'py>(_cls: &Bound<'py, PyType>, py: Python<'py>, name: &str) -> PyResult<Bound<'py, SharedList>> {
-        list_new(py, open_as(py, Kind::List, Open::Attach(name.into()))?, false)
+    fn attach<'py>(
+        _cls: &Bound<'py, PyType>,
+        py: Python<'py>,
+        name: &str,
+    ) -> PyResult<Bound<'py, SharedList>> {
+        list_new(
+            py,
+            open_as(py, Kind::List, Open::Attach(name.into()))?,
+            false,
+        )
     }
 
     /// Map a SharedList saved with `save(path)`.
     #[classmethod]
-    fn open<'py>(_cls: &Bound<'py, PyType>, py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, SharedList>> {
+    fn open<'py>(
+        _cls: &Bound<'py, PyType>,
+        py: Python<'py>,
+        path: PathBuf,
+    ) -> PyResult<Bound<'py, SharedList>> {
         list_new(py, open_as(py, Kind::List, Open::File(path))?, false)
     }
 
@@ -217,7 +240,10 @@ impl SharedList {
         Ok(base(slf)?.reader.len() as usize)
     }
 
-    fn __getitem__<'py>(slf: &Bound<'py, Self>, index: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    fn __getitem__<'py>(
+        slf: &Bound<'py, Self>,
+        index: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
         let store = base(slf)?;
         let len = store.reader.len() as usize;
@@ -231,9 +257,9 @@ impl SharedList {
             }
             return Ok(PyList::new(py, out)?.into_any());
         }
-        let i: isize = index.extract().map_err(|_| {
-            PyTypeError::new_err("SharedList indices must be integers or slices")
-        })?;
+        let i: isize = index
+            .extract()
+            .map_err(|_| PyTypeError::new_err("SharedList indices must be integers or slices"))?;
         record(py, &store, norm_index(i, len, "SharedList")? as u64)
     }
 
@@ -294,7 +320,12 @@ impl SharedList {
     fn __repr__(slf: &Bound<'_, Self>) -> PyResult<String> {
         let h = slf.as_super().get();
         Ok(match h.store() {
-            Ok(s) => format!("SharedList(name='{}', len={}, nbytes={})", h.name, s.reader.len(), s.nbytes()),
+            Ok(s) => format!(
+                "SharedList(name='{}', len={}, nbytes={})",
+                h.name,
+                s.reader.len(),
+                s.nbytes()
+            ),
             Err(_) => format!("SharedList(name='{}', closed)", h.name),
         })
     }
@@ -361,12 +392,17 @@ fn dict_find(store: &Store, key: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
 impl SharedDict {
     #[new]
     #[pyo3(signature = (mapping_or_pairs, *, name=None))]
-    fn py_new(py: Python<'_>, mapping_or_pairs: &Bound<'_, PyAny>, name: Option<&str>) -> PyResult<PyClassInitializer<Self>> {
-        let (items, pairs) = if mapping_or_pairs.is_instance_of::<PyDict>() || mapping_or_pairs.hasattr("keys")? {
-            (mapping_or_pairs.call_method0("items")?.try_iter()?, false)
-        } else {
-            (mapping_or_pairs.try_iter()?, true)
-        };
+    fn py_new(
+        py: Python<'_>,
+        mapping_or_pairs: &Bound<'_, PyAny>,
+        name: Option<&str>,
+    ) -> PyResult<PyClassInitializer<Self>> {
+        let (items, pairs) =
+            if mapping_or_pairs.is_instance_of::<PyDict>() || mapping_or_pairs.hasattr("keys")? {
+                (mapping_or_pairs.call_method0("items")?.try_iter()?, false)
+            } else {
+                (mapping_or_pairs.try_iter()?, true)
+            };
         let store = store::build(py, Kind::Dict, name, |builder| {
             let mut enc = Encoder::new(builder, "mapping", "mapping".into());
             for (i, item) in items.enumerate() {
@@ -376,7 +412,13 @@ impl SharedDict {
                     Some(t) => (t.get_item(0)?, t.get_item(1)?),
                     None => {
                         let seq: Vec<Bound<'_, PyAny>> = item.extract().map_err(|_| {
-                            Exc::Invalid.err(format!("pairs[{i}]: expected a (key, value) pair, got {}", item.get_type().name().map(|n| n.to_string()).unwrap_or_default()))
+                            Exc::Invalid.err(format!(
+                                "pairs[{i}]: expected a (key, value) pair, got {}",
+                                item.get_type()
+                                    .name()
+                                    .map(|n| n.to_string())
+                                    .unwrap_or_default()
+                            ))
                         })?;
                         if seq.len() != 2 {
                             return Err(Exc::Invalid.err(format!("pairs[{i}]: expected a (key, value) pair of length 2, got length {}", seq.len())));
@@ -399,7 +441,9 @@ impl SharedDict {
                     e => archive_err(e, "mapping"),
                 })?;
                 let v = enc.record(&v, Some(Seg0::Key(&k)))?;
-                enc.builder.finish_record(&v).map_err(|e| enc.error_at(&e.to_string()))?;
+                enc.builder
+                    .finish_record(&v)
+                    .map_err(|e| enc.error_at(&e.to_string()))?;
             }
             Ok(())
         })?;
@@ -408,13 +452,25 @@ impl SharedDict {
 
     /// Attach to an existing SharedDict by name.
     #[classmethod]
-    fn attach<'py>(_cls: &Bound<'py, PyType>, py: Python<'py>, name: &str) -> PyResult<Bound<'py, SharedDict>> {
-        dict_new(py, open_as(py, Kind::Dict, Open::Attach(name.into()))?, false)
+    fn attach<'py>(
+        _cls: &Bound<'py, PyType>,
+        py: Python<'py>,
+        name: &str,
+    ) -> PyResult<Bound<'py, SharedDict>> {
+        dict_new(
+            py,
+            open_as(py, Kind::Dict, Open::Attach(name.into()))?,
+            false,
+        )
     }
 
     /// Map a SharedDict saved with `save(path)`.
     #[classmethod]
-    fn open<'py>(_cls: &Bound<'py, PyType>, py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, SharedDict>> {
+    fn open<'py>(
+        _cls: &Bound<'py, PyType>,
+        py: Python<'py>,
+        path: PathBuf,
+    ) -> PyResult<Bound<'py, SharedDict>> {
         dict_new(py, open_as(py, Kind::Dict, Open::File(path))?, false)
     }
 
@@ -422,7 +478,10 @@ impl SharedDict {
         Ok(base(slf)?.reader.len() as usize)
     }
 
-    fn __getitem__<'py>(slf: &Bound<'py, Self>, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    fn __getitem__<'py>(
+        slf: &Bound<'py, Self>,
+        key: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let store = base(slf)?;
         match dict_find(&store, key)? {
             Some(i) => record(slf.py(), &store, i),
@@ -432,7 +491,11 @@ impl SharedDict {
 
     /// `d[key]` if present, else `default`.
     #[pyo3(signature = (key, default=None))]
-    fn get<'py>(slf: &Bound<'py, Self>, key: &Bound<'py, PyAny>, default: Option<Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
+    fn get<'py>(
+        slf: &Bound<'py, Self>,
+        key: &Bound<'py, PyAny>,
+        default: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let store = base(slf)?;
         match dict_find(&store, key)? {
             Some(i) => record(slf.py(), &store, i),
@@ -474,7 +537,10 @@ impl SharedDict {
         for i in 0..store.reader.len() {
             let k = store.reader.key(i).map_err(err(&store))?;
             let node = store.reader.root(i).map_err(err(&store))?;
-            out.set_item(decode::key(py, &k)?, decode::node_value(py, &store, node, true)?)?;
+            out.set_item(
+                decode::key(py, &k)?,
+                decode::node_value(py, &store, node, true)?,
+            )?;
         }
         Ok(out)
     }
@@ -482,7 +548,12 @@ impl SharedDict {
     fn __repr__(slf: &Bound<'_, Self>) -> PyResult<String> {
         let h = slf.as_super().get();
         Ok(match h.store() {
-            Ok(s) => format!("SharedDict(name='{}', len={}, nbytes={})", h.name, s.reader.len(), s.nbytes()),
+            Ok(s) => format!(
+                "SharedDict(name='{}', len={}, nbytes={})",
+                h.name,
+                s.reader.len(),
+                s.nbytes()
+            ),
             Err(_) => format!("SharedDict(name='{}', closed)", h.name),
         })
     }
@@ -532,13 +603,25 @@ fn ref_new(py: Python<'_>, store: Arc<Store>, created: bool) -> PyResult<Bound<'
 impl Ref {
     /// Attach to an object shared with `put(obj, name=...)`.
     #[classmethod]
-    fn attach<'py>(_cls: &Bound<'py, PyType>, py: Python<'py>, name: &str) -> PyResult<Bound<'py, Ref>> {
-        ref_new(py, open_as(py, Kind::Object, Open::Attach(name.into()))?, false)
+    fn attach<'py>(
+        _cls: &Bound<'py, PyType>,
+        py: Python<'py>,
+        name: &str,
+    ) -> PyResult<Bound<'py, Ref>> {
+        ref_new(
+            py,
+            open_as(py, Kind::Object, Open::Attach(name.into()))?,
+            false,
+        )
     }
 
     /// Map an object saved with `save(path)`.
     #[classmethod]
-    fn open<'py>(_cls: &Bound<'py, PyType>, py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, Ref>> {
+    fn open<'py>(
+        _cls: &Bound<'py, PyType>,
+        py: Python<'py>,
+        path: PathBuf,
+    ) -> PyResult<Bound<'py, Ref>> {
         ref_new(py, open_as(py, Kind::Object, Open::File(path))?, false)
     }
 
@@ -559,7 +642,11 @@ impl Ref {
 /// Share one object by name.
 #[pyfunction]
 #[pyo3(signature = (obj, *, name=None))]
-pub fn put<'py>(py: Python<'py>, obj: &Bound<'py, PyAny>, name: Option<&str>) -> PyResult<Bound<'py, Ref>> {
+pub fn put<'py>(
+    py: Python<'py>,
+    obj: &Bound<'py, PyAny>,
+    name: Option<&str>,
+) -> PyResult<Bound<'py, Ref>> {
     // Known-size input (an array or bytes): check the room before writing anything.
     if let Ok(nbytes) = obj.getattr("nbytes").and_then(|n| n.extract::<u64>()) {
         crate::segment::preflight(&crate::segment::default_dir(), nbytes)
@@ -568,14 +655,21 @@ pub fn put<'py>(py: Python<'py>, obj: &Bound<'py, PyAny>, name: Option<&str>) ->
     let store = store::build(py, Kind::Object, name, |builder| {
         let mut enc = Encoder::new(builder, "obj", "obj".into());
         let v = enc.record(obj, None)?;
-        enc.builder.finish_record(&v).map_err(|e| enc.error_at(&e.to_string()))
+        enc.builder
+            .finish_record(&v)
+            .map_err(|e| enc.error_at(&e.to_string()))
     })?;
     ref_new(py, store, true)
 }
 
 /// Unpickle a handle: attach by path (segment or file).
 #[pyfunction]
-pub fn _rebuild<'py>(py: Python<'py>, cls: &str, path: PathBuf, name: String) -> PyResult<Bound<'py, PyAny>> {
+pub fn _rebuild<'py>(
+    py: Python<'py>,
+    cls: &str,
+    path: PathBuf,
+    name: String,
+) -> PyResult<Bound<'py, PyAny>> {
     let source = if name.is_empty() {
         Source::File { path }
     } else {
@@ -598,7 +692,13 @@ pub fn _rebuild<'py>(py: Python<'py>, cls: &str, path: PathBuf, name: String) ->
 
 /// Unpickle a view: attach, then validate the position as a subtree of its record.
 #[pyfunction]
-pub fn _rebuild_view<'py>(py: Python<'py>, path: PathBuf, name: String, rec: u64, pos: u64) -> PyResult<Bound<'py, PyAny>> {
+pub fn _rebuild_view<'py>(
+    py: Python<'py>,
+    path: PathBuf,
+    name: String,
+    rec: u64,
+    pos: u64,
+) -> PyResult<Bound<'py, PyAny>> {
     let source = if name.is_empty() {
         Source::File { path }
     } else {
@@ -623,10 +723,23 @@ pub fn _cleanup_at_exit() -> usize {
     crate::segment::cleanup_owned()
 }
 
-/// Build/read internals for `python -m shmstore inspect` and tests.
+/// Header facts of a store: by handle, or by segment name / file path (for the CLI).
 #[pyfunction]
-pub fn _store_info<'py>(py: Python<'py>, handle: &Bound<'py, StoreHandle>) -> PyResult<Bound<'py, PyDict>> {
-    let store = handle.get().store()?;
+pub fn _store_info<'py>(
+    py: Python<'py>,
+    target: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let store = if let Ok(h) = target.cast::<StoreHandle>() {
+        h.get().store()?
+    } else {
+        let s: PathBuf = target.extract()?;
+        let text = s.to_string_lossy().to_string();
+        if text.contains('/') {
+            store::open_file(py, &s)?
+        } else {
+            store::attach(py, &text, None)?
+        }
+    };
     let h = store.reader.header();
     let d = PyDict::new(py);
     d.set_item("name", store.source.name())?;
@@ -634,11 +747,11 @@ pub fn _store_info<'py>(py: Python<'py>, handle: &Bound<'py, StoreHandle>) -> Py
     d.set_item("kind", h.kind.name())?;
     d.set_item("count", h.count)?;
     d.set_item("nbytes", h.total_len)?;
-    d.set_item("index_offset", h.index_off)?;
+    d.set_item("records_nbytes", h.index_off - 128)?;
+    d.set_item("metadata_nbytes", h.total_len - h.index_off)?;
     d.set_item("symbols", store.reader.symbol_count())?;
     d.set_item("created_unix_ms", h.created_unix_ms)?;
     d.set_item("creator_pid", h.creator_pid)?;
-    d.set_item("owner", store.mapping().is_owner())?;
-    let _ = PyString::new(py, "");
+    d.set_item("owned_here", store.mapping().is_owner())?;
     Ok(d)
 }

@@ -15,8 +15,8 @@ mod _native {
 
     #[pymodule_export]
     use super::handles::{
-        put, RecordIter, Ref, SharedDict, SharedList, StoreHandle, KeyIter, _cleanup_at_exit,
-        _rebuild, _rebuild_view, _store_info,
+        _cleanup_at_exit, _rebuild, _rebuild_view, _store_info, put, KeyIter, RecordIter, Ref,
+        SharedDict, SharedList, StoreHandle,
     };
     #[pymodule_export]
     use super::views::{ArrayOwner, DictIter, DictView, ListIter, ListView};

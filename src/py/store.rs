@@ -69,14 +69,19 @@ impl Store {
         let syms = self.py_symbols.get_or_try_init(py, || {
             (0..self.reader.symbol_count() as u32)
                 .map(|i| {
-                    let s = self.reader.symbol(i).map_err(|e| archive_err(e, &self.describe()))?;
+                    let s = self
+                        .reader
+                        .symbol(i)
+                        .map_err(|e| archive_err(e, &self.describe()))?;
                     Ok::<_, PyErr>(PyString::intern(py, s).unbind())
                 })
                 .collect::<PyResult<Vec<_>>>()
         })?;
         syms.get(id as usize)
             .map(|s| s.bind(py).clone())
-            .ok_or_else(|| Exc::Corrupt.err(format!("{}: symbol {id} out of range", self.describe())))
+            .ok_or_else(|| {
+                Exc::Corrupt.err(format!("{}: symbol {id} out of range", self.describe()))
+            })
     }
 }
 
@@ -130,7 +135,11 @@ fn open_store(py: Python<'_>, source: Source) -> PyResult<Arc<Store>> {
         })
     });
     let store = Arc::new(store.map_err(|e| e.into_py(&format!("store {name:?}")))?);
-    log::debug!("attached {} ({} bytes)", store.source.name(), store.nbytes());
+    log::debug!(
+        "attached {} ({} bytes)",
+        store.source.name(),
+        store.nbytes()
+    );
     remember(&store);
     Ok(store)
 }
@@ -165,8 +174,8 @@ pub fn attach_source(py: Python<'_>, source: Source) -> PyResult<Arc<Store>> {
 
 /// Map a saved archive file.
 pub fn open_file(py: Python<'_>, path: &Path) -> PyResult<Arc<Store>> {
-    let abs = std::path::absolute(path)
-        .map_err(|e| Exc::Io.err(format!("{}: {e}", path.display())))?;
+    let abs =
+        std::path::absolute(path).map_err(|e| Exc::Io.err(format!("{}: {e}", path.display())))?;
     open_store(py, Source::File { path: abs })
 }
 
@@ -212,7 +221,9 @@ pub fn build(
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0);
-    let (writer, total) = builder.finish(now_ms).map_err(|e| archive_err(e, &context))?;
+    let (writer, total) = builder
+        .finish(now_ms)
+        .map_err(|e| archive_err(e, &context))?;
     let path = py.detach(|| writer.publish()).map_err(segment_err)?;
     let opened = py.detach(|| {
         let mapping = Mapping::open(&path, &name, true).map_err(StoreErr::Segment)?;
@@ -234,7 +245,11 @@ pub fn build(
         ident,
         py_symbols: PyOnceLock::new(),
     });
-    log::debug!("created {} ({total} bytes, {} records)", store.source.name(), store.reader.len());
+    log::debug!(
+        "created {} ({total} bytes, {} records)",
+        store.source.name(),
+        store.reader.len()
+    );
     remember(&store);
     Ok(store)
 }
@@ -242,11 +257,18 @@ pub fn build(
 /// Write the archive to a regular file (atomically: temp file + rename).
 pub fn save(py: Python<'_>, store: &Store, path: &Path) -> PyResult<()> {
     let bytes = store.reader.bytes();
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     let file_name = path
         .file_name()
         .ok_or_else(|| Exc::Invalid.err(format!("{}: not a file path", path.display())))?;
-    let tmp = dir.join(format!(".{}.tmp-{}", file_name.to_string_lossy(), std::process::id()));
+    let tmp = dir.join(format!(
+        ".{}.tmp-{}",
+        file_name.to_string_lossy(),
+        std::process::id()
+    ));
     let res = py.detach(|| -> std::io::Result<()> {
         segment::preflight(dir, bytes.len() as u64).map_err(std::io::Error::other)?;
         std::fs::write(&tmp, bytes)?;

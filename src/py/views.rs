@@ -43,25 +43,29 @@ pub fn is_view(obj: &Bound<'_, PyAny>) -> bool {
 pub fn norm_index(i: isize, len: usize, what: &str) -> PyResult<usize> {
     let j = if i < 0 { i + len as isize } else { i };
     if j < 0 || j as usize >= len {
-        return Err(PyIndexError::new_err(format!("{what} index {i} out of range (len {len})")));
+        return Err(PyIndexError::new_err(format!(
+            "{what} index {i} out of range (len {len})"
+        )));
     }
     Ok(j as usize)
 }
 
+/// (path, segment name or "" for a file, record, position): what a pickle carries.
+pub type ReduceArgs = (String, String, u64, u64);
+type Reduced<'py> = (Bound<'py, PyAny>, ReduceArgs);
+
 /// The pickle payload of anything that lives in a store: its source and position.
-pub fn reduce_args(store: &Store, rec: u64, pos: u64) -> (String, String, u64, u64) {
+pub fn reduce_args(store: &Store, rec: u64, pos: u64) -> ReduceArgs {
     match &store.source {
-        Source::Segment { name, path } => (
-            path.display().to_string(),
-            name.clone(),
-            rec,
-            pos,
-        ),
+        Source::Segment { name, path } => (path.display().to_string(), name.clone(), rec, pos),
         Source::File { path } => (path.display().to_string(), String::new(), rec, pos),
     }
 }
 
-fn truncated_repr(py: Python<'_>, items: impl Iterator<Item = PyResult<String>>) -> PyResult<String> {
+fn truncated_repr(
+    py: Python<'_>,
+    items: impl Iterator<Item = PyResult<String>>,
+) -> PyResult<String> {
     let _ = py;
     let mut out = String::new();
     for (n, item) in items.enumerate() {
@@ -124,7 +128,11 @@ impl ListView {
         self.items().0.len()
     }
 
-    fn __getitem__<'py>(&self, py: Python<'py>, index: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    fn __getitem__<'py>(
+        &self,
+        py: Python<'py>,
+        index: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let (items, is_tuple) = self.items();
         if let Ok(slice) = index.cast::<PySlice>() {
             let ind = slice.indices(items.len() as isize)?;
@@ -143,7 +151,11 @@ impl ListView {
         let i: isize = index.extract().map_err(|_| {
             PyTypeError::new_err(format!(
                 "ListView indices must be integers or slices, not {}",
-                index.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+                index
+                    .get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default()
             ))
         })?;
         self.item(py, norm_index(i, items.len(), "ListView")?)
@@ -186,7 +198,13 @@ impl ListView {
 
     /// Index of the first item equal to `value` (ValueError if absent).
     #[pyo3(signature = (value, start=0, stop=None))]
-    fn index(&self, py: Python<'_>, value: &Bound<'_, PyAny>, start: isize, stop: Option<isize>) -> PyResult<usize> {
+    fn index(
+        &self,
+        py: Python<'_>,
+        value: &Bound<'_, PyAny>,
+        start: isize,
+        stop: Option<isize>,
+    ) -> PyResult<usize> {
         let len = self.items().0.len() as isize;
         let clamp = |i: isize| if i < 0 { (i + len).max(0) } else { i.min(len) } as usize;
         let (s, e) = (clamp(start), clamp(stop.unwrap_or(len)));
@@ -215,7 +233,12 @@ impl ListView {
         decode::node_value(py, &self.store, self.node, true)
     }
 
-    fn __richcmp__<'py>(&self, py: Python<'py>, other: &Bound<'py, PyAny>, op: CompareOp) -> PyResult<Py<PyAny>> {
+    fn __richcmp__<'py>(
+        &self,
+        py: Python<'py>,
+        other: &Bound<'py, PyAny>,
+        op: CompareOp,
+    ) -> PyResult<Py<PyAny>> {
         let mine = self.to_python(py)?;
         let theirs = other_plain(other)?;
         Ok(mine.rich_compare(theirs, op)?.unbind())
@@ -225,7 +248,9 @@ impl ListView {
         if self.items().1 {
             return self.to_python(py)?.hash();
         }
-        Err(PyTypeError::new_err("unhashable type: 'ListView' (a stored list)"))
+        Err(PyTypeError::new_err(
+            "unhashable type: 'ListView' (a stored list)",
+        ))
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
@@ -235,15 +260,21 @@ impl ListView {
             (0..items.len()).map(|i| Ok(self.item(py, i)?.repr()?.to_string())),
         )?;
         Ok(if is_tuple {
-            format!("ListView(({inner}{}))", if items.len() == 1 { "," } else { "" })
+            format!(
+                "ListView(({inner}{}))",
+                if items.len() == 1 { "," } else { "" }
+            )
         } else {
             format!("ListView([{inner}])")
         })
     }
 
-    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, (String, String, u64, u64))> {
+    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<Reduced<'py>> {
         let rebuild = py.import("shmstore._native")?.getattr("_rebuild_view")?;
-        Ok((rebuild, reduce_args(&self.store, self.node.record() as u64, self.node.pos())))
+        Ok((
+            rebuild,
+            reduce_args(&self.store, self.node.record() as u64, self.node.pos()),
+        ))
     }
 }
 
@@ -285,7 +316,6 @@ pub struct DictView {
     node: Node,
 }
 
-
 impl DictView {
     pub fn new(store: Arc<Store>, node: Node) -> Self {
         DictView { store, node }
@@ -306,7 +336,11 @@ impl DictView {
         let err = |e| archive_err(e, &self.store.describe());
         if let Ok(s) = key.cast::<PyString>() {
             if let Ok(s) = s.to_str() {
-                return self.store.reader.dict_find_str(items, index, s).map_err(err);
+                return self
+                    .store
+                    .reader
+                    .dict_find_str(items, index, s)
+                    .map_err(err);
             }
         }
         match py_key(key)? {
@@ -350,7 +384,11 @@ impl DictView {
         self.len()
     }
 
-    fn __getitem__<'py>(&self, py: Python<'py>, key: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    fn __getitem__<'py>(
+        &self,
+        py: Python<'py>,
+        key: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         match self.find(key)? {
             Some(i) => self.entry_value(py, i),
             None => Err(PyKeyError::new_err(key.clone().unbind())),
@@ -359,7 +397,12 @@ impl DictView {
 
     /// `view[key]` if present, else `default`.
     #[pyo3(signature = (key, default=None))]
-    fn get<'py>(&self, py: Python<'py>, key: &Bound<'py, PyAny>, default: Option<Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyAny>> {
+    fn get<'py>(
+        &self,
+        py: Python<'py>,
+        key: &Bound<'py, PyAny>,
+        default: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         match self.find(key)? {
             Some(i) => self.entry_value(py, i),
             None => Ok(default.unwrap_or_else(|| py.None().into_bound(py))),
@@ -399,7 +442,12 @@ impl DictView {
         decode::node_value(py, &self.store, self.node, true)
     }
 
-    fn __richcmp__<'py>(&self, py: Python<'py>, other: &Bound<'py, PyAny>, op: CompareOp) -> PyResult<Py<PyAny>> {
+    fn __richcmp__<'py>(
+        &self,
+        py: Python<'py>,
+        other: &Bound<'py, PyAny>,
+        op: CompareOp,
+    ) -> PyResult<Py<PyAny>> {
         let mine = self.to_python(py)?;
         let theirs = other_plain(other)?;
         Ok(mine.rich_compare(theirs, op)?.unbind())
@@ -420,9 +468,12 @@ impl DictView {
         Ok(format!("DictView({{{inner}}})"))
     }
 
-    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, (String, String, u64, u64))> {
+    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<Reduced<'py>> {
         let rebuild = py.import("shmstore._native")?.getattr("_rebuild_view")?;
-        Ok((rebuild, reduce_args(&self.store, self.node.record() as u64, self.node.pos())))
+        Ok((
+            rebuild,
+            reduce_args(&self.store, self.node.record() as u64, self.node.pos()),
+        ))
     }
 }
 
@@ -490,6 +541,10 @@ impl ArrayOwner {
     }
 
     fn __repr__(&self) -> String {
-        format!("<shmstore.ArrayOwner {} of {}>", self.typestr, self.store.describe())
+        format!(
+            "<shmstore.ArrayOwner {} of {}>",
+            self.typestr,
+            self.store.describe()
+        )
     }
 }

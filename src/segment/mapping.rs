@@ -45,7 +45,9 @@ impl Mapping {
     pub fn open(path: &Path, name: &str, require_owner: bool) -> Result<Self, SegmentError> {
         let file = OpenOptions::new()
             .read(true)
-            .custom_flags((rustix::fs::OFlags::CLOEXEC | rustix::fs::OFlags::NOFOLLOW).bits() as i32)
+            .custom_flags(
+                (rustix::fs::OFlags::CLOEXEC | rustix::fs::OFlags::NOFOLLOW).bits() as i32,
+            )
             .open(path)
             .map_err(|e| match e.kind() {
                 std::io::ErrorKind::NotFound => SegmentError::NotFound {
@@ -147,7 +149,11 @@ impl AsRef<[u8]> for Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        let owner = self.owner.get_mut().unwrap_or_else(|p| p.into_inner()).take();
+        let owner = self
+            .owner
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
         if let Some(entry) = owner {
             if entry.1 == std::process::id() {
                 let _ = std::fs::remove_file(&entry.0);

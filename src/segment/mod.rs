@@ -22,7 +22,9 @@ pub const MAX_NAME: usize = 200;
 pub enum SegmentError {
     #[error("no shmstore segment named {name:?} (looked for {path}); it was unlinked, its creator exited, or the name is wrong")]
     NotFound { name: String, path: PathBuf },
-    #[error("a segment named {name:?} already exists ({path}); choose another name or attach to it")]
+    #[error(
+        "a segment named {name:?} already exists ({path}); choose another name or attach to it"
+    )]
     Exists { name: String, path: PathBuf },
     #[error("{path} belongs to uid {owner}, not to this user (uid {me}); shmstore only attaches to its own user's segments")]
     WrongOwner { path: PathBuf, owner: u32, me: u32 },

@@ -173,7 +173,11 @@ impl Write for SegmentWriter {
 impl Seek for SegmentWriter {
     fn seek(&mut self, pos: SeekFrom) -> io::Result<u64> {
         self.flush_buf()?;
-        let p = self.file.as_mut().expect("writer used after publish").seek(pos)?;
+        let p = self
+            .file
+            .as_mut()
+            .expect("writer used after publish")
+            .seek(pos)?;
         Ok(p)
     }
 }

@@ -1,0 +1,46 @@
+"""Where segments live and how to list them (shared by the CLI and the pytest plugin)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PREFIX = "shmstore-"
+
+
+def segment_dir() -> Path:
+    """``$SHMSTORE_DIR`` if set, else ``/dev/shm`` (the same rule as the Rust core)."""
+    return Path(os.environ.get("SHMSTORE_DIR") or "/dev/shm")
+
+
+def segment_paths(directory: Path | None = None) -> list[Path]:
+    """This user's shmstore segment files (sealed and being built), sorted by name.
+
+    >>> isinstance(segment_paths(), list)
+    True
+    """
+    d = directory or segment_dir()
+    uid = os.geteuid()
+    out = []
+    try:
+        entries = list(os.scandir(d))
+    except FileNotFoundError:
+        return []
+    for e in entries:
+        if not e.name.startswith(PREFIX):
+            continue
+        try:
+            if e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_uid == uid:
+                out.append(Path(e.path))
+        except FileNotFoundError:
+            continue
+    return sorted(out)
+
+
+def human_size(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
