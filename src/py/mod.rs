@@ -23,8 +23,11 @@ mod _native {
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
-        // Rust `log` records -> Python `logging` (loggers "shmstore.*").
-        let _ = pyo3_log::try_init();
+        // Rust `log` records -> Python `logging` (loggers "shmstore.*"). No level caching:
+        // we log only on create/attach/unlink, and users change levels at run time.
+        let _ = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::Nothing)?
+            .filter(log::LevelFilter::Trace)
+            .install();
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
         errors::register(m)?;
         Ok(())
