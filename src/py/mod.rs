@@ -5,6 +5,7 @@ mod encode;
 mod errors;
 mod handles;
 mod store;
+mod supervise;
 mod views;
 
 use pyo3::prelude::*;
@@ -19,6 +20,8 @@ mod _native {
         SharedDict, SharedList, StoreHandle,
     };
     #[pymodule_export]
+    use super::supervise::{_supervisor_main, supervisor_info, sweep};
+    #[pymodule_export]
     use super::views::{ArrayOwner, DictIter, DictView, ListIter, ListView};
 
     #[pymodule_init]
@@ -30,6 +33,7 @@ mod _native {
             .install();
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
         errors::register(m)?;
+        supervise::configure(m.py())?;
         Ok(())
     }
 }

@@ -13,6 +13,7 @@ use pyo3::types::PyString;
 use super::errors::{archive_err, segment_err, Exc};
 use crate::archive::{Builder, Kind, Reader};
 use crate::segment::{self, Mapping, SegmentWriter};
+use crate::supervisor;
 
 /// One mapped archive. Views, arrays and handles hold an `Arc<Store>`; the mapping lives
 /// until the last of them is gone (invariant 3).
@@ -24,6 +25,28 @@ pub struct Store {
     ident: (u64, u64),
     /// Python str objects for the symbol table (dict keys), made once per process.
     py_symbols: PyOnceLock<Vec<Py<PyString>>>,
+    /// The supervisor knows this process uses the segment (told before mapping it).
+    registered: bool,
+}
+
+impl Drop for Store {
+    fn drop(&mut self) {
+        if self.registered {
+            supervisor::client::drop_segment(self.source.path());
+        }
+    }
+}
+
+/// Tell the supervisor (starting it if needed) that this process uses `path`. False when
+/// it is unavailable or disabled: then only the orphan sweep covers the segment.
+fn register(py: Python<'_>, path: &Path) -> bool {
+    match py.detach(|| supervisor::client::use_segment(path)) {
+        Ok(()) => true,
+        Err(e) => {
+            log::debug!("supervisor unavailable for {}: {e}", path.display());
+            false
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -119,10 +142,13 @@ fn open_store(py: Python<'_>, source: Source) -> PyResult<Arc<Store>> {
     if let Some(s) = cached(source.path()) {
         return Ok(s);
     }
-    let (path, name, owner_check) = match &source {
+    let (path, name, is_segment) = match &source {
         Source::Segment { name, path } => (path.clone(), name.clone(), true),
         Source::File { path } => (path.clone(), path.display().to_string(), false),
     };
+    let owner_check = is_segment;
+    // Register before mapping: then a supervisor deciding to unlink already counts us.
+    let registered = is_segment && register(py, &path);
     let store = py.detach(|| {
         let mapping = Mapping::open(&path, &name, owner_check).map_err(StoreErr::Segment)?;
         let ident = file_ident(&path).unwrap_or((0, 0));
@@ -132,9 +158,18 @@ fn open_store(py: Python<'_>, source: Source) -> PyResult<Arc<Store>> {
             source: source.clone(),
             ident,
             py_symbols: PyOnceLock::new(),
+            registered,
         })
     });
-    let store = Arc::new(store.map_err(|e| e.into_py(&format!("store {name:?}")))?);
+    let store = match store {
+        Ok(s) => Arc::new(s),
+        Err(e) => {
+            if registered {
+                supervisor::client::drop_segment(&path);
+            }
+            return Err(e.into_py(&format!("store {name:?}")));
+        }
+    };
     log::debug!(
         "attached {} ({} bytes)",
         store.source.name(),
@@ -224,10 +259,25 @@ pub fn build(
     let (writer, total) = builder
         .finish(now_ms)
         .map_err(|e| archive_err(e, &context))?;
-    let path = py.detach(|| writer.publish()).map_err(segment_err)?;
+    // Invariant 5: the supervisor knows the segment before its name exists (and so before
+    // a handle can leave this process).
+    let final_path = writer.final_path();
+    let registered = register(py, &final_path);
+    let path = match py.detach(|| writer.publish()) {
+        Ok(p) => p,
+        Err(e) => {
+            if registered {
+                supervisor::client::drop_segment(&final_path);
+            }
+            return Err(segment_err(e));
+        }
+    };
     let opened = py.detach(|| {
         let mapping = Mapping::open(&path, &name, true).map_err(StoreErr::Segment)?;
-        mapping.take_ownership();
+        if !registered {
+            // No supervisor: this process owns the name and removes it when done.
+            mapping.take_ownership();
+        }
         let ident = file_ident(&path).unwrap_or((0, 0));
         let reader = Reader::open(mapping).map_err(StoreErr::Archive)?;
         Ok::<_, StoreErr>((reader, ident))
@@ -236,6 +286,9 @@ pub fn build(
         Ok(x) => x,
         Err(e) => {
             let _ = std::fs::remove_file(&path);
+            if registered {
+                supervisor::client::drop_segment(&path);
+            }
             return Err(e.into_py(&context));
         }
     };
@@ -244,6 +297,7 @@ pub fn build(
         source: Source::Segment { name, path },
         ident,
         py_symbols: PyOnceLock::new(),
+        registered,
     });
     log::debug!(
         "created {} ({total} bytes, {} records)",

@@ -1,0 +1,576 @@
+//! The supervisor's event loop: one thread, `poll(2)` over the listening socket, the client
+//! connections and the pidfds of adopted processes.
+
+use std::collections::{HashMap, HashSet};
+use std::io::{self, BufRead, Read, Write};
+use std::os::fd::OwnedFd;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
+use rustix::process::{pidfd_open, Pid, PidfdFlags};
+
+use super::proto::{encode_seg, Request};
+use super::sweep::{holders, sweep};
+
+pub struct ServerConfig {
+    /// Abstract socket name (see `super::socket_name`).
+    pub name: String,
+    /// Exit after this long with no client and no segment in use.
+    pub grace: Duration,
+    /// Append a line per action here (None: no log).
+    pub log: Option<PathBuf>,
+    /// Directories swept for orphans at start and after a client dies.
+    pub sweep_dirs: Vec<PathBuf>,
+}
+
+struct Client {
+    stream: UnixStream,
+    pid: u32,
+    buf: Vec<u8>,
+    uses: HashSet<PathBuf>,
+}
+
+#[derive(Default)]
+struct Segment {
+    clients: HashSet<u64>,
+    adopted: HashSet<u32>,
+}
+
+struct State {
+    cfg: ServerConfig,
+    log: Option<std::fs::File>,
+    clients: HashMap<u64, Client>,
+    next_id: u64,
+    segments: HashMap<PathBuf, Segment>,
+    pidfds: HashMap<u32, OwnedFd>,
+    dirs: HashSet<PathBuf>,
+}
+
+/// Bind the socket. `Ok(None)` when another supervisor already listens on it.
+pub fn bind(name: &str) -> io::Result<Option<UnixListener>> {
+    let addr = SocketAddr::from_abstract_name(name.as_bytes())?;
+    match UnixListener::bind_addr(&addr) {
+        Ok(l) => Ok(Some(l)),
+        Err(e) if e.kind() == io::ErrorKind::AddrInUse => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Run until idle for `grace`. Returns at once if another supervisor owns the socket.
+pub fn run(cfg: ServerConfig) -> io::Result<()> {
+    let Some(listener) = bind(&cfg.name)? else {
+        return Ok(());
+    };
+    serve(listener, cfg)
+}
+
+/// Serve on an already bound listener.
+pub fn serve(listener: UnixListener, cfg: ServerConfig) -> io::Result<()> {
+    listener.set_nonblocking(true)?;
+    let log = cfg.log.as_ref().and_then(|p| open_log(p).ok());
+    let mut st = State {
+        dirs: cfg.sweep_dirs.iter().cloned().collect(),
+        cfg,
+        log,
+        clients: HashMap::new(),
+        next_id: 0,
+        segments: HashMap::new(),
+        pidfds: HashMap::new(),
+    };
+    st.note(&format!(
+        "supervisor {} started on @{}",
+        std::process::id(),
+        st.cfg.name
+    ));
+    st.takeover();
+    let mut idle_since = Some(Instant::now());
+    loop {
+        if st.clients.is_empty() && st.segments.is_empty() {
+            let since = *idle_since.get_or_insert_with(Instant::now);
+            if since.elapsed() >= st.cfg.grace {
+                st.note("no clients and no segments left: exiting");
+                return Ok(());
+            }
+        } else {
+            idle_since = None;
+        }
+        let timeout = idle_since.map(|s| {
+            let left = st.cfg.grace.saturating_sub(s.elapsed());
+            Timespec {
+                tv_sec: left.as_secs() as i64,
+                tv_nsec: left.subsec_nanos() as _,
+            }
+        });
+        let client_ids: Vec<u64> = st.clients.keys().copied().collect();
+        let pids: Vec<u32> = st.pidfds.keys().copied().collect();
+        let (ready_listener, ready_clients, ready_pids) = {
+            let mut fds = Vec::with_capacity(1 + client_ids.len() + pids.len());
+            fds.push(PollFd::new(&listener, PollFlags::IN));
+            for id in &client_ids {
+                fds.push(PollFd::new(&st.clients[id].stream, PollFlags::IN));
+            }
+            for pid in &pids {
+                fds.push(PollFd::new(&st.pidfds[pid], PollFlags::IN));
+            }
+            match poll(&mut fds, timeout.as_ref()) {
+                Ok(_) => {}
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
+            }
+            let fired = |f: &PollFd<'_>| !f.revents().is_empty();
+            let rc: Vec<u64> = client_ids
+                .iter()
+                .zip(&fds[1..])
+                .filter(|(_, f)| fired(f))
+                .map(|(id, _)| *id)
+                .collect();
+            let rp: Vec<u32> = pids
+                .iter()
+                .zip(&fds[1 + client_ids.len()..])
+                .filter(|(_, f)| fired(f))
+                .map(|(p, _)| *p)
+                .collect();
+            (fired(&fds[0]), rc, rp)
+        };
+        if ready_listener {
+            st.accept(&listener);
+        }
+        for id in ready_clients {
+            st.read_client(id);
+        }
+        if !ready_pids.is_empty() {
+            st.adopted_exited(&ready_pids);
+        }
+    }
+}
+
+fn open_log(path: &Path) -> io::Result<std::fs::File> {
+    if let Some(dir) = path.parent() {
+        use std::os::unix::fs::DirBuilderExt;
+        let _ = std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir);
+    }
+    // Keep the log small: start over past 1 MiB.
+    if path.metadata().map(|m| m.len() > 1 << 20).unwrap_or(false) {
+        let _ = std::fs::remove_file(path);
+    }
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+}
+
+impl State {
+    fn note(&mut self, msg: &str) {
+        if let Some(f) = self.log.as_mut() {
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs_f64())
+                .unwrap_or(0.0);
+            let _ = writeln!(f, "{t:.3} {msg}");
+        }
+    }
+
+    /// At start: remove orphans; adopt the processes that still use the other segments.
+    fn takeover(&mut self) {
+        let dirs: Vec<PathBuf> = self.dirs.iter().cloned().collect();
+        let report = sweep(&dirs, &HashSet::new(), false);
+        for s in report {
+            if s.removed {
+                self.note(&format!(
+                    "sweep: removed orphan {} ({} bytes)",
+                    s.path.display(),
+                    s.size
+                ));
+            } else if !s.path.to_string_lossy().contains(".part-") {
+                let pids = s.users.clone();
+                self.segments.entry(s.path.clone()).or_default();
+                for pid in pids {
+                    self.adopt(&s.path, pid);
+                }
+                self.note(&format!(
+                    "took over {} (used by {:?})",
+                    s.path.display(),
+                    s.users
+                ));
+            }
+        }
+        // Segments whose users all vanished while we adopted them.
+        let all: Vec<PathBuf> = self.segments.keys().cloned().collect();
+        self.settle(all, true);
+    }
+
+    fn accept(&mut self, listener: &UnixListener) {
+        loop {
+            let stream = match listener.accept() {
+                Ok((s, _)) => s,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    self.note(&format!("accept failed: {e}"));
+                    return;
+                }
+            };
+            let cred = match rustix::net::sockopt::socket_peercred(&stream) {
+                Ok(c) => c,
+                Err(_) => continue,
+            };
+            // Only this user's processes may talk to this user's supervisor.
+            if cred.uid != rustix::process::geteuid() {
+                self.note(&format!(
+                    "refused a connection from uid {}",
+                    cred.uid.as_raw()
+                ));
+                continue;
+            }
+            let _ = stream.set_nonblocking(true);
+            let _ = stream.set_write_timeout(Some(Duration::from_secs(2)));
+            let id = self.next_id;
+            self.next_id += 1;
+            self.clients.insert(
+                id,
+                Client {
+                    stream,
+                    pid: cred.pid.as_raw_nonzero().get() as u32,
+                    buf: Vec::new(),
+                    uses: HashSet::new(),
+                },
+            );
+        }
+    }
+
+    fn read_client(&mut self, id: u64) {
+        let mut chunk = [0u8; 4096];
+        let mut closed = false;
+        if let Some(c) = self.clients.get_mut(&id) {
+            loop {
+                match c.stream.read(&mut chunk) {
+                    Ok(0) => {
+                        closed = true;
+                        break;
+                    }
+                    Ok(n) => c.buf.extend_from_slice(&chunk[..n]),
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    Err(_) => {
+                        closed = true;
+                        break;
+                    }
+                }
+            }
+        }
+        // Handle every complete line, even from a client that has just closed.
+        loop {
+            let line = {
+                let Some(c) = self.clients.get_mut(&id) else {
+                    return;
+                };
+                let Some(nl) = c.buf.iter().position(|&b| b == b'\n') else {
+                    break;
+                };
+                let line: Vec<u8> = c.buf.drain(..=nl).collect();
+                line
+            };
+            let text = String::from_utf8_lossy(&line[..line.len() - 1]).into_owned();
+            let reply = self.handle(id, &text);
+            if let Some(c) = self.clients.get_mut(&id) {
+                if c.stream.write_all(reply.as_bytes()).is_err() {
+                    closed = true;
+                }
+            }
+        }
+        if closed {
+            self.client_gone(id);
+        }
+    }
+
+    fn handle(&mut self, id: u64, line: &str) -> String {
+        match Request::parse(line) {
+            Some(Request::Hello(_)) => format!("OK {}\n", std::process::id()),
+            Some(Request::Use(path)) => {
+                if let Some(dir) = path.parent() {
+                    self.dirs.insert(dir.to_owned());
+                }
+                let c = self.clients.get_mut(&id).expect("live client");
+                c.uses.insert(path.clone());
+                self.segments.entry(path).or_default().clients.insert(id);
+                "OK\n".into()
+            }
+            Some(Request::Drop(path, scan)) => {
+                let c = self.clients.get_mut(&id).expect("live client");
+                if c.uses.remove(&path) {
+                    if let Some(seg) = self.segments.get_mut(&path) {
+                        seg.clients.remove(&id);
+                    }
+                    self.settle(vec![path], scan);
+                }
+                "OK\n".into()
+            }
+            Some(Request::List) => {
+                let mut out = String::new();
+                let mut paths: Vec<&PathBuf> = self.segments.keys().collect();
+                paths.sort();
+                for p in paths {
+                    let seg = &self.segments[p];
+                    let mut pids: Vec<u32> = seg
+                        .clients
+                        .iter()
+                        .filter_map(|c| self.clients.get(c).map(|c| c.pid))
+                        .chain(seg.adopted.iter().copied())
+                        .collect();
+                    pids.sort_unstable();
+                    pids.dedup();
+                    out.push_str(&encode_seg(p, &pids));
+                }
+                out.push_str("END\n");
+                out
+            }
+            None => "ERR unknown request\n".into(),
+        }
+    }
+
+    fn client_gone(&mut self, id: u64) {
+        let Some(c) = self.clients.remove(&id) else {
+            return;
+        };
+        let paths: Vec<PathBuf> = c.uses.into_iter().collect();
+        for p in &paths {
+            if let Some(seg) = self.segments.get_mut(p) {
+                seg.clients.remove(&id);
+            }
+        }
+        self.settle(paths, true);
+        // A dead client may have left half-built (`.part-`) or unregistered files.
+        self.sweep_orphans();
+    }
+
+    fn sweep_orphans(&mut self) {
+        let dirs: Vec<PathBuf> = self.dirs.iter().cloned().collect();
+        let keep: HashSet<PathBuf> = self.segments.keys().cloned().collect();
+        for s in sweep(&dirs, &keep, false) {
+            if s.removed {
+                self.note(&format!(
+                    "sweep: removed orphan {} ({} bytes)",
+                    s.path.display(),
+                    s.size
+                ));
+            }
+        }
+    }
+
+    fn adopt(&mut self, path: &Path, pid: u32) {
+        if !self.pidfds.contains_key(&pid) {
+            let Some(p) = Pid::from_raw(pid as i32) else {
+                return;
+            };
+            match pidfd_open(p, PidfdFlags::empty()) {
+                Ok(fd) => {
+                    self.pidfds.insert(pid, fd);
+                }
+                Err(_) => return, // already gone
+            }
+        }
+        self.segments
+            .entry(path.to_owned())
+            .or_default()
+            .adopted
+            .insert(pid);
+    }
+
+    fn adopted_exited(&mut self, pids: &[u32]) {
+        let mut affected = Vec::new();
+        for pid in pids {
+            self.pidfds.remove(pid);
+            for (path, seg) in self.segments.iter_mut() {
+                if seg.adopted.remove(pid) {
+                    affected.push(path.clone());
+                }
+            }
+        }
+        self.settle(affected, true);
+    }
+
+    /// Unlink each of `paths` that no client uses and no live process maps or holds open;
+    /// adopt the processes that still do (they are not our clients: e.g. forked children).
+    /// `scan`: check /proc first. Skipped only when the last user was a client that never
+    /// forked: then every process that could map the segment is a client (attachers say
+    /// `USE` before they map).
+    fn settle(&mut self, paths: Vec<PathBuf>, scan: bool) {
+        let idle: HashSet<PathBuf> = paths
+            .into_iter()
+            .filter(|p| {
+                self.segments
+                    .get(p)
+                    .is_some_and(|s| s.clients.is_empty() && s.adopted.is_empty())
+            })
+            .collect();
+        if idle.is_empty() {
+            return;
+        }
+        let users = if scan { holders(&idle) } else { HashMap::new() };
+        for path in idle {
+            match users.get(&path) {
+                Some(pids) if !pids.is_empty() => {
+                    for &pid in pids {
+                        self.adopt(&path, pid);
+                    }
+                    if self
+                        .segments
+                        .get(&path)
+                        .is_some_and(|s| !s.adopted.is_empty())
+                    {
+                        let msg = format!("{} still mapped by {:?}: waiting", path.display(), pids);
+                        self.note(&msg);
+                        continue;
+                    }
+                    self.remove(&path);
+                }
+                _ => self.remove(&path),
+            }
+        }
+    }
+
+    fn remove(&mut self, path: &Path) {
+        self.segments.remove(path);
+        match std::fs::remove_file(path) {
+            Ok(()) => self.note(&format!("unlinked {} (no user left)", path.display())),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => self.note(&format!("could not unlink {}: {e}", path.display())),
+        }
+    }
+}
+
+/// Read one reply line (used by the client).
+pub(crate) fn read_line(r: &mut impl BufRead) -> io::Result<String> {
+    let mut s = String::new();
+    if r.read_line(&mut s)? == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "supervisor closed the connection",
+        ));
+    }
+    Ok(s.trim_end().to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::supervisor::client::TestConn;
+    use std::process::{Command, Stdio};
+
+    fn start(grace_ms: u64, dir: &Path) -> (String, std::thread::JoinHandle<io::Result<()>>) {
+        let name = format!(
+            "shmstore-test-{}-{}",
+            std::process::id(),
+            crate::segment::random_name()
+        );
+        let listener = bind(&name).unwrap().expect("fresh name");
+        let cfg = ServerConfig {
+            name: name.clone(),
+            grace: Duration::from_millis(grace_ms),
+            log: None,
+            sweep_dirs: vec![dir.to_owned()],
+        };
+        (name, std::thread::spawn(move || serve(listener, cfg)))
+    }
+
+    fn seg(dir: &Path, n: &str) -> PathBuf {
+        let p = dir.join(format!("shmstore-{n}"));
+        std::fs::write(&p, b"data").unwrap();
+        p
+    }
+
+    #[test]
+    fn last_client_gone_unlinks_and_shared_use_keeps() {
+        let dir = tempfile::tempdir().unwrap();
+        let (name, server) = start(200, dir.path());
+        let a_only = seg(dir.path(), "a");
+        let shared = seg(dir.path(), "shared");
+        let mut a = TestConn::connect(&name).unwrap();
+        let mut b = TestConn::connect(&name).unwrap();
+        assert_eq!(a.request(&Request::Use(a_only.clone())).unwrap(), "OK");
+        assert_eq!(a.request(&Request::Use(shared.clone())).unwrap(), "OK");
+        assert_eq!(b.request(&Request::Use(shared.clone())).unwrap(), "OK");
+        drop(a); // like a SIGKILL: the connection closes
+                 // The next request is answered after the server handled the close (one thread,
+                 // and the kernel reports the EOF before our later request).
+        let mut c = TestConn::connect(&name).unwrap();
+        let _ = c.request(&Request::Hello(1)).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while a_only.exists() {
+            assert!(
+                Instant::now() < deadline,
+                "segment of a dead client not removed"
+            );
+            let _ = c.request(&Request::Hello(1));
+        }
+        assert!(shared.exists(), "a segment another client uses was removed");
+        assert_eq!(
+            b.request(&Request::Drop(shared.clone(), false)).unwrap(),
+            "OK"
+        );
+        assert!(!shared.exists());
+        drop((b, c));
+        server.join().unwrap().unwrap(); // idle -> exits after the grace
+    }
+
+    #[test]
+    fn mapped_by_a_non_client_waits_for_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (name, server) = start(200, dir.path());
+        let p = seg(dir.path(), "held");
+        let mut child = Command::new("sh")
+            .arg("-c")
+            .arg(format!("exec 3<{}; read line", p.display()))
+            .stdin(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let want: HashSet<PathBuf> = [p.clone()].into();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while holders(&want).is_empty() {
+            assert!(Instant::now() < deadline);
+            std::thread::yield_now();
+        }
+        let mut a = TestConn::connect(&name).unwrap();
+        a.request(&Request::Use(p.clone())).unwrap();
+        a.request(&Request::Drop(p.clone(), true)).unwrap();
+        assert!(p.exists(), "removed while another process holds it");
+        let list = a.list().unwrap();
+        assert_eq!(list.len(), 1);
+        assert!(list[0].ends_with(&child.id().to_string()), "{list:?}");
+        drop(child.stdin.take());
+        child.wait().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while p.exists() {
+            assert!(
+                Instant::now() < deadline,
+                "not removed after the holder exited"
+            );
+            let _ = a.request(&Request::Hello(1));
+        }
+        drop(a);
+        server.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn takeover_sweeps_orphans_at_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let orphan = seg(dir.path(), "orphan");
+        let part = seg(dir.path(), "x.part-123");
+        let (_name, server) = start(50, dir.path());
+        server.join().unwrap().unwrap();
+        assert!(!orphan.exists() && !part.exists());
+    }
+
+    #[test]
+    fn second_supervisor_on_the_same_name_steps_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        let (name, server) = start(300, dir.path());
+        assert!(bind(&name).unwrap().is_none());
+        server.join().unwrap().unwrap();
+    }
+}

@@ -1,0 +1,164 @@
+//! Ground truth about who uses a segment: `/proc/*/maps` (mapped) and `/proc/*/fd`
+//! (held open, e.g. a writer still building it). Used by the supervisor before every unlink
+//! and by the orphan sweep (`shmstore gc`).
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+
+use crate::segment::PREFIX;
+
+/// For each of `paths`, the pids (other than this process) that map it or hold it open.
+pub fn holders(paths: &HashSet<PathBuf>) -> HashMap<PathBuf, Vec<u32>> {
+    let mut out: HashMap<PathBuf, Vec<u32>> = HashMap::new();
+    if paths.is_empty() {
+        return out;
+    }
+    let me = std::process::id();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for entry in procs.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid == me {
+            continue;
+        }
+        let mut found: HashSet<&PathBuf> = HashSet::new();
+        if let Ok(maps) = std::fs::read_to_string(entry.path().join("maps")) {
+            for line in maps.lines() {
+                // address perms offset dev inode   pathname[ (deleted)]
+                let Some(idx) = line.find('/') else { continue };
+                let p = line[idx..].trim_end_matches(" (deleted)");
+                if let Some(hit) = paths.get(Path::new(p)) {
+                    found.insert(hit);
+                }
+            }
+        }
+        if let Ok(fds) = std::fs::read_dir(entry.path().join("fd")) {
+            for fd in fds.flatten() {
+                if let Ok(target) = std::fs::read_link(fd.path()) {
+                    let t = target.to_string_lossy();
+                    let t = t.trim_end_matches(" (deleted)");
+                    if let Some(hit) = paths.get(Path::new(t)) {
+                        found.insert(hit);
+                    }
+                }
+            }
+        }
+        for p in found {
+            out.entry(p.clone()).or_default().push(pid);
+        }
+    }
+    out
+}
+
+/// This user's shmstore files in `dir` (sealed segments and `.part-` files being built).
+pub fn segment_files(dir: &Path) -> Vec<PathBuf> {
+    let uid = rustix::process::geteuid().as_raw();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in entries.flatten() {
+        let name = e.file_name();
+        if !name.to_string_lossy().starts_with(PREFIX) {
+            continue;
+        }
+        if let Ok(meta) = e.path().symlink_metadata() {
+            use std::os::unix::fs::MetadataExt;
+            if meta.is_file() && meta.uid() == uid {
+                out.push(e.path());
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// What the sweep did (or would do, with `dry_run`) to one file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Swept {
+    pub path: PathBuf,
+    pub size: u64,
+    /// Removed (or would be): no live process maps it or holds it open.
+    pub removed: bool,
+    /// Pids that still use it (then it is kept).
+    pub users: Vec<u32>,
+}
+
+/// Remove every shmstore file in `dirs` that no live process maps or holds open, except
+/// `keep` (segments a live supervisor tracks). Never touches a file any process still uses.
+pub fn sweep(dirs: &[PathBuf], keep: &HashSet<PathBuf>, dry_run: bool) -> Vec<Swept> {
+    let candidates: HashSet<PathBuf> = dirs
+        .iter()
+        .flat_map(|d| segment_files(d))
+        .filter(|p| !keep.contains(p))
+        .collect();
+    let users = holders(&candidates);
+    let mut out: Vec<Swept> = candidates
+        .into_iter()
+        .map(|path| {
+            let size = path.metadata().map(|m| m.len()).unwrap_or(0);
+            let pids = users.get(&path).cloned().unwrap_or_default();
+            let removed = pids.is_empty() && (dry_run || std::fs::remove_file(&path).is_ok());
+            Swept {
+                path,
+                size,
+                removed,
+                users: pids,
+            }
+        })
+        .collect();
+    out.sort_by(|a, b| a.path.cmp(&b.path));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sweep_keeps_files_in_use_and_removes_orphans() {
+        let dir = tempfile::tempdir().unwrap();
+        let orphan = dir.path().join("shmstore-orphan");
+        let open = dir.path().join("shmstore-open");
+        let kept = dir.path().join("shmstore-kept");
+        let other = dir.path().join("not-ours");
+        for p in [&orphan, &open, &kept, &other] {
+            std::fs::write(p, b"x").unwrap();
+        }
+        // A child process holds `open` open: the sweep must leave it alone.
+        let mut child = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!("exec 3<{}; read line", open.display()))
+            .stdin(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // Wait (bounded) until the child really holds the file.
+        let want: HashSet<PathBuf> = [open.clone()].into();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while holders(&want).is_empty() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "child never opened the file"
+            );
+            std::thread::yield_now();
+        }
+        let keep: HashSet<PathBuf> = [kept.clone()].into();
+        let dry = sweep(&[dir.path().to_owned()], &keep, true);
+        assert!(orphan.exists(), "dry run removed a file");
+        assert_eq!(dry.iter().filter(|s| s.removed).count(), 1);
+        let done = sweep(&[dir.path().to_owned()], &keep, false);
+        assert!(!orphan.exists());
+        assert!(open.exists() && kept.exists() && other.exists());
+        let o = done.iter().find(|s| s.path == open).unwrap();
+        assert!(!o.removed && o.users == vec![child.id()]);
+        drop(child.stdin.take());
+        child.wait().unwrap();
+    }
+}
