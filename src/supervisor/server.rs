@@ -363,13 +363,13 @@ impl State {
     }
 
     fn adopt(&mut self, path: &Path, pid: u32) {
-        if !self.pidfds.contains_key(&pid) {
+        if let std::collections::hash_map::Entry::Vacant(slot) = self.pidfds.entry(pid) {
             let Some(p) = Pid::from_raw(pid as i32) else {
                 return;
             };
             match pidfd_open(p, PidfdFlags::empty()) {
                 Ok(fd) => {
-                    self.pidfds.insert(pid, fd);
+                    slot.insert(fd);
                 }
                 Err(_) => return, // already gone
             }
