@@ -11,6 +11,8 @@ __version__: str
 
 _S = TypeVar("_S", bound="StoreHandle")
 
+_Path = str | os.PathLike[str]
+
 Key = Any
 """A dict key: str, int, float, bool, None, bytes, or a tuple of these."""
 
@@ -82,9 +84,11 @@ class SharedList(StoreHandle):
     2
     """
 
-    def __new__(cls, iterable: Iterable[Any], *, name: str | None = None) -> SharedList: ...
+    def __new__(
+        cls, iterable: Iterable[Any], *, name: str | None = None, dir: _Path | None = None
+    ) -> SharedList: ...
     @classmethod
-    def attach(cls, name: str) -> SharedList:
+    def attach(cls, name: str, *, dir: _Path | None = None) -> SharedList:
         """Attach to an existing SharedList by name."""
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> SharedList:
@@ -111,10 +115,14 @@ class SharedDict(StoreHandle):
     """
 
     def __new__(
-        cls, mapping_or_pairs: Mapping[Key, Any] | Iterable[tuple[Key, Any]], *, name: str | None = None
+        cls,
+        mapping_or_pairs: Mapping[Key, Any] | Iterable[tuple[Key, Any]],
+        *,
+        name: str | None = None,
+        dir: _Path | None = None,
     ) -> SharedDict: ...
     @classmethod
-    def attach(cls, name: str) -> SharedDict:
+    def attach(cls, name: str, *, dir: _Path | None = None) -> SharedDict:
         """Attach to an existing SharedDict by name."""
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> SharedDict:
@@ -139,7 +147,7 @@ class Ref(StoreHandle):
     """
 
     @classmethod
-    def attach(cls, name: str) -> Ref:
+    def attach(cls, name: str, *, dir: _Path | None = None) -> Ref:
         """Attach to an object shared with ``put(obj, name=...)``."""
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> Ref:
@@ -147,7 +155,7 @@ class Ref(StoreHandle):
     def get(self) -> Any:
         """The shared object: a read-only view, a read-only numpy array, or a scalar."""
 
-def put(obj: Any, *, name: str | None = None) -> Ref:
+def put(obj: Any, *, name: str | None = None, dir: _Path | None = None) -> Ref:
     """Share one object (e.g. a numpy array) by name.
 
     >>> import numpy as np
@@ -214,3 +222,9 @@ def _rebuild(cls: str, path: str, name: str) -> StoreHandle: ...
 def _rebuild_view(path: str, name: str, rec: int, pos: int) -> ListView | DictView: ...
 def _cleanup_at_exit() -> int: ...
 def _store_info(target: StoreHandle | str | os.PathLike[str]) -> dict[str, Any]: ...
+def _supervisor_main() -> None: ...
+def sweep(dry_run: bool = False, dirs: list[_Path] | None = None) -> list[dict[str, Any]]:
+    """Remove this user's shmstore files that no live process maps or holds open."""
+
+def supervisor_info() -> dict[str, Any] | None:
+    """The running supervisor: pid, log path, segments and the pids using them (or None)."""

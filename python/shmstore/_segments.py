@@ -13,19 +13,37 @@ def segment_dir() -> Path:
     return Path(os.environ.get("SHMSTORE_DIR") or "/dev/shm")
 
 
+def fallback_dir() -> Path | None:
+    """Where stores go when the segment directory is too small (the Rust core's rule)."""
+    if os.environ.get("SHMSTORE_FALLBACK") in ("0", "off"):
+        return None
+    return Path(os.environ.get("SHMSTORE_FALLBACK_DIR") or f"/var/tmp/shmstore-{os.geteuid()}")
+
+
+def search_dirs() -> list[Path]:
+    """The segment directory, then the fallback directory."""
+    dirs = [segment_dir()]
+    fb = fallback_dir()
+    if fb is not None:
+        dirs.append(fb)
+    return dirs
+
+
 def segment_paths(directory: Path | None = None) -> list[Path]:
     """This user's shmstore segment files (sealed and being built), sorted by name.
 
     >>> isinstance(segment_paths(), list)
     True
     """
-    d = directory or segment_dir()
+    dirs = [directory] if directory is not None else search_dirs()
     uid = os.geteuid()
     out = []
-    try:
-        entries = list(os.scandir(d))
-    except FileNotFoundError:
-        return []
+    entries = []
+    for d in dirs:
+        try:
+            entries.extend(os.scandir(d))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
     for e in entries:
         if not e.name.startswith(PREFIX):
             continue

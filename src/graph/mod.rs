@@ -19,8 +19,16 @@
 /// `targets.len()`, or a target is out of range.
 pub fn unreachable(refcounts: &[isize], offsets: &[usize], targets: &[u32]) -> Vec<usize> {
     let n = refcounts.len();
-    assert_eq!(offsets.len(), n + 1, "offsets must have one entry per node plus one");
-    assert_eq!(offsets[n], targets.len(), "offsets must end at targets.len()");
+    assert_eq!(
+        offsets.len(),
+        n + 1,
+        "offsets must have one entry per node plus one"
+    );
+    assert_eq!(
+        offsets[n],
+        targets.len(),
+        "offsets must end at targets.len()"
+    );
     let mut external = refcounts.to_vec();
     for &t in targets {
         external[t as usize] -= 1;

@@ -90,7 +90,11 @@ fn gc_unreachable(objects: &Bound<'_, PyList>) -> PyResult<Vec<usize>> {
                 ffi::PyType_IS_GC(tp) != 0 && (*tp).tp_is_gc.is_none_or(|is_gc| is_gc(p) != 0);
             if is_gc {
                 if let Some(traverse) = (*tp).tp_traverse {
-                    traverse(p, push_referent, &mut scratch as *mut Vec<usize> as *mut c_void);
+                    traverse(
+                        p,
+                        push_referent,
+                        &mut scratch as *mut Vec<usize> as *mut c_void,
+                    );
                 }
             }
         }

@@ -147,7 +147,7 @@ fn err(store: &Store) -> impl Fn(ArchiveError) -> PyErr + '_ {
 
 fn open_as(py: Python<'_>, kind: Kind, how: Open) -> PyResult<Arc<Store>> {
     let store = match how {
-        Open::Attach(name) => store::attach(py, &name, None)?,
+        Open::Attach(name, dir) => store::attach(py, &name, dir.as_deref())?,
         Open::File(path) => store::open_file(py, &path)?,
     };
     store::expect_kind(&store, kind)?;
@@ -155,7 +155,7 @@ fn open_as(py: Python<'_>, kind: Kind, how: Open) -> PyResult<Arc<Store>> {
 }
 
 enum Open {
-    Attach(String),
+    Attach(String, Option<PathBuf>),
     File(PathBuf),
 }
 
@@ -190,14 +190,15 @@ use pyo3::PyClass;
 #[pymethods]
 impl SharedList {
     #[new]
-    #[pyo3(signature = (iterable, *, name=None))]
+    #[pyo3(signature = (iterable, *, name=None, dir=None))]
     fn py_new(
         py: Python<'_>,
         iterable: &Bound<'_, PyAny>,
         name: Option<&str>,
+        dir: Option<PathBuf>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let iter = iterable.try_iter()?;
-        let store = store::build(py, Kind::List, name, |builder| {
+        let store = store::build(py, Kind::List, name, dir, None, |builder| {
             let context = "records".to_string();
             let mut enc = Encoder::new(builder, "records", context);
             for (i, item) in iter.enumerate() {
@@ -214,14 +215,16 @@ impl SharedList {
 
     /// Attach to an existing SharedList by name (any process of the same user).
     #[classmethod]
+    #[pyo3(signature = (name, *, dir=None))]
     fn attach<'py>(
         _cls: &Bound<'py, PyType>,
         py: Python<'py>,
         name: &str,
+        dir: Option<PathBuf>,
     ) -> PyResult<Bound<'py, SharedList>> {
         list_new(
             py,
-            open_as(py, Kind::List, Open::Attach(name.into()))?,
+            open_as(py, Kind::List, Open::Attach(name.into(), dir))?,
             false,
         )
     }
@@ -391,11 +394,12 @@ fn dict_find(store: &Store, key: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
 #[pymethods]
 impl SharedDict {
     #[new]
-    #[pyo3(signature = (mapping_or_pairs, *, name=None))]
+    #[pyo3(signature = (mapping_or_pairs, *, name=None, dir=None))]
     fn py_new(
         py: Python<'_>,
         mapping_or_pairs: &Bound<'_, PyAny>,
         name: Option<&str>,
+        dir: Option<PathBuf>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let (items, pairs) =
             if mapping_or_pairs.is_instance_of::<PyDict>() || mapping_or_pairs.hasattr("keys")? {
@@ -403,7 +407,7 @@ impl SharedDict {
             } else {
                 (mapping_or_pairs.try_iter()?, true)
             };
-        let store = store::build(py, Kind::Dict, name, |builder| {
+        let store = store::build(py, Kind::Dict, name, dir, None, |builder| {
             let mut enc = Encoder::new(builder, "mapping", "mapping".into());
             for (i, item) in items.enumerate() {
                 let item = item?;
@@ -452,14 +456,16 @@ impl SharedDict {
 
     /// Attach to an existing SharedDict by name.
     #[classmethod]
+    #[pyo3(signature = (name, *, dir=None))]
     fn attach<'py>(
         _cls: &Bound<'py, PyType>,
         py: Python<'py>,
         name: &str,
+        dir: Option<PathBuf>,
     ) -> PyResult<Bound<'py, SharedDict>> {
         dict_new(
             py,
-            open_as(py, Kind::Dict, Open::Attach(name.into()))?,
+            open_as(py, Kind::Dict, Open::Attach(name.into(), dir))?,
             false,
         )
     }
@@ -603,14 +609,16 @@ fn ref_new(py: Python<'_>, store: Arc<Store>, created: bool) -> PyResult<Bound<'
 impl Ref {
     /// Attach to an object shared with `put(obj, name=...)`.
     #[classmethod]
+    #[pyo3(signature = (name, *, dir=None))]
     fn attach<'py>(
         _cls: &Bound<'py, PyType>,
         py: Python<'py>,
         name: &str,
+        dir: Option<PathBuf>,
     ) -> PyResult<Bound<'py, Ref>> {
         ref_new(
             py,
-            open_as(py, Kind::Object, Open::Attach(name.into()))?,
+            open_as(py, Kind::Object, Open::Attach(name.into(), dir))?,
             false,
         )
     }
@@ -641,18 +649,24 @@ impl Ref {
 
 /// Share one object by name.
 #[pyfunction]
-#[pyo3(signature = (obj, *, name=None))]
+#[pyo3(signature = (obj, *, name=None, dir=None))]
 pub fn put<'py>(
     py: Python<'py>,
     obj: &Bound<'py, PyAny>,
     name: Option<&str>,
+    dir: Option<PathBuf>,
 ) -> PyResult<Bound<'py, Ref>> {
-    // Known-size input (an array or bytes): check the room before writing anything.
-    if let Ok(nbytes) = obj.getattr("nbytes").and_then(|n| n.extract::<u64>()) {
-        crate::segment::preflight(&crate::segment::default_dir(), nbytes)
-            .map_err(super::errors::segment_err)?;
-    }
-    let store = store::build(py, Kind::Object, name, |builder| {
+    // Known-size input (an array, bytes): check the room before writing anything.
+    let size_hint = obj
+        .getattr("nbytes")
+        .and_then(|n| n.extract::<u64>())
+        .ok()
+        .or_else(|| {
+            obj.cast::<pyo3::types::PyBytes>()
+                .ok()
+                .map(|b| b.as_bytes().len() as u64)
+        });
+    let store = store::build(py, Kind::Object, name, dir, size_hint, |builder| {
         let mut enc = Encoder::new(builder, "obj", "obj".into());
         let v = enc.record(obj, None)?;
         enc.builder

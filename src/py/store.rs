@@ -193,12 +193,52 @@ impl StoreErr {
     }
 }
 
-/// Attach to the segment `name` in the segment directory (or `dir`).
+/// Attach to the segment `name` in `dir`, or in the segment directory and then the
+/// fallback directory.
 pub fn attach(py: Python<'_>, name: &str, dir: Option<&Path>) -> PyResult<Arc<Store>> {
     let name = segment::normalize_name(name).map_err(segment_err)?;
-    let dir = dir.map(Path::to_owned).unwrap_or_else(segment::default_dir);
-    let path = dir.join(&name);
+    let dirs = match dir {
+        Some(d) => vec![d.to_owned()],
+        None => segment::search_dirs(),
+    };
+    let path = dirs
+        .iter()
+        .map(|d| d.join(&name))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| dirs[0].join(&name));
     open_store(py, Source::Segment { name, path })
+}
+
+/// Where a new store goes: `dir` if given (no fallback); else the segment directory, or
+/// the fallback directory when `size_hint` bytes do not fit (logged as a warning).
+fn placement(dir: Option<PathBuf>, size_hint: Option<u64>) -> PyResult<(PathBuf, Option<PathBuf>)> {
+    if let Some(d) = dir {
+        if let Some(n) = size_hint {
+            segment::preflight(&d, n).map_err(segment_err)?;
+        }
+        return Ok((d, None));
+    }
+    let primary = segment::default_dir();
+    let fallback = segment::fallback_dir();
+    let Some(n) = size_hint else {
+        return Ok((primary, fallback));
+    };
+    match segment::preflight(&primary, n) {
+        Ok(()) => Ok((primary, fallback)),
+        Err(e) => match fallback {
+            Some(fb)
+                if std::fs::create_dir_all(&fb).is_ok() && segment::preflight(&fb, n).is_ok() =>
+            {
+                log::warn!(
+                    "{} cannot hold {n} bytes: storing in {} instead (disk-backed; see docs/lifecycle.md)",
+                    primary.display(),
+                    fb.display()
+                );
+                Ok((fb, None))
+            }
+            _ => Err(segment_err(e)),
+        },
+    }
 }
 
 /// Attach by full path (what pickles carry): a segment if the file name has our prefix and
@@ -240,15 +280,17 @@ pub fn build(
     py: Python<'_>,
     kind: Kind,
     name: Option<&str>,
+    dir: Option<PathBuf>,
+    size_hint: Option<u64>,
     feed: impl FnOnce(&mut Builder<SegmentWriter>) -> PyResult<()>,
 ) -> PyResult<Arc<Store>> {
     let name = match name {
         Some(n) => segment::normalize_name(n).map_err(segment_err)?,
         None => segment::random_name(),
     };
-    let dir = segment::default_dir();
+    let (dir, fallback) = placement(dir, size_hint)?;
     let context = format!("store {name:?}");
-    let writer = SegmentWriter::create(&dir, &name).map_err(segment_err)?;
+    let writer = SegmentWriter::create(&dir, &name, fallback.as_deref()).map_err(segment_err)?;
     let mut builder =
         Builder::new(writer, kind, std::process::id()).map_err(|e| archive_err(e, &context))?;
     feed(&mut builder)?;

@@ -33,7 +33,7 @@ pub fn configure(py: Python<'_>) -> PyResult<()> {
 }
 
 fn sweep_dirs() -> Vec<PathBuf> {
-    vec![segment::default_dir()]
+    segment::search_dirs()
 }
 
 /// Run the supervisor (called in a fresh interpreter by `client::spawn_supervisor`):

@@ -62,6 +62,35 @@ pub fn default_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/dev/shm"))
 }
 
+/// Where segments go when the segment directory is too small: `$SHMSTORE_FALLBACK_DIR`,
+/// else `/var/tmp/shmstore-<uid>` (disk-backed). `None` when `SHMSTORE_FALLBACK=0`.
+pub fn fallback_dir() -> Option<PathBuf> {
+    if matches!(
+        std::env::var("SHMSTORE_FALLBACK").as_deref(),
+        Ok("0") | Ok("off")
+    ) {
+        return None;
+    }
+    Some(
+        std::env::var_os("SHMSTORE_FALLBACK_DIR")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                PathBuf::from(format!(
+                    "/var/tmp/shmstore-{}",
+                    rustix::process::geteuid().as_raw()
+                ))
+            }),
+    )
+}
+
+/// Directories searched, in order, when attaching by name.
+pub fn search_dirs() -> Vec<PathBuf> {
+    let mut dirs = vec![default_dir()];
+    dirs.extend(fallback_dir());
+    dirs
+}
+
 /// A fresh unguessable name: the prefix and 128 random bits.
 pub fn random_name() -> String {
     let mut bytes = [0u8; 16];

@@ -48,6 +48,8 @@ pub fn preflight(dir: &Path, needed: u64) -> Result<(), SegmentError> {
 pub struct SegmentWriter {
     file: Option<File>,
     dir: PathBuf,
+    /// Where to move the segment if `dir` fills up (a disk-backed directory).
+    fallback: Option<PathBuf>,
     name: String,
     tmp: PathBuf,
     buf: Vec<u8>,
@@ -56,8 +58,24 @@ pub struct SegmentWriter {
 }
 
 impl SegmentWriter {
-    /// Create `dir/<name>.part-<random>` (mode 0600, must not exist).
-    pub fn create(dir: &Path, name: &str) -> Result<Self, SegmentError> {
+    /// Create `dir/<name>.part-<random>` (mode 0600, must not exist). If `dir` turns out
+    /// too small while writing, what was written moves to `fallback` and writing goes on
+    /// there (with a logged warning).
+    pub fn create(dir: &Path, name: &str, fallback: Option<&Path>) -> Result<Self, SegmentError> {
+        let (tmp, file) = Self::create_tmp(dir, name)?;
+        Ok(SegmentWriter {
+            file: Some(file),
+            dir: dir.to_owned(),
+            fallback: fallback.filter(|f| *f != dir).map(Path::to_owned),
+            name: name.to_owned(),
+            tmp,
+            buf: Vec::with_capacity(BUF),
+            written: 0,
+            published: false,
+        })
+    }
+
+    fn create_tmp(dir: &Path, name: &str) -> Result<(PathBuf, File), SegmentError> {
         let suffix = &super::random_name()[super::PREFIX.len()..][..12];
         let tmp = dir.join(format!("{name}.part-{suffix}"));
         let file = OpenOptions::new()
@@ -74,15 +92,45 @@ impl SegmentWriter {
                 },
                 _ => SegmentError::io(&tmp, e),
             })?;
-        Ok(SegmentWriter {
-            file: Some(file),
-            dir: dir.to_owned(),
-            name: name.to_owned(),
-            tmp,
-            buf: Vec::with_capacity(BUF),
-            written: 0,
-            published: false,
-        })
+        Ok((tmp, file))
+    }
+
+    /// The directory the segment is being written to (changes after a fallback).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Move what was written to the fallback directory and continue there.
+    fn spill(&mut self, need: u64) -> io::Result<bool> {
+        let Some(fallback) = self.fallback.take() else {
+            return Ok(false);
+        };
+        if std::fs::create_dir_all(&fallback).is_err()
+            || preflight(&fallback, self.written + need).is_err()
+        {
+            return Ok(false);
+        }
+        let (tmp, mut file) = Self::create_tmp(&fallback, &self.name).map_err(io::Error::other)?;
+        let old = self.file.as_mut().expect("writer used after publish");
+        old.seek(SeekFrom::Start(0))?;
+        let copied = io::copy(old, &mut file);
+        if let Err(e) = copied {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+        log::warn!(
+            "{} is too small for segment {} ({} bytes written so far): moved it to {} (disk-backed: \
+             pages can be evicted and re-read; see docs/lifecycle.md)",
+            self.dir.display(),
+            self.name,
+            self.written,
+            fallback.display()
+        );
+        let _ = std::fs::remove_file(&self.tmp);
+        self.file = Some(file);
+        self.tmp = tmp;
+        self.dir = fallback;
+        Ok(true)
     }
 
     pub fn final_path(&self) -> PathBuf {
@@ -93,11 +141,14 @@ impl SegmentWriter {
         if self.buf.is_empty() {
             return Ok(());
         }
-        let file = self.file.as_mut().expect("writer used after publish");
         // Check capacity before every chunk: tmpfs would otherwise fail mid-write with
         // ENOSPC (or, for mapped writes, SIGBUS); this way the error says how much is needed.
-        let free = free_bytes(&self.dir).map_err(io::Error::other)?;
+        let mut free = free_bytes(&self.dir).map_err(io::Error::other)?;
         let need = self.buf.len() as u64;
+        if free < need.saturating_add(RESERVE) && self.spill(need)? {
+            free = free_bytes(&self.dir).map_err(io::Error::other)?;
+        }
+        let file = self.file.as_mut().expect("writer used after publish");
         if free < need.saturating_add(RESERVE) {
             return Err(io::Error::new(
                 io::ErrorKind::StorageFull,
