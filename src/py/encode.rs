@@ -27,10 +27,12 @@ const DETACH_COPY: usize = 1 << 20;
 const SUPPORTED: &str = "supported: None, bool, int, float, str, bytes, bytearray, memoryview, \
                          list, tuple, dict, numpy arrays of bool/int/uint/float/complex and numpy scalars";
 
+/// One step of the path to the value being encoded. Keys are kept as objects (a refcount,
+/// not a repr): the path is only formatted when an error is reported.
 #[derive(Clone)]
-enum Seg {
+enum Seg<'py> {
     Index(usize),
-    Key(String),
+    Key(Bound<'py, PyAny>),
 }
 
 /// numpy's types, if numpy is imported (an ndarray cannot exist otherwise).
@@ -68,10 +70,10 @@ fn numpy(py: Python<'_>) -> Option<&'static Numpy> {
 }
 
 /// Encodes the records of one store.
-pub struct Encoder<'b, W: Write + Seek> {
+pub struct Encoder<'b, 'py, W: Write + Seek> {
     pub builder: &'b mut Builder<W>,
     root: String,
-    path: Vec<Seg>,
+    path: Vec<Seg<'py>>,
     /// Containers on the current path, to refuse self-referencing input.
     active: Vec<usize>,
     context: String,
@@ -83,7 +85,7 @@ fn key_repr(key: &Bound<'_, PyAny>) -> String {
         .unwrap_or_else(|_| "<key>".into())
 }
 
-impl<'b, W: Write + Seek + Send> Encoder<'b, W> {
+impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
     pub fn new(builder: &'b mut Builder<W>, root: &str, context: String) -> Self {
         Encoder {
             builder,
@@ -100,7 +102,7 @@ impl<'b, W: Write + Seek + Send> Encoder<'b, W> {
         for seg in &self.path {
             match seg {
                 Seg::Index(i) => s.push_str(&format!("[{i}]")),
-                Seg::Key(k) => s.push_str(&format!("[{k}]")),
+                Seg::Key(k) => s.push_str(&format!("[{}]", key_repr(k))),
             }
         }
         s
@@ -116,12 +118,16 @@ impl<'b, W: Write + Seek + Send> Encoder<'b, W> {
     }
 
     /// Encode one top-level record; `label` is its position (index or key repr).
-    pub fn record(&mut self, obj: &Bound<'_, PyAny>, label: Option<Seg0>) -> PyResult<Value> {
+    pub fn record(
+        &mut self,
+        obj: &Bound<'py, PyAny>,
+        label: Option<Seg0<'_, 'py>>,
+    ) -> PyResult<Value> {
         self.path.clear();
         self.active.clear();
         match label {
             Some(Seg0::Index(i)) => self.path.push(Seg::Index(i)),
-            Some(Seg0::Key(k)) => self.path.push(Seg::Key(key_repr(k))),
+            Some(Seg0::Key(k)) => self.path.push(Seg::Key(k.clone())),
             None => {}
         }
         self.value(obj, 0)
@@ -149,7 +155,7 @@ impl<'b, W: Write + Seek + Send> Encoder<'b, W> {
         Ok(())
     }
 
-    fn value(&mut self, obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> {
+    fn value(&mut self, obj: &Bound<'py, PyAny>, depth: usize) -> PyResult<Value> {
         let py = obj.py();
         if obj.is_none() {
             return Ok(Value::None);
@@ -251,13 +257,13 @@ impl<'b, W: Write + Seek + Send> Encoder<'b, W> {
         Ok(Value::Bytes(b.to_vec()))
     }
 
-    fn dict(&mut self, d: &Bound<'_, PyDict>, depth: usize) -> PyResult<Value> {
+    fn dict(&mut self, d: &Bound<'py, PyDict>, depth: usize) -> PyResult<Value> {
         let n = d.len();
         let indexed = n > DICT_INDEX_MIN;
         let mut items = Vec::with_capacity(2 * n);
         let mut hashes = Vec::with_capacity(if indexed { n } else { 0 });
         for (k, v) in d.iter() {
-            self.path.push(Seg::Key(key_repr(&k)));
+            self.path.push(Seg::Key(k.clone()));
             let (kv, key) = self.key(&k)?;
             if indexed {
                 hashes.push(key.stable_hash());

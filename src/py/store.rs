@@ -305,7 +305,7 @@ pub fn build(
     // a handle can leave this process).
     let final_path = writer.final_path();
     let registered = register(py, &final_path);
-    let path = match py.detach(|| writer.publish()) {
+    let (path, file) = match py.detach(|| writer.publish()) {
         Ok(p) => p,
         Err(e) => {
             if registered {
@@ -315,7 +315,7 @@ pub fn build(
         }
     };
     let opened = py.detach(|| {
-        let mapping = Mapping::open(&path, &name, true).map_err(StoreErr::Segment)?;
+        let mapping = Mapping::from_file(file, &path, &name, true).map_err(StoreErr::Segment)?;
         if !registered {
             // No supervisor: this process owns the name and removes it when done.
             mapping.take_ownership();

@@ -59,7 +59,8 @@ impl Mapping {
         Self::from_file(file, path, name, require_owner)
     }
 
-    fn from_file(
+    /// Map an already open segment file (e.g. the one just written by this process).
+    pub fn from_file(
         file: File,
         path: &Path,
         name: &str,

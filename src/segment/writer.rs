@@ -171,13 +171,15 @@ impl SegmentWriter {
     }
 
     /// Seal (mode 0400) and publish under the final name; fails if the name is taken.
-    pub fn publish(mut self) -> Result<PathBuf, SegmentError> {
+    /// Returns the path and the still-open file: map it from this descriptor, so there is no
+    /// moment when the segment exists but no process holds or maps it (an orphan sweep
+    /// running then would remove it).
+    pub fn publish(mut self) -> Result<(PathBuf, File), SegmentError> {
         let tmp = self.tmp.clone();
         self.flush_buf().map_err(|e| SegmentError::io(&tmp, e))?;
         let file = self.file.take().expect("published twice");
         file.set_permissions(std::fs::Permissions::from_mode(0o400))
             .map_err(|e| SegmentError::io(&tmp, e))?;
-        drop(file);
         let final_path = self.final_path();
         // link() fails with EEXIST instead of replacing, so two creators of one name cannot
         // silently swap the segment under a reader.
@@ -193,7 +195,7 @@ impl SegmentWriter {
         }
         self.published = true;
         let _ = std::fs::remove_file(&self.tmp);
-        Ok(final_path)
+        Ok((final_path, file))
     }
 }
 

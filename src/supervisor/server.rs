@@ -13,7 +13,7 @@ use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use rustix::process::{pidfd_open, Pid, PidfdFlags};
 
 use super::proto::{encode_seg, Request};
-use super::sweep::{holders, sweep};
+use super::sweep::{descendants, holders, holders_among, sweep};
 
 pub struct ServerConfig {
     /// Abstract socket name (see `super::socket_name`).
@@ -24,6 +24,18 @@ pub struct ServerConfig {
     pub log: Option<PathBuf>,
     /// Directories swept for orphans at start and after a client dies.
     pub sweep_dirs: Vec<PathBuf>,
+}
+
+/// How much of /proc to check before unlinking a segment nobody registered uses.
+#[derive(Clone, Copy)]
+enum Check {
+    /// The last user was a client that never forked: every process that could map the
+    /// segment is a client (attachers say `USE` before they map), so nothing to check.
+    None,
+    /// The last user, alive, forked: its descendants may have inherited the mapping.
+    Descendants(u32),
+    /// A client died (its children were re-parented), or at start-up: every process.
+    All,
 }
 
 struct Client {
@@ -202,7 +214,7 @@ impl State {
         }
         // Segments whose users all vanished while we adopted them.
         let all: Vec<PathBuf> = self.segments.keys().cloned().collect();
-        self.settle(all, true);
+        self.settle(all, Check::All);
     }
 
     fn accept(&mut self, listener: &UnixListener) {
@@ -303,10 +315,18 @@ impl State {
             Some(Request::Drop(path, scan)) => {
                 let c = self.clients.get_mut(&id).expect("live client");
                 if c.uses.remove(&path) {
+                    let pid = c.pid;
                     if let Some(seg) = self.segments.get_mut(&path) {
                         seg.clients.remove(&id);
                     }
-                    self.settle(vec![path], scan);
+                    // A live client that forked: only its descendants can have inherited
+                    // the mapping without telling us.
+                    let check = if scan {
+                        Check::Descendants(pid)
+                    } else {
+                        Check::None
+                    };
+                    self.settle(vec![path], check);
                 }
                 "OK\n".into()
             }
@@ -343,7 +363,7 @@ impl State {
                 seg.clients.remove(&id);
             }
         }
-        self.settle(paths, true);
+        self.settle(paths, Check::All);
         // A dead client may have left half-built (`.part-`) or unregistered files.
         self.sweep_orphans();
     }
@@ -391,15 +411,13 @@ impl State {
                 }
             }
         }
-        self.settle(affected, true);
+        self.settle(affected, Check::All);
     }
 
     /// Unlink each of `paths` that no client uses and no live process maps or holds open;
     /// adopt the processes that still do (they are not our clients: e.g. forked children).
-    /// `scan`: check /proc first. Skipped only when the last user was a client that never
-    /// forked: then every process that could map the segment is a client (attachers say
-    /// `USE` before they map).
-    fn settle(&mut self, paths: Vec<PathBuf>, scan: bool) {
+    /// `check`: which processes' /proc entries to look at first (see `Check`).
+    fn settle(&mut self, paths: Vec<PathBuf>, check: Check) {
         let idle: HashSet<PathBuf> = paths
             .into_iter()
             .filter(|p| {
@@ -411,7 +429,11 @@ impl State {
         if idle.is_empty() {
             return;
         }
-        let users = if scan { holders(&idle) } else { HashMap::new() };
+        let users = match check {
+            Check::None => HashMap::new(),
+            Check::Descendants(pid) => holders_among(&idle, descendants(pid)),
+            Check::All => holders(&idle),
+        };
         for path in idle {
             match users.get(&path) {
                 Some(pids) if !pids.is_empty() => {
@@ -472,7 +494,7 @@ mod tests {
         let cfg = ServerConfig {
             name: name.clone(),
             grace: Duration::from_millis(grace_ms),
-            log: None,
+            log: Some(dir.join("supervisor.log")),
             sweep_dirs: vec![dir.to_owned()],
         };
         (name, std::thread::spawn(move || serve(listener, cfg)))
@@ -487,14 +509,35 @@ mod tests {
     #[test]
     fn last_client_gone_unlinks_and_shared_use_keeps() {
         let dir = tempfile::tempdir().unwrap();
-        let (name, server) = start(200, dir.path());
+        // Registered segments are created before the server starts, as a client would
+        // (it says USE before the name exists), so the start-up sweep must leave them.
         let a_only = seg(dir.path(), "a");
         let shared = seg(dir.path(), "shared");
+        let mut holder = Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "exec 3<{} 4<{}; read line",
+                a_only.display(),
+                shared.display()
+            ))
+            .stdin(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let want: HashSet<PathBuf> = [a_only.clone(), shared.clone()].into();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while holders(&want).len() < 2 {
+            assert!(Instant::now() < deadline);
+            std::thread::yield_now();
+        }
+        let (name, server) = start(200, dir.path());
         let mut a = TestConn::connect(&name).unwrap();
         let mut b = TestConn::connect(&name).unwrap();
         assert_eq!(a.request(&Request::Use(a_only.clone())).unwrap(), "OK");
         assert_eq!(a.request(&Request::Use(shared.clone())).unwrap(), "OK");
         assert_eq!(b.request(&Request::Use(shared.clone())).unwrap(), "OK");
+        // The creator's file handles go (it has "mapped" and registered them).
+        drop(holder.stdin.take());
+        holder.wait().unwrap();
         drop(a); // like a SIGKILL: the connection closes
                  // The next request is answered after the server handled the close (one thread,
                  // and the kernel reports the EOF before our later request).
@@ -508,7 +551,11 @@ mod tests {
             );
             let _ = c.request(&Request::Hello(1));
         }
-        assert!(shared.exists(), "a segment another client uses was removed");
+        assert!(
+            shared.exists(),
+            "a segment another client uses was removed: {}",
+            std::fs::read_to_string(dir.path().join("supervisor.log")).unwrap_or_default()
+        );
         assert_eq!(
             b.request(&Request::Drop(shared.clone(), false)).unwrap(),
             "OK"

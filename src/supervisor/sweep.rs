@@ -9,27 +9,57 @@ use crate::segment::PREFIX;
 
 /// For each of `paths`, the pids (other than this process) that map it or hold it open.
 pub fn holders(paths: &HashSet<PathBuf>) -> HashMap<PathBuf, Vec<u32>> {
-    let mut out: HashMap<PathBuf, Vec<u32>> = HashMap::new();
     if paths.is_empty() {
-        return out;
+        return HashMap::new();
     }
-    let me = std::process::id();
     let Ok(procs) = std::fs::read_dir("/proc") else {
-        return out;
+        return HashMap::new();
     };
-    for entry in procs.flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<u32>().ok())
-        else {
+    let pids = procs
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()));
+    holders_among(paths, pids)
+}
+
+/// `pid`'s descendants (children, their children, ...), from /proc/PID/task/*/children.
+pub fn descendants(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    let mut todo = vec![pid];
+    while let Some(p) = todo.pop() {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) else {
             continue;
         };
+        for t in tasks.flatten() {
+            if let Ok(kids) = std::fs::read_to_string(t.path().join("children")) {
+                for k in kids
+                    .split_whitespace()
+                    .filter_map(|k| k.parse::<u32>().ok())
+                {
+                    if !out.contains(&k) && out.len() < 100_000 {
+                        out.push(k);
+                        todo.push(k);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// `holders`, looking only at the given processes.
+pub fn holders_among(
+    paths: &HashSet<PathBuf>,
+    pids: impl IntoIterator<Item = u32>,
+) -> HashMap<PathBuf, Vec<u32>> {
+    let mut out: HashMap<PathBuf, Vec<u32>> = HashMap::new();
+    let me = std::process::id();
+    for pid in pids {
         if pid == me {
             continue;
         }
+        let dir = PathBuf::from(format!("/proc/{pid}"));
         let mut found: HashSet<&PathBuf> = HashSet::new();
-        if let Ok(maps) = std::fs::read_to_string(entry.path().join("maps")) {
+        if let Ok(maps) = std::fs::read_to_string(dir.join("maps")) {
             for line in maps.lines() {
                 // address perms offset dev inode   pathname[ (deleted)]
                 let Some(idx) = line.find('/') else { continue };
@@ -39,7 +69,7 @@ pub fn holders(paths: &HashSet<PathBuf>) -> HashMap<PathBuf, Vec<u32>> {
                 }
             }
         }
-        if let Ok(fds) = std::fs::read_dir(entry.path().join("fd")) {
+        if let Ok(fds) = std::fs::read_dir(dir.join("fd")) {
             for fd in fds.flatten() {
                 if let Ok(target) = std::fs::read_link(fd.path()) {
                     let t = target.to_string_lossy();
@@ -158,6 +188,8 @@ mod tests {
         assert!(open.exists() && kept.exists() && other.exists());
         let o = done.iter().find(|s| s.path == open).unwrap();
         assert!(!o.removed && o.users == vec![child.id()]);
+        assert!(descendants(std::process::id()).contains(&child.id()));
+        assert_eq!(holders_among(&want, [child.id()])[&open], vec![child.id()]);
         drop(child.stdin.take());
         child.wait().unwrap();
     }
