@@ -184,7 +184,8 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
             // Index access (not an iterator): a list mutated while we read it cannot
             // make us read past its end.
             let mut i = 0;
-            while let Ok(item) = l.get_item(i) {
+            while i < l.len() {
+                let item = l.get_item(i)?;
                 self.path.push(Seg::Index(i));
                 items.push(self.value(&item, depth + 1)?);
                 self.path.pop();
@@ -264,9 +265,9 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
         let mut hashes = Vec::with_capacity(if indexed { n } else { 0 });
         for (k, v) in d.iter() {
             self.path.push(Seg::Key(k.clone()));
-            let (kv, key) = self.key(&k)?;
+            let (kv, h) = self.key(&k, indexed)?;
             if indexed {
-                hashes.push(key.stable_hash());
+                hashes.push(h);
             }
             items.push(kv);
             items.push(self.value(&v, depth + 1)?);
@@ -285,22 +286,23 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
         })
     }
 
-    /// A dict key as a stored value (str keys interned) and as a `Key` for hashing.
-    fn key(&mut self, k: &Bound<'_, PyAny>) -> PyResult<(Value, Key<'static>)> {
+    /// A dict key as a stored value (str keys interned), and its stable hash if `hash`.
+    fn key(&mut self, k: &Bound<'_, PyAny>, hash: bool) -> PyResult<(Value, u64)> {
         if let Ok(s) = k.cast::<PyString>() {
             let s = self.str_of(s)?;
-            let key = Key::Str(Cow::Owned(s.to_string()));
+            let h = if hash {
+                crate::archive::key::hash_str(&s)
+            } else {
+                0
+            };
             let v = match self.builder.intern(&s) {
                 Some(id) => Value::Sym(id),
                 None => Value::Str(s.into_owned()),
             };
-            return Ok((v, key));
+            return Ok((v, h));
         }
         match py_key(k)? {
-            Some(key) => {
-                let v = key_value(&key);
-                Ok((v, key))
-            }
+            Some(key) => Ok((key_value(&key), key.stable_hash())),
             None => Err(self.unsupported(
                 k,
                 " as a dict key (keys may be str, int, float, bool, None, bytes or tuples of these)",
