@@ -37,12 +37,13 @@ demo: build ## memory comparison: plain list vs pickle buffer vs shmstore (< 2 m
 bench: build ## all acceptance benchmarks; results go to benchmarks/results/
 	$(PY) benchmarks/run_all.py
 
-lint: venv ## rustfmt, clippy, ruff, mypy stubtest
+lint: build ## rustfmt, clippy, ruff, mypy stubtest of the hand-kept _native.pyi
 	cargo fmt --check
 	cargo clippy --all-targets -q -- -D warnings
 	cargo clippy --all-targets --features python -q -- -D warnings
 	$(VENV)/bin/ruff check python tests benchmarks
 	$(VENV)/bin/ruff format --check python tests benchmarks
+	$(PY) -m mypy.stubtest shmstore._native
 
 format: venv ## format Rust and Python
 	cargo fmt

@@ -15,19 +15,17 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_md  # noqa: E402
-from coco import make_records  # noqa: E402
-
-import shmstore  # noqa: E402
+import shmstore
+from _common import machine_md
+from coco import make_records
 
 GIB = 1 << 30
 
 
-def measure(make_store, repeats: int) -> dict[str, float]:
-    store = make_store()
+def measure(store, repeats: int) -> dict[str, float]:
     try:
         cls = type(store)
-        opens, verifies, firsts = [], [], []
+        opens, verifies = [], []
         for _ in range(repeats):
             # A fresh file mapping each time: open() is what every new process pays.
             path = Path("/dev/shm") / f"{store.name}.validation-copy"
@@ -61,16 +59,11 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "validation.md"))
     args = ap.parse_args()
 
-    records = make_records(args.records)
     rows = []
-    r = measure(lambda: shmstore.SharedList(records), args.repeats)
-    rows.append(("SharedList of COCO-like records", args.records, r))
-    del records
-    n = int(args.array_gib * GIB)
-    arr = np.ones(n, dtype=np.uint8)
-    r = measure(lambda: shmstore.put(arr), args.repeats)
-    rows.append(("put(uint8 array)", 1, r))
-    del arr
+    lst = shmstore.SharedList(make_records(args.records))
+    rows.append(("SharedList of COCO-like records", args.records, measure(lst, args.repeats)))
+    ref = shmstore.put(np.ones(int(args.array_gib * GIB), dtype=np.uint8))
+    rows.append(("put(uint8 array)", 1, measure(ref, args.repeats)))
 
     lines = [
         "# Validation cost",

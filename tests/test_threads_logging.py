@@ -7,7 +7,9 @@ import shmstore
 
 
 def test_threads_read_one_store_concurrently():
-    records = [{"id": i, "tags": [f"t{i % 7}", i * 0.5], "nested": {"k": (i, str(i))}} for i in range(3000)]
+    records = [
+        {"id": i, "tags": [f"t{i % 7}", i * 0.5], "nested": {"k": (i, str(i))}} for i in range(3000)
+    ]
     with shmstore.SharedList(records) as lst:
         errors: list[BaseException] = []
         start = threading.Barrier(8)

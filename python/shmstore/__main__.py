@@ -55,7 +55,9 @@ def _rows() -> list[dict[str, Any]]:
         else:
             try:
                 info = _native._store_info(str(path))
-                row.update(kind=info["kind"], records=info["count"], creator_pid=info["creator_pid"])
+                row.update(
+                    kind=info["kind"], records=info["count"], creator_pid=info["creator_pid"]
+                )
                 row["creator_alive"] = _pid_alive(info["creator_pid"])
             except Exception as e:  # a corrupt or foreign file: still list it
                 row["kind"] = f"unreadable ({type(e).__name__})"
@@ -71,7 +73,9 @@ def _ls(args: argparse.Namespace) -> int:
     if not rows:
         print("no shmstore segments in " + ", ".join(str(d) for d in search_dirs()))
         return 0
-    head = f"{'NAME':42} {'SIZE':>10} {'KIND':9} {'RECORDS':>9} {'CREATOR':>12} {'AGE':>7}  ATTACHED"
+    head = (
+        f"{'NAME':42} {'SIZE':>10} {'KIND':9} {'RECORDS':>9} {'CREATOR':>12} {'AGE':>7}  ATTACHED"
+    )
     print(head)
     for r in rows:
         creator = ""
