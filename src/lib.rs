@@ -5,6 +5,7 @@
 //! The three lower layers never import pyo3; `cargo test` needs no Python.
 
 pub mod archive;
+pub mod graph;
 pub mod segment;
 pub mod supervisor;
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import atexit
 import collections.abc as _abc
 
-from shmstore import _native
+from shmstore import _native, leaks, memory
 from shmstore._native import (
     CorruptStoreError,
     DictView,
@@ -66,5 +66,7 @@ __all__ = [
     "StorePermissionError",
     "UnsupportedTypeError",
     "__version__",
+    "leaks",
+    "memory",
     "put",
 ]

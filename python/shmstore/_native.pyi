@@ -37,6 +37,7 @@ __all__ = [
     "_rebuild_view",
     "_store_info",
     "_supervisor_main",
+    "gc_unreachable",
     "put",
     "supervisor_info",
     "sweep",
@@ -273,3 +274,7 @@ def sweep(dry_run: bool = False, dirs: list[_Path] | None = None) -> list[dict[s
 
 def supervisor_info() -> dict[str, Any] | None:
     """The running supervisor: pid, log path, segments and the pids using them (or None)."""
+
+def gc_unreachable(objects: list[object]) -> list[int]:
+    """Indices of objects[:-1] nothing outside the list keeps alive; objects[-1] is a fresh
+    calibration probe referenced only by the list. Needs the GIL."""

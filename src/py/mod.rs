@@ -3,6 +3,7 @@
 mod decode;
 mod encode;
 mod errors;
+mod graph;
 mod handles;
 mod store;
 mod supervise;
@@ -33,6 +34,7 @@ mod _native {
             .install();
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
         errors::register(m)?;
+        graph::register(m)?;
         supervise::configure(m.py())?;
         Ok(())
     }

@@ -1,0 +1,313 @@
+"""pytest plugin: fail tests that leave reference cycles, grow memory, or leave segments.
+
+Registered through the ``pytest11`` entry point, so installing shmstore enables it.
+
+- ``@pytest.mark.no_leaks(cycles=True, memory=None, segments=True, allow=(), warmup=0,
+  repeat=1, threads="all")`` checks one test; ``--shmstore-leaks`` checks every test
+  (a marker on a test still overrides the defaults);
+- ``cycles``: the test body runs inside :func:`shmstore.leaks.detect`; cycles it leaves fail
+  the test with their types, reference path and retained bytes;
+- ``memory``: bytes (or ``"10 MB"``, ``"1.5 GiB"``) the process USS may grow by, measured
+  over ``repeat`` runs of the test body after ``warmup`` runs (fixtures are set up once);
+- ``segments``: shmstore segments (``$SHMSTORE_DIR/shmstore-*`` of this user) that appear
+  during the test and are still there after its teardown fail it at teardown;
+- ``allow``: types or module names whose cycles are expected (caches); the ini option
+  ``shmstore_leaks_allow`` adds to it for every test.
+
+Fixtures: ``leak_report`` (a ``detect`` factory with the allowlist applied),
+``memory_monitor`` (a running :class:`shmstore.memory.Monitor`), ``shm_segments`` (the
+segments present when the test started, and what appeared since).
+
+Example::
+
+    import pytest
+
+    @pytest.mark.no_leaks(memory="5 MB", warmup=1, repeat=3)
+    def test_training_step():
+        run_one_step()
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import os
+import re
+import time
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import pytest
+
+from . import _segments
+from . import memory as _memory
+from .leaks import detect
+from .leaks._report import format_bytes
+
+__all__ = ["SegmentTracker", "list_segments"]
+
+_MARKER_DOC = (
+    "no_leaks(cycles=True, memory=None, segments=True, allow=(), warmup=0, repeat=1, "
+    "threads='all'): fail the test if it leaves reference cycles, grows memory by more than "
+    "`memory` bytes, or leaves shmstore segments behind (shmstore plugin)"
+)
+_SEGMENTS_BEFORE = pytest.StashKey[frozenset[str]]()
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+}
+_OPTIONS = ("cycles", "memory", "segments", "allow", "warmup", "repeat", "threads")
+
+
+def list_segments() -> frozenset[str]:
+    """Names of this user's shmstore segments (files ``$SHMSTORE_DIR/shmstore-*``).
+
+    The one place the plugin lists segments: it follows the store's own listing.
+    """
+    return frozenset(p.name for p in _segments.segment_paths())
+
+
+def _mapped_by_other_processes(names: frozenset[str]) -> frozenset[str]:
+    """Which of ``names`` another live process maps (e.g. another pytest-xdist worker's)."""
+    seg_dir = _memory.segment_dir().rstrip("/") + "/"
+    me = os.getpid()
+    seen: set[str] = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/maps", "rb") as f:
+                text = f.read().decode("utf-8", "replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            idx = line.find(seg_dir + "shmstore-")
+            if idx >= 0:
+                name = line[idx + len(seg_dir) :].removesuffix(" (deleted)")
+                if name in names:
+                    seen.add(name)
+    return frozenset(seen)
+
+
+def parse_bytes(value: Any) -> int:
+    """``1024``, ``"10 MB"``, ``"1.5GiB"`` -> bytes."""
+    if isinstance(value, bool):
+        raise TypeError("memory must be a number of bytes or a string like '10 MB', not a bool")
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(value))
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"cannot read {value!r} as a size: use bytes (an int) or e.g. '10 MB', '1.5 GiB'"
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class _Settings:
+    cycles: bool = True
+    memory: Optional[int] = None
+    segments: bool = True
+    allow: tuple[Any, ...] = ()
+    warmup: int = 0
+    repeat: int = 1
+    threads: str = "all"
+
+
+def _settings(item: pytest.Item) -> Optional[_Settings]:
+    marker = item.get_closest_marker("no_leaks")
+    if marker is None and not item.config.getoption("shmstore_leaks"):
+        return None
+    kwargs: dict[str, Any] = dict(marker.kwargs) if marker is not None else {}
+    if marker is not None and marker.args:
+        pytest.fail(
+            f"{item.nodeid}: no_leaks takes keyword arguments only ({', '.join(_OPTIONS)})",
+            pytrace=False,
+        )
+    unknown = set(kwargs) - set(_OPTIONS)
+    if unknown:
+        pytest.fail(
+            f"{item.nodeid}: unknown no_leaks option(s) {sorted(unknown)}; "
+            f"known: {', '.join(_OPTIONS)}",
+            pytrace=False,
+        )
+    allow = tuple(item.config.getini("shmstore_leaks_allow")) + tuple(kwargs.pop("allow", ()))
+    mem = kwargs.pop("memory", None)
+    s = _Settings(allow=allow, memory=None if mem is None else parse_bytes(mem), **kwargs)
+    if s.warmup < 0 or s.repeat < 1:
+        pytest.fail(f"{item.nodeid}: no_leaks needs warmup >= 0 and repeat >= 1", pytrace=False)
+    return s
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("shmstore", "shmstore leak checks")
+    group.addoption(
+        "--shmstore-leaks",
+        action="store_true",
+        default=False,
+        dest="shmstore_leaks",
+        help="check every test for reference cycles and leftover shmstore segments, as if "
+        "marked @pytest.mark.no_leaks()",
+    )
+    parser.addini(
+        "shmstore_leaks_allow",
+        type="linelist",
+        default=[],
+        help="types ('module.QualName') or modules whose reference cycles are expected",
+    )
+    parser.addini(
+        "shmstore_segments_wait",
+        default="2.0",
+        help="seconds to wait for a test's shmstore segments to go away after its teardown",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", _MARKER_DOC)
+
+
+def _uss() -> int:
+    gc.collect()
+    return _memory.snapshot(children=False, segments=False).processes[0].uss
+
+
+def _runner(item: pytest.Function) -> Callable[[], Any]:
+    fn = item.obj
+    if inspect.iscoroutinefunction(fn):
+        pytest.fail(f"{item.nodeid}: no_leaks warmup/repeat needs a sync test", pytrace=False)
+    names = [n for n in inspect.signature(fn).parameters if n in item.funcargs]
+    return lambda: fn(**{n: item.funcargs[n] for n in names})
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Generator[None, Any, Any]:
+    s = _settings(pyfuncitem)
+    if s is None or not (s.cycles or s.memory is not None):
+        return (yield)
+    before = 0
+    if s.memory is not None:
+        run = _runner(pyfuncitem)
+        for _ in range(s.warmup):
+            run()
+        before = _uss()
+        for _ in range(s.repeat - 1):  # the last run is pytest's own, below
+            run()
+    failures = []
+    if s.cycles:
+        with detect(allow=s.allow, threads=s.threads) as report:  # type: ignore[arg-type]
+            result = yield
+        if report.cycles:
+            failures.append(f"reference cycles left by the test:\n{report}")
+    else:
+        result = yield
+    if s.memory is not None:
+        after = _uss()
+        growth = after - before
+        if growth > s.memory:
+            failures.append(
+                f"memory grew by {format_bytes(growth)} (USS {format_bytes(before)} -> "
+                f"{format_bytes(after)}) over {s.repeat} run(s) after {s.warmup} warmup "
+                f"run(s); allowed: {format_bytes(s.memory)}"
+            )
+    if failures:
+        pytest.fail("\n\n".join(failures), pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+    result = yield
+    s = _settings(item)
+    if s is not None and s.segments:
+        # After setup: segments that fixtures of a wider scope create belong to them.
+        item.stash[_SEGMENTS_BEFORE] = list_segments()
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
+    result = yield
+    before = item.stash.get(_SEGMENTS_BEFORE, None)
+    if before is None:
+        return result
+    left = _leftover_segments(before, float(item.config.getini("shmstore_segments_wait")))
+    if left:
+        pytest.fail(
+            f"the test left {len(left)} shmstore segment(s) behind in "
+            f"{_memory.segment_dir()}: {', '.join(sorted(left))}",
+            pytrace=False,
+        )
+    return result
+
+
+def _leftover_segments(before: frozenset[str], wait: float) -> frozenset[str]:
+    """New segments still present after up to ``wait`` s (the store may unlink them a little
+    later, from its supervisor), not counting those another process maps (xdist workers)."""
+    deadline = time.monotonic() + wait
+    while True:
+        left = list_segments() - before
+        if left:
+            left = left - _mapped_by_other_processes(left)
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.02)  # polling a directory: no event to wait on
+
+
+class SegmentTracker:
+    """The ``shm_segments`` fixture: the shmstore segments seen when the test started."""
+
+    def __init__(self) -> None:
+        self.before = list_segments()
+
+    def current(self) -> frozenset[str]:
+        """The segments present now."""
+        return list_segments()
+
+    def new(self) -> frozenset[str]:
+        """The segments that appeared since the test started and are still present."""
+        return list_segments() - self.before
+
+
+class _LeakReporter:
+    def __init__(self, allow: tuple[Any, ...]) -> None:
+        self.allow = allow
+
+    def __call__(self, **kwargs: Any) -> detect:
+        """``with leak_report() as report:`` — :func:`shmstore.leaks.detect` with the
+        plugin's allowlist (``allow=`` adds to it)."""
+        kwargs["allow"] = self.allow + tuple(kwargs.get("allow", ()))
+        return detect(**kwargs)
+
+
+@pytest.fixture
+def leak_report(request: pytest.FixtureRequest) -> _LeakReporter:
+    """A :func:`shmstore.leaks.detect` factory with the ini allowlist applied::
+
+    def test_x(leak_report):
+        with leak_report() as report:
+            run()
+        assert report.cycles == [], str(report)
+    """
+    return _LeakReporter(tuple(request.config.getini("shmstore_leaks_allow")))
+
+
+@pytest.fixture
+def memory_monitor() -> Iterator[_memory.Monitor]:
+    """A :class:`shmstore.memory.Monitor` of this process and its children, sampling every
+    50 ms during the test (stopped at teardown)."""
+    mon = _memory.Monitor(interval=0.05).start()
+    yield mon
+    mon.stop()
+
+
+@pytest.fixture
+def shm_segments() -> SegmentTracker:
+    """The shmstore segments present at the start of the test, and ``.new()`` since."""
+    return SegmentTracker()

@@ -1,0 +1,175 @@
+"""shmstore.memory: USS/PSS of a process tree, checked against children of known size."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from shmstore import memory
+
+MiB = 1 << 20
+pytestmark = pytest.mark.skipif(
+    not os.path.exists(f"/proc/{os.getpid()}/smaps"), reason="needs Linux /proc smaps"
+)
+
+# The child allocates N MiB of private memory that it touches (b"x" * n writes every page),
+# maps an optional file and touches it, says "ready", then waits for stdin to close.
+CHILD = r"""
+import mmap, os, sys
+n = int(sys.argv[1])
+data = b"x" * (n << 20)
+m = None
+if len(sys.argv) > 2:
+    fd = os.open(sys.argv[2], os.O_RDONLY)
+    m = mmap.mmap(fd, 0, prot=mmap.PROT_READ)
+    total = sum(m[i] for i in range(0, len(m), 4096))
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+def _spawn(mib: int, path: str | None = None) -> subprocess.Popen[str]:
+    args = [sys.executable, "-c", CHILD, str(mib), *([path] if path else [])]
+    proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # blocks until the child is ready (or EOF if it died)
+    assert line.strip() == "ready", f"child failed: {line!r}"
+    return proc
+
+
+def _finish(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.close()
+    assert proc.wait(timeout=60) == 0
+    proc.stdout.close()
+
+
+@pytest.fixture
+def child64() -> Iterator[subprocess.Popen[str]]:
+    proc = _spawn(64)
+    yield proc
+    _finish(proc)
+
+
+def test_snapshot_of_this_process_is_consistent() -> None:
+    snap = memory.snapshot(children=False)
+    (me,) = snap.processes
+    assert me.pid == os.getpid() and me.name
+    assert 0 < me.uss <= me.pss <= me.rss
+    assert me.shared <= me.rss
+    assert snap.total.pss == me.pss
+    assert str(os.getpid()) in str(snap)
+
+
+def test_forked_child_with_known_allocation(child64: subprocess.Popen[str]) -> None:
+    snap = memory.snapshot()  # this process and its children
+    assert snap.pids[0] == os.getpid() and child64.pid in snap.pids
+    child = snap.by_pid(child64.pid)
+    # 64 MiB of private pages plus the interpreter's own (a few MiB)
+    assert 64 * MiB <= child.uss <= 64 * MiB + 48 * MiB
+    assert child.uss <= child.pss <= child.rss
+    assert snap.total.uss == sum(p.uss for p in snap.processes)
+    only = memory.snapshot([child64.pid], children=False)
+    assert only.pids == [child64.pid]
+
+
+def test_monitor_sees_a_child_grow_and_reports_it() -> None:
+    with memory.Monitor(interval=0.05) as mon:
+        proc = _spawn(64)
+        try:
+            snap = mon.wait_until(
+                lambda s: any(p.pid == proc.pid and p.uss >= 64 * MiB for p in s.processes),
+                timeout=60,
+            )
+        finally:
+            _finish(proc)
+    assert snap.by_pid(proc.pid).uss >= 64 * MiB
+    assert mon.peak("uss", pid=proc.pid) >= 64 * MiB
+    assert mon.peak("uss") >= 64 * MiB
+    assert len(mon.samples) >= 2
+    table = mon.table()
+    assert "total" in table and "PSS MiB" in table
+    csv_text = mon.to_csv()
+    header, *rows = csv_text.splitlines()
+    assert header == "t,pid,name,rss,pss,uss,shared,swap,shm_pss"
+    assert any(r.split(",")[1] == str(proc.pid) for r in rows)
+
+
+def test_segment_pss_is_split_between_the_processes_mapping_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SHMSTORE_DIR", str(tmp_path))
+    name = f"shmstore-test-{uuid.uuid4().hex[:8]}"
+    path = tmp_path / name
+    path.write_bytes(b"\x01" * (8 * MiB))
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    try:
+        assert sum(m[i] for i in range(0, len(m), 4096)) == 2048  # touch every page
+        proc = _spawn(1, str(path))
+        try:
+            snap = memory.snapshot()
+        finally:
+            _finish(proc)
+        mine = snap.by_pid(os.getpid())
+        theirs = snap.by_pid(proc.pid)
+        assert mine.segments == {name: 4 * MiB}
+        assert theirs.segments == {name: 4 * MiB}
+        assert mine.shm_pss == theirs.shm_pss == 4 * MiB
+        assert snap.total.shm_pss == 8 * MiB
+        assert memory.snapshot(segments=False).by_pid(os.getpid()).shm_pss == 0
+    finally:
+        m.close()
+
+
+def test_process_tree_without_psutil_matches(
+    child64: subprocess.Popen[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with_psutil = memory.process_tree()
+    monkeypatch.setitem(sys.modules, "psutil", None)  # import psutil -> ImportError
+    assert memory.process_tree() == with_psutil
+    assert child64.pid in with_psutil
+
+
+def test_exited_process_is_left_out() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(timeout=60)
+    assert memory.snapshot([proc.pid]).processes == ()
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    mon = memory.Monitor(interval=1)
+    mon.sample()
+    mon.sample()
+    out = mon.plot(str(tmp_path / "mem.png"))
+    assert Path(out).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="fields"):
+        mon.plot(str(tmp_path / "x.png"), fields=("vms",))
+
+
+def test_plot_without_matplotlib_says_what_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+    mon = memory.Monitor()
+    mon.sample()
+    with pytest.raises(ImportError, match=r"shmstore\[plot\]"):
+        mon.plot(str(tmp_path / "mem.png"))
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="interval"):
+        memory.Monitor(interval=0)
+    with pytest.raises(ValueError, match="what"):
+        memory.Monitor().peak("vms")
+    with pytest.raises(KeyError, match="not in this snapshot"):
+        memory.snapshot(children=False).by_pid(-5)
