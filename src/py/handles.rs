@@ -6,9 +6,9 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
-use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyIndexError, PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PySlice, PyString, PyTuple, PyType};
+use pyo3::types::{PyDict, PyInt, PyList, PySlice, PyString, PyTuple, PyType};
 use pyo3::PyClassInitializer;
 
 use super::decode;
@@ -35,6 +35,22 @@ impl StoreHandle {
             inner: RwLock::new(Some(store)),
             created,
         }
+    }
+
+    /// The store, borrowed under the lock (no reference-count traffic on hot paths).
+    pub fn read(&self) -> PyResult<std::sync::RwLockReadGuard<'_, Option<Arc<Store>>>> {
+        let guard = self.inner.read().unwrap_or_else(|p| p.into_inner());
+        if guard.is_none() {
+            return Err(self.closed_error());
+        }
+        Ok(guard)
+    }
+
+    fn closed_error(&self) -> PyErr {
+        Exc::Closed.err(format!(
+            "store {:?} is closed; attach again (e.g. SharedList.attach(name)) to keep reading",
+            self.name
+        ))
     }
 
     pub fn store(&self) -> PyResult<Arc<Store>> {
@@ -248,22 +264,33 @@ impl SharedList {
         index: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
-        let store = base(slf)?;
+        let guard = slf.as_super().get().read()?;
+        let store = guard.as_ref().expect("read() checked it is open");
         let len = store.reader.len() as usize;
+        if let Ok(i) = index.cast::<PyInt>() {
+            let i: isize = i
+                .extract()
+                .map_err(|_| PyIndexError::new_err("SharedList index out of range"))?;
+            return record(py, store, norm_index(i, len, "SharedList")? as u64);
+        }
         if let Ok(slice) = index.cast::<PySlice>() {
             let ind = slice.indices(len as isize)?;
             let mut out = Vec::with_capacity(ind.slicelength);
             let mut i = ind.start;
             for _ in 0..ind.slicelength {
-                out.push(record(py, &store, i as u64)?);
+                out.push(record(py, store, i as u64)?);
                 i += ind.step;
             }
             return Ok(PyList::new(py, out)?.into_any());
         }
-        let i: isize = index
-            .extract()
-            .map_err(|_| PyTypeError::new_err("SharedList indices must be integers or slices"))?;
-        record(py, &store, norm_index(i, len, "SharedList")? as u64)
+        Err(PyTypeError::new_err(format!(
+            "SharedList indices must be integers or slices, not {}",
+            index
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
+        )))
     }
 
     fn __iter__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, RecordIter>> {

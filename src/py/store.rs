@@ -89,6 +89,17 @@ impl Store {
 
     /// The Python str for symbol `id` (shared, immutable, private to this process).
     pub fn py_symbol<'py>(&self, py: Python<'py>, id: u32) -> PyResult<Bound<'py, PyString>> {
+        self.py_symbols(py)?
+            .get(id as usize)
+            .map(|s| s.bind(py).clone())
+            .ok_or_else(|| {
+                Exc::Corrupt.err(format!("{}: symbol {id} out of range", self.describe()))
+            })
+    }
+
+    /// All symbols as interned Python strs, made on first use. Interned: a key literal in
+    /// user code is the very same object, so lookups can match by identity first.
+    pub fn py_symbols(&self, py: Python<'_>) -> PyResult<&[Py<PyString>]> {
         let syms = self.py_symbols.get_or_try_init(py, || {
             (0..self.reader.symbol_count() as u32)
                 .map(|i| {
@@ -100,11 +111,7 @@ impl Store {
                 })
                 .collect::<PyResult<Vec<_>>>()
         })?;
-        syms.get(id as usize)
-            .map(|s| s.bind(py).clone())
-            .ok_or_else(|| {
-                Exc::Corrupt.err(format!("{}: symbol {id} out of range", self.describe()))
-            })
+        Ok(syms)
     }
 }
 

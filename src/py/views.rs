@@ -12,7 +12,7 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::pyclass::CompareOp;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyList, PySlice, PyString, PyTuple};
+use pyo3::types::{PyDict, PyInt, PyList, PySlice, PyString, PyTuple};
 use pyo3::PyClass;
 
 use super::decode;
@@ -134,6 +134,12 @@ impl ListView {
         index: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let (items, is_tuple) = self.items();
+        if let Ok(i) = index.cast::<PyInt>() {
+            let i: isize = i
+                .extract()
+                .map_err(|_| PyIndexError::new_err("ListView index out of range"))?;
+            return self.item(py, norm_index(i, items.len(), "ListView")?);
+        }
         if let Ok(slice) = index.cast::<PySlice>() {
             let ind = slice.indices(items.len() as isize)?;
             let mut out = Vec::with_capacity(ind.slicelength);
@@ -335,6 +341,19 @@ impl DictView {
         let (items, index) = self.parts();
         let err = |e| archive_err(e, &self.store.describe());
         if let Ok(s) = key.cast::<PyString>() {
+            // Identity first: key literals in user code are interned, and so are the
+            // symbols, so the common case compares pointers, not bytes.
+            if index.is_empty() {
+                let syms = self.store.py_symbols(key.py())?;
+                let kp = key.as_ptr();
+                for (i, k) in items.iter().step_by(2).enumerate() {
+                    if let ArchivedValue::Sym(id) = k {
+                        if syms.get(id.to_native() as usize).map(|p| p.as_ptr()) == Some(kp) {
+                            return Ok(Some(i));
+                        }
+                    }
+                }
+            }
             if let Ok(s) = s.to_str() {
                 return self
                     .store
