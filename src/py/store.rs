@@ -37,6 +37,39 @@ impl Drop for Store {
     }
 }
 
+/// A registration held while a store is being built: dropped (DROP sent) if the build
+/// fails, handed over to the `Store` when it succeeds.
+struct Registration {
+    path: PathBuf,
+    active: bool,
+}
+
+impl Registration {
+    fn new(py: Python<'_>, path: PathBuf) -> Self {
+        let active = register(py, &path);
+        Registration { path, active }
+    }
+
+    fn follow(&mut self, py: Python<'_>, path: PathBuf) {
+        if path != self.path {
+            let old = std::mem::replace(self, Registration::new(py, path));
+            drop(old);
+        }
+    }
+
+    fn keep(mut self) {
+        self.active = false; // ownership moves to the Store (`registered`)
+    }
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        if self.active {
+            supervisor::client::drop_segment(&self.path);
+        }
+    }
+}
+
 /// Tell the supervisor (starting it if needed) that this process uses `path`. False when
 /// it is unavailable or disabled: then only the orphan sweep covers the segment.
 fn register(py: Python<'_>, path: &Path) -> bool {
@@ -297,6 +330,9 @@ pub fn build(
     };
     let (dir, fallback) = placement(dir, size_hint)?;
     let context = format!("store {name:?}");
+    // Invariant 5: the supervisor knows the segment before anything of it exists, so the
+    // death of this process at any point (even mid-build) is noticed and cleaned up.
+    let mut reg = Registration::new(py, dir.join(&name));
     let writer = SegmentWriter::create(&dir, &name, fallback.as_deref()).map_err(segment_err)?;
     let mut builder =
         Builder::new(writer, kind, std::process::id()).map_err(|e| archive_err(e, &context))?;
@@ -308,19 +344,10 @@ pub fn build(
     let (writer, total) = builder
         .finish(now_ms)
         .map_err(|e| archive_err(e, &context))?;
-    // Invariant 5: the supervisor knows the segment before its name exists (and so before
-    // a handle can leave this process).
-    let final_path = writer.final_path();
-    let registered = register(py, &final_path);
-    let (path, file) = match py.detach(|| writer.publish()) {
-        Ok(p) => p,
-        Err(e) => {
-            if registered {
-                supervisor::client::drop_segment(&final_path);
-            }
-            return Err(segment_err(e));
-        }
-    };
+    // The writer may have moved to the fallback directory when the first one filled up.
+    reg.follow(py, writer.final_path());
+    let (path, file) = py.detach(|| writer.publish()).map_err(segment_err)?;
+    let registered = reg.active;
     let opened = py.detach(|| {
         let mapping = Mapping::from_file(file, &path, &name, true).map_err(StoreErr::Segment)?;
         if !registered {
@@ -335,12 +362,10 @@ pub fn build(
         Ok(x) => x,
         Err(e) => {
             let _ = std::fs::remove_file(&path);
-            if registered {
-                supervisor::client::drop_segment(&path);
-            }
-            return Err(e.into_py(&context));
+            return Err(e.into_py(&context)); // `reg` drops the registration
         }
     };
+    reg.keep(); // from now on the Store's Drop sends DROP
     let store = Arc::new(Store {
         reader,
         source: Source::Segment { name, path },

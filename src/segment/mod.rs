@@ -28,7 +28,7 @@ pub enum SegmentError {
     Exists { name: String, path: PathBuf },
     #[error("{path} belongs to uid {owner}, not to this user (uid {me}); shmstore only attaches to its own user's segments")]
     WrongOwner { path: PathBuf, owner: u32, me: u32 },
-    #[error("not enough space in {dir}: the store needs {needed} bytes but only {free} are free; {hint}")]
+    #[error("not enough space in {dir}: the store needs at least {needed} bytes (with 1 MiB of slack) but only {free} are available to it; {hint}")]
     Full {
         dir: PathBuf,
         needed: u64,

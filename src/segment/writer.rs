@@ -39,7 +39,7 @@ fn full_error(dir: &Path, needed: u64, free: u64) -> SegmentError {
 pub fn preflight(dir: &Path, needed: u64) -> Result<(), SegmentError> {
     let free = free_bytes(dir)?;
     if free < needed.saturating_add(RESERVE) {
-        return Err(full_error(dir, needed, free));
+        return Err(full_error(dir, needed.saturating_add(RESERVE), free));
     }
     Ok(())
 }
@@ -152,14 +152,24 @@ impl SegmentWriter {
         if free < need.saturating_add(RESERVE) {
             return Err(io::Error::new(
                 io::ErrorKind::StorageFull,
-                full_error(&self.dir, self.written + need, free + self.written),
+                // Both counted for the whole store: what it needs so far (with the slack
+                // tmpfs keeps) against what the directory could give it.
+                full_error(
+                    &self.dir,
+                    self.written + need + RESERVE,
+                    free + self.written,
+                ),
             ));
         }
         file.write_all(&self.buf).map_err(|e| {
             if e.raw_os_error() == Some(rustix::io::Errno::NOSPC.raw_os_error()) {
                 io::Error::new(
                     io::ErrorKind::StorageFull,
-                    full_error(&self.dir, self.written + need, free),
+                    full_error(
+                        &self.dir,
+                        self.written + need + RESERVE,
+                        free + self.written,
+                    ),
                 )
             } else {
                 e

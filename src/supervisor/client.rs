@@ -9,7 +9,6 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -25,11 +24,9 @@ pub struct SpawnCommand {
 }
 
 static SPAWN: OnceLock<SpawnCommand> = OnceLock::new();
-static FORKED: AtomicBool = AtomicBool::new(false);
 
 pub fn set_spawn_command(cmd: SpawnCommand) {
     let _ = SPAWN.set(cmd);
-    install_fork_hook();
 }
 
 /// `SHMSTORE_SUPERVISOR=0` turns the supervisor off (the creator then unlinks its own
@@ -39,21 +36,6 @@ pub fn enabled() -> bool {
         std::env::var("SHMSTORE_SUPERVISOR").as_deref(),
         Ok("0") | Ok("off")
     )
-}
-
-extern "C" fn after_fork_in_parent() {
-    FORKED.store(true, Ordering::Relaxed);
-}
-
-fn install_fork_hook() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        // SAFETY: registers a handler that only stores to an atomic (async-signal-safe);
-        // pthread_atfork has no other preconditions.
-        unsafe {
-            libc::pthread_atfork(None, Some(after_fork_in_parent), None);
-        }
-    });
 }
 
 struct Conn {
@@ -212,8 +194,7 @@ pub fn drop_segment(path: &Path) {
         return;
     }
     st.uses.remove(path);
-    let scan = FORKED.load(Ordering::Relaxed);
-    let _ = send(&mut st, &Request::Drop(path.to_owned(), scan), false);
+    let _ = send(&mut st, &Request::Drop(path.to_owned()), false);
 }
 
 /// What the running supervisor tracks (None if no supervisor is running: never starts one).

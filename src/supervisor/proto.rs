@@ -5,8 +5,7 @@
 //! ```text
 //! HELLO <pid>            -> OK <supervisor pid>
 //! USE <path>             -> OK           this client uses the segment at <path>
-//! DROP <path>            -> OK           ... no longer (this process never forked)
-//! DROP! <path>           -> OK           ... no longer; it forked, so children may map it
+//! DROP <path>            -> OK           ... no longer
 //! LIST                   -> SEG <path> <pid>,<pid>...  (one per segment)  then END
 //! ```
 
@@ -16,8 +15,7 @@ use std::path::{Path, PathBuf};
 pub enum Request {
     Hello(u32),
     Use(PathBuf),
-    /// The path, and whether the supervisor must check /proc for other mappers first.
-    Drop(PathBuf, bool),
+    Drop(PathBuf),
     List,
 }
 
@@ -27,8 +25,7 @@ impl Request {
         match cmd {
             "HELLO" => arg.parse().ok().map(Request::Hello),
             "USE" if arg.starts_with('/') => Some(Request::Use(PathBuf::from(arg))),
-            "DROP" if arg.starts_with('/') => Some(Request::Drop(PathBuf::from(arg), false)),
-            "DROP!" if arg.starts_with('/') => Some(Request::Drop(PathBuf::from(arg), true)),
+            "DROP" if arg.starts_with('/') => Some(Request::Drop(PathBuf::from(arg))),
             "LIST" => Some(Request::List),
             _ => None,
         }
@@ -38,8 +35,7 @@ impl Request {
         match self {
             Request::Hello(pid) => format!("HELLO {pid}\n"),
             Request::Use(p) => format!("USE {}\n", p.display()),
-            Request::Drop(p, false) => format!("DROP {}\n", p.display()),
-            Request::Drop(p, true) => format!("DROP! {}\n", p.display()),
+            Request::Drop(p) => format!("DROP {}\n", p.display()),
             Request::List => "LIST\n".into(),
         }
     }
@@ -76,8 +72,7 @@ mod tests {
         for r in [
             Request::Hello(42),
             Request::Use("/dev/shm/shmstore-a".into()),
-            Request::Drop("/dev/shm/shmstore-b".into(), false),
-            Request::Drop("/dev/shm/shmstore-c".into(), true),
+            Request::Drop("/dev/shm/shmstore-b".into()),
             Request::List,
         ] {
             assert_eq!(Request::parse(r.encode().trim_end()), Some(r));

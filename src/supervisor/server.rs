@@ -1,5 +1,9 @@
 //! The supervisor's event loop: one thread, `poll(2)` over the listening socket, the client
 //! connections and the pidfds of adopted processes.
+//!
+//! Decisions are batched: requests and deaths seen in one poll round only mark segments as
+//! "to settle"; at the end of the round one /proc scan covers all of them (and the orphan
+//! sweep), so a thousand clients dying at once cost one scan, not a thousand.
 
 use std::collections::{HashMap, HashSet};
 use std::io::{self, BufRead, Read, Write};
@@ -13,29 +17,17 @@ use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use rustix::process::{pidfd_open, Pid, PidfdFlags};
 
 use super::proto::{encode_seg, Request};
-use super::sweep::{descendants, holders, holders_among, sweep};
+use super::sweep::{holders, holders_among, segment_files};
 
 pub struct ServerConfig {
     /// Abstract socket name (see `super::socket_name`).
     pub name: String,
-    /// Exit after this long with no client and no segment in use.
+    /// Exit after this long with no registered segment and no adopted process.
     pub grace: Duration,
     /// Append a line per action here (None: no log).
     pub log: Option<PathBuf>,
     /// Directories swept for orphans at start and after a client dies.
     pub sweep_dirs: Vec<PathBuf>,
-}
-
-/// How much of /proc to check before unlinking a segment nobody registered uses.
-#[derive(Clone, Copy)]
-enum Check {
-    /// The last user was a client that never forked: every process that could map the
-    /// segment is a client (attachers say `USE` before they map), so nothing to check.
-    None,
-    /// The last user, alive, forked: its descendants may have inherited the mapping.
-    Descendants(u32),
-    /// A client died (its children were re-parented), or at start-up: every process.
-    All,
 }
 
 struct Client {
@@ -59,6 +51,12 @@ struct State {
     segments: HashMap<PathBuf, Segment>,
     pidfds: HashMap<u32, OwnedFd>,
     dirs: HashSet<PathBuf>,
+    /// Segments whose users changed this round.
+    pending: HashSet<PathBuf>,
+    /// A client that had registered segments died: look for orphans this round.
+    sweep_needed: bool,
+    /// accept() hit the descriptor limit: stop polling the listener until a client leaves.
+    accept_paused: bool,
 }
 
 /// Bind the socket. `Ok(None)` when another supervisor already listens on it.
@@ -73,10 +71,22 @@ pub fn bind(name: &str) -> io::Result<Option<UnixListener>> {
 
 /// Run until idle for `grace`. Returns at once if another supervisor owns the socket.
 pub fn run(cfg: ServerConfig) -> io::Result<()> {
+    raise_fd_limit();
     let Some(listener) = bind(&cfg.name)? else {
         return Ok(());
     };
     serve(listener, cfg)
+}
+
+/// One descriptor per client: use the hard limit, not a soft one inherited from whoever
+/// happened to start us.
+fn raise_fd_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let mut lim = getrlimit(Resource::Nofile);
+    if lim.current < lim.maximum {
+        lim.current = lim.maximum;
+        let _ = setrlimit(Resource::Nofile, lim);
+    }
 }
 
 /// Serve on an already bound listener.
@@ -91,19 +101,25 @@ pub fn serve(listener: UnixListener, cfg: ServerConfig) -> io::Result<()> {
         next_id: 0,
         segments: HashMap::new(),
         pidfds: HashMap::new(),
+        pending: HashSet::new(),
+        sweep_needed: true, // start-up: take over what a previous supervisor left
+        accept_paused: false,
     };
     st.note(&format!(
         "supervisor {} started on @{}",
         std::process::id(),
         st.cfg.name
     ));
-    st.takeover();
+    st.flush();
     let mut idle_since = Some(Instant::now());
     loop {
-        if st.clients.is_empty() && st.segments.is_empty() {
+        // Idle: nothing registered and nobody adopted. Clients that only asked questions
+        // (ls, info) do not keep us alive; they reconnect (and restart us) if they need to.
+        let idle = st.segments.is_empty() && st.clients.values().all(|c| c.uses.is_empty());
+        if idle {
             let since = *idle_since.get_or_insert_with(Instant::now);
             if since.elapsed() >= st.cfg.grace {
-                st.note("no clients and no segments left: exiting");
+                st.note("no segments left: exiting");
                 return Ok(());
             }
         } else {
@@ -120,7 +136,13 @@ pub fn serve(listener: UnixListener, cfg: ServerConfig) -> io::Result<()> {
         let pids: Vec<u32> = st.pidfds.keys().copied().collect();
         let (ready_listener, ready_clients, ready_pids) = {
             let mut fds = Vec::with_capacity(1 + client_ids.len() + pids.len());
-            fds.push(PollFd::new(&listener, PollFlags::IN));
+            // While paused, poll a descriptor that never fires in its place.
+            let listen_flags = if st.accept_paused {
+                PollFlags::empty()
+            } else {
+                PollFlags::IN
+            };
+            fds.push(PollFd::new(&listener, listen_flags));
             for id in &client_ids {
                 fds.push(PollFd::new(&st.clients[id].stream, PollFlags::IN));
             }
@@ -156,6 +178,7 @@ pub fn serve(listener: UnixListener, cfg: ServerConfig) -> io::Result<()> {
         if !ready_pids.is_empty() {
             st.adopted_exited(&ready_pids);
         }
+        st.flush();
     }
 }
 
@@ -188,40 +211,24 @@ impl State {
         }
     }
 
-    /// At start: remove orphans; adopt the processes that still use the other segments.
-    fn takeover(&mut self) {
-        let dirs: Vec<PathBuf> = self.dirs.iter().cloned().collect();
-        let report = sweep(&dirs, &HashSet::new(), false);
-        for s in report {
-            if s.removed {
-                self.note(&format!(
-                    "sweep: removed orphan {} ({} bytes)",
-                    s.path.display(),
-                    s.size
-                ));
-            } else if !s.path.to_string_lossy().contains(".part-") {
-                let pids = s.users.clone();
-                self.segments.entry(s.path.clone()).or_default();
-                for pid in pids {
-                    self.adopt(&s.path, pid);
-                }
-                self.note(&format!(
-                    "took over {} (used by {:?})",
-                    s.path.display(),
-                    s.users
-                ));
-            }
-        }
-        // Segments whose users all vanished while we adopted them.
-        let all: Vec<PathBuf> = self.segments.keys().cloned().collect();
-        self.settle(all, Check::All);
-    }
-
     fn accept(&mut self, listener: &UnixListener) {
         loop {
             let stream = match listener.accept() {
                 Ok((s, _)) => s,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e)
+                    if e.raw_os_error() == Some(libc::EMFILE)
+                        || e.raw_os_error() == Some(libc::ENFILE) =>
+                {
+                    // Out of descriptors: waiting clients stay queued in the backlog until
+                    // one leaves; don't spin on a listener we cannot drain.
+                    self.accept_paused = true;
+                    self.note(&format!(
+                        "accept paused: {e} ({} clients)",
+                        self.clients.len()
+                    ));
+                    return;
+                }
                 Err(e) => {
                     self.note(&format!("accept failed: {e}"));
                     return;
@@ -312,21 +319,13 @@ impl State {
                 self.segments.entry(path).or_default().clients.insert(id);
                 "OK\n".into()
             }
-            Some(Request::Drop(path, scan)) => {
+            Some(Request::Drop(path)) => {
                 let c = self.clients.get_mut(&id).expect("live client");
                 if c.uses.remove(&path) {
-                    let pid = c.pid;
                     if let Some(seg) = self.segments.get_mut(&path) {
                         seg.clients.remove(&id);
                     }
-                    // A live client that forked: only its descendants can have inherited
-                    // the mapping without telling us.
-                    let check = if scan {
-                        Check::Descendants(pid)
-                    } else {
-                        Check::None
-                    };
-                    self.settle(vec![path], check);
+                    self.pending.insert(path);
                 }
                 "OK\n".into()
             }
@@ -357,109 +356,109 @@ impl State {
         let Some(c) = self.clients.remove(&id) else {
             return;
         };
-        let paths: Vec<PathBuf> = c.uses.into_iter().collect();
-        for p in &paths {
+        self.accept_paused = false;
+        if c.uses.is_empty() {
+            return; // it only asked questions
+        }
+        for p in &c.uses {
             if let Some(seg) = self.segments.get_mut(p) {
                 seg.clients.remove(&id);
             }
         }
-        self.settle(paths, Check::All);
-        // A dead client may have left half-built (`.part-`) or unregistered files.
-        self.sweep_orphans();
+        self.pending.extend(c.uses);
+        // A dead client may have left half-built (`.part-`) files behind.
+        self.sweep_needed = true;
     }
 
-    fn sweep_orphans(&mut self) {
-        let dirs: Vec<PathBuf> = self.dirs.iter().cloned().collect();
-        let keep: HashSet<PathBuf> = self.segments.keys().cloned().collect();
-        for s in sweep(&dirs, &keep, false) {
-            if s.removed {
-                self.note(&format!(
-                    "sweep: removed orphan {} ({} bytes)",
-                    s.path.display(),
-                    s.size
-                ));
+    fn adopted_exited(&mut self, pids: &[u32]) {
+        for pid in pids {
+            self.pidfds.remove(pid);
+            for (path, seg) in self.segments.iter_mut() {
+                if seg.adopted.remove(pid) {
+                    self.pending.insert(path.clone());
+                }
             }
         }
     }
 
-    fn adopt(&mut self, path: &Path, pid: u32) {
+    /// Settle everything that changed this round with one /proc scan: unlink segments that
+    /// no client uses and no live process maps or holds open; adopt the processes that
+    /// still do (not clients: e.g. forked children, or processes with the supervisor off);
+    /// remove orphaned files (including `.part-` files of dead writers).
+    fn flush(&mut self) {
+        let mut idle: HashSet<PathBuf> = HashSet::new();
+        for p in std::mem::take(&mut self.pending) {
+            let Some(seg) = self.segments.get(&p) else {
+                continue;
+            };
+            if !(seg.clients.is_empty() && seg.adopted.is_empty()) {
+                continue;
+            }
+            if p.exists() {
+                idle.insert(p);
+            } else {
+                self.segments.remove(&p); // already unlinked (e.g. by `unlink()`)
+            }
+        }
+        let orphans: HashSet<PathBuf> = if std::mem::take(&mut self.sweep_needed) {
+            self.dirs
+                .iter()
+                .flat_map(|d| segment_files(d))
+                .filter(|p| !self.segments.contains_key(p))
+                .collect()
+        } else {
+            HashSet::new()
+        };
+        if idle.is_empty() && orphans.is_empty() {
+            return;
+        }
+        let all: HashSet<PathBuf> = idle.union(&orphans).cloned().collect();
+        let users = holders(&all);
+        for path in all {
+            let pids = users.get(&path).map(Vec::as_slice).unwrap_or(&[]);
+            let adopted = pids.iter().filter(|&&pid| self.adopt(&path, pid)).count();
+            if adopted > 0 {
+                let msg = format!(
+                    "{} is mapped by {pids:?} (not clients): waiting",
+                    path.display()
+                );
+                self.note(&msg);
+            } else {
+                self.remove(&path);
+            }
+        }
+    }
+
+    /// Watch `pid` (which maps or holds `path`) until it exits. False if it is already gone
+    /// or (pid reused between the scan and the pidfd) no longer uses the segment.
+    fn adopt(&mut self, path: &Path, pid: u32) -> bool {
         if let std::collections::hash_map::Entry::Vacant(slot) = self.pidfds.entry(pid) {
             let Some(p) = Pid::from_raw(pid as i32) else {
-                return;
+                return false;
             };
-            match pidfd_open(p, PidfdFlags::empty()) {
-                Ok(fd) => {
-                    slot.insert(fd);
-                }
-                Err(_) => return, // already gone
+            let Ok(fd) = pidfd_open(p, PidfdFlags::empty()) else {
+                return false; // already gone
+            };
+            // The pidfd names one process for good; make sure it is the one we saw.
+            let one: HashSet<PathBuf> = [path.to_owned()].into();
+            if holders_among(&one, [pid]).is_empty() {
+                return false;
             }
+            slot.insert(fd);
         }
         self.segments
             .entry(path.to_owned())
             .or_default()
             .adopted
             .insert(pid);
-    }
-
-    fn adopted_exited(&mut self, pids: &[u32]) {
-        let mut affected = Vec::new();
-        for pid in pids {
-            self.pidfds.remove(pid);
-            for (path, seg) in self.segments.iter_mut() {
-                if seg.adopted.remove(pid) {
-                    affected.push(path.clone());
-                }
-            }
-        }
-        self.settle(affected, Check::All);
-    }
-
-    /// Unlink each of `paths` that no client uses and no live process maps or holds open;
-    /// adopt the processes that still do (they are not our clients: e.g. forked children).
-    /// `check`: which processes' /proc entries to look at first (see `Check`).
-    fn settle(&mut self, paths: Vec<PathBuf>, check: Check) {
-        let idle: HashSet<PathBuf> = paths
-            .into_iter()
-            .filter(|p| {
-                self.segments
-                    .get(p)
-                    .is_some_and(|s| s.clients.is_empty() && s.adopted.is_empty())
-            })
-            .collect();
-        if idle.is_empty() {
-            return;
-        }
-        let users = match check {
-            Check::None => HashMap::new(),
-            Check::Descendants(pid) => holders_among(&idle, descendants(pid)),
-            Check::All => holders(&idle),
-        };
-        for path in idle {
-            match users.get(&path) {
-                Some(pids) if !pids.is_empty() => {
-                    for &pid in pids {
-                        self.adopt(&path, pid);
-                    }
-                    if self
-                        .segments
-                        .get(&path)
-                        .is_some_and(|s| !s.adopted.is_empty())
-                    {
-                        let msg = format!("{} still mapped by {:?}: waiting", path.display(), pids);
-                        self.note(&msg);
-                        continue;
-                    }
-                    self.remove(&path);
-                }
-                _ => self.remove(&path),
-            }
-        }
+        true
     }
 
     fn remove(&mut self, path: &Path) {
-        self.segments.remove(path);
+        let tracked = self.segments.remove(path).is_some();
         match std::fs::remove_file(path) {
-            Ok(()) => self.note(&format!("unlinked {} (no user left)", path.display())),
+            Ok(()) if tracked => self.note(&format!("unlinked {} (no user left)", path.display())),
+            Ok(()) => self.note(&format!("sweep: removed orphan {}", path.display())),
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => self.note(&format!("could not unlink {}: {e}", path.display())),
         }
@@ -556,11 +555,13 @@ mod tests {
             "a segment another client uses was removed: {}",
             std::fs::read_to_string(dir.path().join("supervisor.log")).unwrap_or_default()
         );
-        assert_eq!(
-            b.request(&Request::Drop(shared.clone(), false)).unwrap(),
-            "OK"
-        );
-        assert!(!shared.exists());
+        assert_eq!(b.request(&Request::Drop(shared.clone())).unwrap(), "OK");
+        // Settled at the end of the poll round that answered the DROP.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while shared.exists() {
+            assert!(Instant::now() < deadline, "dropped segment not removed");
+            let _ = b.request(&Request::Hello(1));
+        }
         drop((b, c));
         server.join().unwrap().unwrap(); // idle -> exits after the grace
     }
@@ -584,7 +585,7 @@ mod tests {
         }
         let mut a = TestConn::connect(&name).unwrap();
         a.request(&Request::Use(p.clone())).unwrap();
-        a.request(&Request::Drop(p.clone(), true)).unwrap();
+        a.request(&Request::Drop(p.clone())).unwrap();
         assert!(p.exists(), "removed while another process holds it");
         let list = a.list().unwrap();
         assert_eq!(list.len(), 1);

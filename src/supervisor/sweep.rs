@@ -46,12 +46,37 @@ pub fn descendants(pid: u32) -> Vec<u32> {
     out
 }
 
+/// A file's identity: (device, inode). Paths are not enough: a process that mapped a
+/// segment through the descriptor it wrote it with shows the temporary `.part-` name in
+/// /proc/PID/maps, and any name shows as "(deleted)" once unlinked.
+pub type FileId = (u64, u64);
+
+fn file_id(path: &Path) -> Option<FileId> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// Parse "MAJ:MIN" (hex) of a /proc/PID/maps line into a `st_dev` value.
+fn maps_dev(field: &str) -> Option<u64> {
+    let (maj, min) = field.split_once(':')?;
+    let maj = u32::from_str_radix(maj, 16).ok()?;
+    let min = u32::from_str_radix(min, 16).ok()?;
+    Some(libc::makedev(maj, min))
+}
+
 /// `holders`, looking only at the given processes.
 pub fn holders_among(
     paths: &HashSet<PathBuf>,
     pids: impl IntoIterator<Item = u32>,
 ) -> HashMap<PathBuf, Vec<u32>> {
     let mut out: HashMap<PathBuf, Vec<u32>> = HashMap::new();
+    let ids: HashMap<FileId, &PathBuf> = paths
+        .iter()
+        .filter_map(|p| file_id(p).map(|id| (id, p)))
+        .collect();
+    if ids.is_empty() {
+        return out;
+    }
     let me = std::process::id();
     for pid in pids {
         if pid == me {
@@ -61,22 +86,27 @@ pub fn holders_among(
         let mut found: HashSet<&PathBuf> = HashSet::new();
         if let Ok(maps) = std::fs::read_to_string(dir.join("maps")) {
             for line in maps.lines() {
-                // address perms offset dev inode   pathname[ (deleted)]
-                let Some(idx) = line.find('/') else { continue };
-                let p = line[idx..].trim_end_matches(" (deleted)");
-                if let Some(hit) = paths.get(Path::new(p)) {
+                // address perms offset dev inode pathname
+                let mut f = line.split_ascii_whitespace().skip(3);
+                let (Some(dev), Some(ino)) = (f.next(), f.next()) else {
+                    continue;
+                };
+                let Ok(ino) = ino.parse::<u64>() else {
+                    continue;
+                };
+                if ino == 0 {
+                    continue;
+                }
+                if let Some(hit) = maps_dev(dev).and_then(|d| ids.get(&(d, ino))) {
                     found.insert(hit);
                 }
             }
         }
         if let Ok(fds) = std::fs::read_dir(dir.join("fd")) {
             for fd in fds.flatten() {
-                if let Ok(target) = std::fs::read_link(fd.path()) {
-                    let t = target.to_string_lossy();
-                    let t = t.trim_end_matches(" (deleted)");
-                    if let Some(hit) = paths.get(Path::new(t)) {
-                        found.insert(hit);
-                    }
+                // metadata() follows the magic link to the open file, deleted or not.
+                if let Some(hit) = file_id(&fd.path()).and_then(|id| ids.get(&id)) {
+                    found.insert(hit);
                 }
             }
         }

@@ -1,0 +1,290 @@
+"""Worker processes for tests/test_lifecycle.py and benchmarks/bench_lifecycle.py.
+
+Run as ``python tests/_lifecycle_workers.py ROLE [ARGS...]`` with the test's environment
+(``SHMSTORE_DIR``, ``SHMSTORE_SUPERVISOR_NAME``, ...). Roles:
+
+- ``client``: a scripted shmstore user. Reads one command per line on stdin and answers one
+  line on stdout: ``OK ...`` or ``ERR <ExceptionType> <message>``. Commands:
+
+  ``ping``                       ``OK <pid>``
+  ``create N [NAME]``            build a SharedList of N records: ``OK <name> <path>``
+  ``put NBYTES``                 ``shmstore.put(bytes)``: ``OK <name> <path>``
+  ``attach NAME``                attach and check every record: ``OK <path>``
+  ``attachref NAME``             ``Ref.attach(NAME)``: ``OK <path> <len of the value>``
+  ``read NAME``                  check every record of an attached/created store: ``OK <n>``
+  ``readloop NAME``              start a thread that keeps checking every record
+  ``readstat``                   ``OK <passes> <errors>`` of the read loops
+  ``close NAME``                 close and forget the handle (its last mapping here goes)
+  ``unlink NAME``                ``unlink()``: ``OK <whether the file still exists>``
+  ``pickle NAME``                ``OK <hex of pickle.dumps(handle)>``
+  ``unpickle HEX``               unpickle, check every record: ``OK <name>``
+  ``fork_create N``              fork a child that creates its own store and waits:
+                                 ``OK <child pid> <name> <path>``
+  ``fork_reader NAME GO RESULT`` fork a child that only reads the inherited handle (no shmstore
+                                 call that would register it), waits for a byte on fd GO,
+                                 reads again and writes ``OK <n>`` to fd RESULT: ``OK <pid>``
+  ``child_exit PID``             tell that child to exit normally, reap it: ``OK <status>``
+  ``reap PID``                   wait for that child (e.g. after the test SIGKILLed it)
+  ``build_blocking N``           start building a SharedList, print ``MID <pid>`` after N
+                                 records, then block (reading stdin) inside the build
+  ``raise``                      raise an exception out of the main module (exit code 1)
+  ``exit``                       ``OK`` then a normal exit
+
+- ``cycler K RECORDS``: K times fork a child that creates a store, wait until it has, then
+  SIGKILL it. Prints ``DONE <K>``.
+
+Records are ``record(i)`` below, so every reader can check what it reads.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import select
+import signal
+import sys
+import threading
+import traceback
+
+
+def record(i: int) -> dict:
+    return {"i": i, "s": f"rec-{i}", "xs": [i, 2 * i, 3 * i], "f": i / 4}
+
+
+def check_all(handle) -> int:
+    n = len(handle)
+    for i in range(n):
+        got = handle[i]
+        if got["i"] != i or got["s"] != f"rec-{i}" or list(got["xs"]) != [i, 2 * i, 3 * i]:
+            raise AssertionError(f"record {i} reads {got.to_python()!r}")
+    return n
+
+
+class Client:
+    def __init__(self) -> None:
+        import shmstore
+
+        self.shmstore = shmstore
+        self.handles: dict[str, object] = {}
+        self.children: dict[int, int] = {}  # child pid -> write end of its "exit" pipe
+        self.loops: list[list[int]] = []  # [passes, errors] per read loop
+        self.stop = threading.Event()
+        self.threads: list[threading.Thread] = []
+
+    def cmd_ping(self) -> str:
+        return f"OK {os.getpid()}"
+
+    def cmd_create(self, n: str, name: str | None = None) -> str:
+        h = self.shmstore.SharedList((record(i) for i in range(int(n))), name=name)
+        self.handles[h.name] = h
+        return f"OK {h.name} {self.shmstore._native._store_info(h)['path']}"
+
+    def cmd_put(self, nbytes: str) -> str:
+        h = self.shmstore.put(b"\x5a" * int(nbytes))
+        self.handles[h.name] = h
+        return f"OK {h.name} {self.shmstore._native._store_info(h)['path']}"
+
+    def cmd_build_blocking(self, n: str) -> str:
+        def records():
+            for i in range(int(n)):
+                yield record(i)
+            print(f"MID {os.getpid()}", flush=True)
+            sys.stdin.readline()  # the test SIGKILLs us here, in the middle of the build
+            yield record(int(n))
+
+        h = self.shmstore.SharedList(records())
+        self.handles[h.name] = h
+        return f"OK {h.name}"
+
+    def cmd_attach(self, name: str) -> str:
+        h = self.shmstore.SharedList.attach(name)
+        check_all(h)
+        self.handles[h.name] = h
+        return f"OK {self.shmstore._native._store_info(h)['path']}"
+
+    def cmd_attachref(self, name: str) -> str:
+        h = self.shmstore.Ref.attach(name)
+        self.handles[h.name] = h
+        return f"OK {self.shmstore._native._store_info(h)['path']} {len(h.get())}"
+
+    def cmd_read(self, name: str) -> str:
+        return f"OK {check_all(self.handles[name])}"
+
+    def cmd_readloop(self, name: str) -> str:
+        h = self.handles[name]
+        stat = [0, 0]
+        self.loops.append(stat)
+
+        def loop() -> None:
+            while not self.stop.is_set():
+                try:
+                    check_all(h)
+                except Exception:
+                    stat[1] += 1
+                stat[0] += 1
+
+        t = threading.Thread(target=loop, daemon=True)
+        t.start()
+        self.threads.append(t)
+        return "OK"
+
+    def cmd_readstat(self) -> str:
+        return f"OK {sum(s[0] for s in self.loops)} {sum(s[1] for s in self.loops)}"
+
+    def cmd_close(self, name: str) -> str:
+        h = self.handles.pop(name)
+        h.close()
+        del h
+        gc.collect()
+        return "OK"
+
+    def cmd_unlink(self, name: str) -> str:
+        h = self.handles[name]
+        path = self.shmstore._native._store_info(h)["path"]
+        h.unlink()
+        return f"OK {os.path.exists(path)}"
+
+    def cmd_pickle(self, name: str) -> str:
+        return f"OK {pickle.dumps(self.handles[name]).hex()}"
+
+    def cmd_unpickle(self, data: str) -> str:
+        h = pickle.loads(bytes.fromhex(data))
+        check_all(h)
+        self.handles[h.name] = h
+        return f"OK {h.name}"
+
+    def cmd_fork_create(self, n: str) -> str:
+        ready_r, ready_w = os.pipe()
+        exit_r, exit_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: its own store, then wait for "exit" (or a SIGKILL)
+            code = 0
+            try:
+                os.close(ready_r)
+                os.close(exit_w)
+                h = self.shmstore.SharedList(record(i) for i in range(int(n)))
+                check_all(h)
+                path = self.shmstore._native._store_info(h)["path"]
+                os.write(ready_w, f"{h.name} {path}\n".encode())
+                os.read(exit_r, 1)
+                check_all(h)
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            finally:
+                os._exit(code)
+        os.close(ready_w)
+        os.close(exit_r)
+        line = read_line(ready_r, 30.0)
+        os.close(ready_r)
+        self.children[pid] = exit_w
+        return f"OK {pid} {line}"
+
+    def cmd_fork_reader(self, name: str, go_fd: str, result_fd: str) -> str:
+        h = self.handles[name]
+        ready_r, ready_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                os.close(ready_r)
+                check_all(h)
+                os.write(ready_w, b"ready\n")
+                os.read(int(go_fd), 1)  # the test holds the write end
+                n = check_all(h)
+                os.write(int(result_fd), f"OK {n}\n".encode())
+                code = 0
+            except BaseException as e:
+                os.write(int(result_fd), f"ERR {type(e).__name__} {e}\n".encode())
+            finally:
+                os._exit(code)
+        os.close(ready_w)
+        read_line(ready_r, 30.0)
+        os.close(ready_r)
+        return f"OK {pid}"
+
+    def cmd_child_exit(self, pid: str) -> str:
+        os.close(self.children.pop(int(pid)))
+        _, status = os.waitpid(int(pid), 0)
+        return f"OK {os.waitstatus_to_exitcode(status)}"
+
+    def cmd_reap(self, pid: str) -> str:
+        fd = self.children.pop(int(pid), None)
+        if fd is not None:
+            os.close(fd)
+        _, status = os.waitpid(int(pid), 0)
+        return f"OK {os.waitstatus_to_exitcode(status)}"
+
+    def run(self) -> None:
+        for line in sys.stdin:
+            words = line.split()
+            if not words:
+                continue
+            if words[0] == "raise":
+                raise RuntimeError("exit by exception (requested by the test)")
+            if words[0] == "exit":
+                self.stop.set()
+                for t in self.threads:
+                    t.join()
+                print("OK", flush=True)
+                return
+            try:
+                reply = getattr(self, "cmd_" + words[0])(*words[1:])
+            except Exception as e:
+                msg = " ".join(str(e).split())
+                reply = f"ERR {type(e).__name__} {msg}"
+            print(reply, flush=True)
+
+
+def read_line(fd: int, timeout: float) -> str:
+    buf = b""
+    while not buf.endswith(b"\n"):
+        ready, _, _ = select.select([fd], [], [], timeout)
+        if not ready:
+            raise TimeoutError("no line from the child")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            raise EOFError(f"child closed the pipe after {buf!r}")
+        buf += chunk
+    return buf.decode().strip()
+
+
+def cycler(k: int, n: int) -> None:
+    """K times: fork a child that creates a store and then blocks; SIGKILL it once it has."""
+    import shmstore
+
+    for _ in range(k):
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(r)
+                h = shmstore.SharedList(record(i) for i in range(n))
+                os.write(w, h.name.encode() + b"\n")
+                while True:
+                    signal.pause()
+            finally:
+                os._exit(1)
+        os.close(w)
+        try:
+            read_line(r, 30.0)
+        finally:
+            os.close(r)
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    print(f"DONE {k}", flush=True)
+
+
+def main() -> None:
+    role = sys.argv[1]
+    if role == "client":
+        Client().run()
+    elif role == "cycler":
+        cycler(int(sys.argv[2]), int(sys.argv[3]))
+    else:
+        raise SystemExit(f"unknown role {role!r}")
+
+
+if __name__ == "__main__":
+    main()
