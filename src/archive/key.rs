@@ -51,9 +51,51 @@ fn as_int(k: &Key<'_>) -> Option<i64> {
     match *k {
         Key::Bool(b) => Some(b as i64),
         Key::Int(i) => Some(i),
-        Key::Float(f) if f.fract() == 0.0 && f.abs() < I64_FLOAT_LIMIT => Some(f as i64),
+        Key::Float(f) if f.fract() == 0.0 && (-I64_FLOAT_LIMIT..I64_FLOAT_LIMIT).contains(&f) => {
+            Some(f as i64)
+        }
         _ => None,
     }
+}
+
+/// The exact integer an integral float beyond i64 equals, as minimal two's-complement
+/// little-endian bytes (the `BigInt` form), so `float(2**64)` and `2**64` are one key.
+fn float_bigint(f: f64) -> Option<Vec<u8>> {
+    if !f.is_finite() || f.fract() != 0.0 || (-I64_FLOAT_LIMIT..I64_FLOAT_LIMIT).contains(&f) {
+        return None;
+    }
+    let bits = f.to_bits();
+    let exp = ((bits >> 52) & 0x7ff) as i64 - 1075; // value = mantissa * 2^exp, exp >= 11 here
+    let mantissa = (bits & ((1u64 << 52) - 1)) | (1u64 << 52);
+    let shift = exp as usize;
+    // magnitude = mantissa << shift, as little-endian bytes
+    let nbytes = (53 + shift) / 8 + 2;
+    let mut mag = vec![0u8; nbytes];
+    let (byte, bit) = (shift / 8, shift % 8);
+    let wide = (mantissa as u128) << bit;
+    for i in 0..16 {
+        if byte + i < nbytes {
+            mag[byte + i] = (wide >> (8 * i)) as u8;
+        }
+    }
+    if f < 0.0 {
+        // two's complement: invert and add one
+        let mut carry = 1u16;
+        for b in mag.iter_mut() {
+            let v = (!*b) as u16 + carry;
+            *b = v as u8;
+            carry = v >> 8;
+        }
+    }
+    // minimal length: drop redundant sign-extension bytes
+    let sign = if f < 0.0 { 0xff } else { 0x00 };
+    while mag.len() > 1
+        && mag[mag.len() - 1] == sign
+        && (mag[mag.len() - 2] & 0x80) == (sign & 0x80)
+    {
+        mag.pop();
+    }
+    Some(mag)
 }
 
 /// Stable hash of a str key (shared with the reader's fast path for str lookups).
@@ -71,6 +113,11 @@ impl Key<'_> {
     pub fn stable_hash(&self) -> u64 {
         if let Some(i) = as_int(self) {
             return hash_int(i);
+        }
+        if let Key::Float(f) = self {
+            if let Some(b) = float_bigint(*f) {
+                return xxh3_64_with_seed(&b, SEED_BIGINT);
+            }
         }
         match self {
             Key::None => xxh3_64_with_seed(&[], SEED_NONE),
@@ -97,6 +144,9 @@ impl Key<'_> {
         match (self, other) {
             (Key::None, Key::None) => true,
             (Key::BigInt(a), Key::BigInt(b)) => a == b,
+            (Key::BigInt(a), Key::Float(f)) | (Key::Float(f), Key::BigInt(a)) => {
+                float_bigint(*f).is_some_and(|b| b == a.as_ref())
+            }
             (Key::Float(a), Key::Float(b)) => a == b,
             (Key::Str(a), Key::Str(b)) => a == b,
             (Key::Bytes(a), Key::Bytes(b)) => a == b,
@@ -267,6 +317,22 @@ mod tests {
             Key::Str("a".into()).stable_hash(),
             Key::Bytes(Cow::Borrowed(b"a")).stable_hash()
         );
+    }
+
+    #[test]
+    fn big_integral_floats_equal_their_ints() {
+        // 2**64 as minimal two's complement: 9 bytes, 1 in the top.
+        let two64 = Key::BigInt(Cow::Owned(vec![0, 0, 0, 0, 0, 0, 0, 0, 1]));
+        let f = Key::Float(18446744073709551616.0);
+        assert!(f.key_eq(&two64) && two64.key_eq(&f));
+        assert_eq!(f.stable_hash(), two64.stable_hash());
+        // -(2**64)
+        let neg = Key::BigInt(Cow::Owned(vec![0, 0, 0, 0, 0, 0, 0, 0, 0xff]));
+        let nf = Key::Float(-18446744073709551616.0);
+        assert!(nf.key_eq(&neg));
+        // -(2**63) fits in i64 and is an Int
+        assert!(Key::Float(-9223372036854775808.0).key_eq(&Key::Int(i64::MIN)));
+        assert!(!Key::Float(1e300).key_eq(&two64));
     }
 
     #[test]

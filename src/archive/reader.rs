@@ -276,6 +276,12 @@ impl<B: AsRef<[u8]>> Reader<B> {
             }
             if slot >> 32 == h >> 32 {
                 let e = (slot & 0xffff_ffff) - 1;
+                if e >= self.header.count {
+                    return corrupt(format!(
+                        "dict table slot points at entry {e} of {}",
+                        self.header.count
+                    ));
+                }
                 if self.key(e)?.key_eq(key) {
                     return Ok(Some(e));
                 }

@@ -43,6 +43,8 @@ pub enum Value {
     /// An int outside i64: two's-complement little-endian bytes, minimal length.
     BigInt(Vec<u8>),
     Float(f64),
+    /// A complex number (real, imaginary); boxed to keep `Value` at 9 bytes.
+    Complex(Box<[f64; 2]>),
     Str(String),
     /// A str interned in the archive's symbol table (used for dict keys).
     Sym(u32),

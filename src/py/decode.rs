@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyComplex, PyDict, PyFloat, PyList, PyString, PyTuple};
 use pyo3::IntoPyObjectExt;
 
 use super::errors::{archive_err, Exc};
@@ -40,6 +40,9 @@ pub fn value<'py>(
         ArchivedValue::Int(i) => i.to_native().into_bound_py_any(py)?,
         ArchivedValue::BigInt(b) => bigint(py, b.as_slice())?,
         ArchivedValue::Float(f) => PyFloat::new(py, f.to_native()).into_any(),
+        ArchivedValue::Complex(c) => {
+            PyComplex::from_doubles(py, c[0].to_native(), c[1].to_native()).into_any()
+        }
         ArchivedValue::Str(s) => PyString::new(py, s.as_str()).into_any(),
         ArchivedValue::Sym(id) => store.py_symbol(py, id.to_native())?.into_any(),
         ArchivedValue::Bytes(b) => PyBytes::new(py, b.as_slice()).into_any(),
@@ -92,6 +95,21 @@ pub fn value<'py>(
             asarray.bind(py).call1((owner,))?
         }
     })
+}
+
+/// A key stored inside a record, checked to be of a key type: corrupted bytes can make
+/// any value sit in a key position, and that must be CorruptStoreError, not a TypeError.
+pub fn dict_key<'py>(
+    py: Python<'py>,
+    store: &Arc<Store>,
+    node: Node,
+    k: &ArchivedValue,
+) -> PyResult<Bound<'py, PyAny>> {
+    store
+        .reader
+        .value_key(k)
+        .map_err(|e| archive_err(e, &store.describe()))?;
+    value(py, store, node, k, true)
 }
 
 /// Interleaved items and index of an archived dict (empty for anything else).

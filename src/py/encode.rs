@@ -8,8 +8,8 @@ use pyo3::exceptions::PyUnicodeEncodeError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{
-    PyBool, PyByteArray, PyBytes, PyDict, PyFloat, PyInt, PyList, PyMemoryView, PyString, PyTuple,
-    PyType,
+    PyBool, PyByteArray, PyBytes, PyComplex, PyDict, PyFloat, PyInt, PyList, PyMemoryView,
+    PyString, PyTuple, PyType,
 };
 
 use super::errors::{archive_err, Exc};
@@ -24,7 +24,7 @@ const BYTES_OUT_OF_LINE: usize = 64 * 1024;
 /// Array payloads larger than this are copied with the GIL released.
 const DETACH_COPY: usize = 1 << 20;
 
-const SUPPORTED: &str = "supported: None, bool, int, float, str, bytes, bytearray, memoryview, \
+const SUPPORTED: &str = "supported: None, bool, int, float, complex, str, bytes, bytearray, memoryview, \
                          list, tuple, dict, numpy arrays of bool/int/uint/float/complex and numpy scalars";
 
 /// One step of the path to the value being encoded. Keys are kept as objects (a refcount,
@@ -211,6 +211,9 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
         if let Ok(b) = obj.cast::<PyByteArray>() {
             return self.bytes(&b.to_vec());
         }
+        if let Ok(c) = obj.cast::<PyComplex>() {
+            return Ok(Value::Complex(Box::new([c.real(), c.imag()])));
+        }
         if obj.cast::<PyMemoryView>().is_ok() {
             let b = obj.call_method0("tobytes")?;
             return self.bytes(b.cast::<PyBytes>()?.as_bytes());
@@ -324,9 +327,14 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
                 ),
             ));
         }
-        let np = py.import("numpy")?;
-        // Non-contiguous input (slices, transposes) is copied to C order once, here.
-        let arr = np.call_method1("ascontiguousarray", (obj,))?;
+        // Non-contiguous input (slices, transposes) is copied to C order once, here
+        // (`copy`, not `ascontiguousarray`, which would turn a 0-d array into 1-d).
+        let contiguous: bool = obj.getattr("flags")?.getattr("c_contiguous")?.extract()?;
+        let arr = if contiguous {
+            obj.clone()
+        } else {
+            obj.call_method1("copy", ("C",))?
+        };
         let typestr: String = arr.getattr("dtype")?.getattr("str")?.extract()?;
         if crate::archive::value::typestr_itemsize(&typestr).is_none() {
             return Err(self.unsupported(obj, &format!(" with dtype {typestr}")));

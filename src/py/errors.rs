@@ -130,6 +130,7 @@ pub fn segment_err(e: SegmentError) -> PyErr {
         SegmentError::WrongOwner { .. } => Exc::Permission.err(msg),
         SegmentError::Full { .. } => Exc::OutOfMemory.err(msg),
         SegmentError::BadName { .. } => Exc::Invalid.err(msg),
+        SegmentError::Empty { .. } => Exc::Corrupt.err(msg),
         SegmentError::Io { ref source, .. } => io_exc(source).err(msg),
     }
 }

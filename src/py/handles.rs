@@ -207,12 +207,12 @@ use pyo3::PyClass;
 impl SharedList {
     #[new]
     #[pyo3(signature = (iterable, *, name=None, dir=None))]
-    fn py_new(
-        py: Python<'_>,
-        iterable: &Bound<'_, PyAny>,
+    fn py_new<'py>(
+        py: Python<'py>,
+        iterable: &Bound<'py, PyAny>,
         name: Option<&str>,
         dir: Option<PathBuf>,
-    ) -> PyResult<PyClassInitializer<Self>> {
+    ) -> PyResult<Bound<'py, SharedList>> {
         let iter = iterable.try_iter()?;
         let store = store::build(py, Kind::List, name, dir, None, |builder| {
             let context = "records".to_string();
@@ -226,7 +226,8 @@ impl SharedList {
             }
             Ok(())
         })?;
-        Ok(PyClassInitializer::from(StoreHandle::new(store, true)).add_subclass(SharedList))
+        // Made here (not by pyo3 from an initializer) so it is created untracked too.
+        list_new(py, store, true)
     }
 
     /// Attach to an existing SharedList by name (any process of the same user).
@@ -422,12 +423,12 @@ fn dict_find(store: &Store, key: &Bound<'_, PyAny>) -> PyResult<Option<u64>> {
 impl SharedDict {
     #[new]
     #[pyo3(signature = (mapping_or_pairs, *, name=None, dir=None))]
-    fn py_new(
-        py: Python<'_>,
-        mapping_or_pairs: &Bound<'_, PyAny>,
+    fn py_new<'py>(
+        py: Python<'py>,
+        mapping_or_pairs: &Bound<'py, PyAny>,
         name: Option<&str>,
         dir: Option<PathBuf>,
-    ) -> PyResult<PyClassInitializer<Self>> {
+    ) -> PyResult<Bound<'py, SharedDict>> {
         let (items, pairs) =
             if mapping_or_pairs.is_instance_of::<PyDict>() || mapping_or_pairs.hasattr("keys")? {
                 (mapping_or_pairs.call_method0("items")?.try_iter()?, false)
@@ -478,7 +479,7 @@ impl SharedDict {
             }
             Ok(())
         })?;
-        Ok(PyClassInitializer::from(StoreHandle::new(store, true)).add_subclass(SharedDict))
+        dict_new(py, store, true)
     }
 
     /// Attach to an existing SharedDict by name.

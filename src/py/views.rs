@@ -379,7 +379,7 @@ impl DictView {
 
     fn entry_key<'py>(&self, py: Python<'py>, i: usize) -> PyResult<Bound<'py, PyAny>> {
         let (items, _) = self.parts();
-        decode::value(py, &self.store, self.node, &items[2 * i], true)
+        decode::dict_key(py, &self.store, self.node, &items[2 * i])
     }
 }
 
@@ -517,7 +517,7 @@ impl DictIter {
             self.next.store(n, Ordering::Relaxed);
             return Ok(None);
         }
-        decode::value(py, &self.store, self.node, &items[2 * i], true).map(Some)
+        decode::dict_key(py, &self.store, self.node, &items[2 * i]).map(Some)
     }
 }
 

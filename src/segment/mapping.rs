@@ -82,10 +82,9 @@ impl Mapping {
             ));
         }
         if meta.len() == 0 {
-            return Err(SegmentError::io(
-                path,
-                std::io::Error::new(std::io::ErrorKind::InvalidData, "empty file"),
-            ));
+            return Err(SegmentError::Empty {
+                path: path.to_owned(),
+            });
         }
         // SAFETY: memmap2 requires that the file is not modified or truncated while mapped.
         // Segments are sealed before they get their name (mode 0400, written once, never

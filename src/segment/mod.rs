@@ -35,6 +35,8 @@ pub enum SegmentError {
         free: u64,
         hint: String,
     },
+    #[error("{path}: truncated: the file is empty, not a shmstore archive")]
+    Empty { path: PathBuf },
     #[error("invalid segment name {name:?}: {why}")]
     BadName { name: String, why: &'static str },
     #[error("{path}: {source}")]
