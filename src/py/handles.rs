@@ -375,7 +375,11 @@ impl RecordIter {
     }
 
     fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        // A plain load/store, not an atomic read-modify-write (a locked instruction on
+        // every item): iterators are not meant to be shared between threads, and if one
+        // is, the worst case is an item seen twice, never a bad read.
+        let i = self.next.load(Ordering::Relaxed);
+        self.next.store(i + 1, Ordering::Relaxed);
         if i >= self.store.reader.len() {
             self.next.store(self.store.reader.len(), Ordering::Relaxed);
             return Ok(None);
@@ -606,7 +610,11 @@ impl KeyIter {
     }
 
     fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        // A plain load/store, not an atomic read-modify-write (a locked instruction on
+        // every item): iterators are not meant to be shared between threads, and if one
+        // is, the worst case is an item seen twice, never a bad read.
+        let i = self.next.load(Ordering::Relaxed);
+        self.next.store(i + 1, Ordering::Relaxed);
         if i >= self.store.reader.len() {
             self.next.store(self.store.reader.len(), Ordering::Relaxed);
             return Ok(None);

@@ -138,7 +138,8 @@ impl ListView {
             let i: isize = i
                 .extract()
                 .map_err(|_| PyIndexError::new_err("ListView index out of range"))?;
-            return self.item(py, norm_index(i, items.len(), "ListView")?);
+            let v = &items[norm_index(i, items.len(), "ListView")?];
+            return decode::value(py, &self.store, self.node, v, false);
         }
         if let Ok(slice) = index.cast::<PySlice>() {
             let ind = slice.indices(items.len() as isize)?;
@@ -303,7 +304,11 @@ impl ListIter {
             ArchivedValue::List(items) | ArchivedValue::Tuple(items) => items.as_slice(),
             _ => &[],
         };
-        let k = self.next.fetch_add(1, Ordering::Relaxed);
+        // A plain load/store, not an atomic read-modify-write (a locked instruction on
+        // every item): iterators are not meant to be shared between threads, and if one
+        // is, the worst case is an item seen twice, never a bad read.
+        let k = self.next.load(Ordering::Relaxed);
+        self.next.store(k + 1, Ordering::Relaxed);
         if k >= items.len() {
             self.next.store(items.len(), Ordering::Relaxed);
             return Ok(None);
@@ -512,7 +517,11 @@ impl DictIter {
     fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
         let (items, _) = decode::dict_parts(self.store.reader.get(self.node));
         let n = items.len() / 2;
-        let i = self.next.fetch_add(1, Ordering::Relaxed);
+        // A plain load/store, not an atomic read-modify-write (a locked instruction on
+        // every item): iterators are not meant to be shared between threads, and if one
+        // is, the worst case is an item seen twice, never a bad read.
+        let i = self.next.load(Ordering::Relaxed);
+        self.next.store(i + 1, Ordering::Relaxed);
         if i >= n {
             self.next.store(n, Ordering::Relaxed);
             return Ok(None);
