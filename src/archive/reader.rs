@@ -151,7 +151,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
             return Ok(());
         }
         let (start, end) = self.check_span(rec)?;
-        rkyv::access::<ArchivedValue, rancor::Error>(&self.bytes()[start..end])
+        rkyv::access::<ArchivedValue, rancor::BoxedError>(&self.bytes()[start..end])
             .map_err(|e| ArchiveError::Corrupt(format!("record {rec}: invalid structure: {e}")))?;
         self.validated[word].fetch_or(bit, Ordering::AcqRel);
         Ok(())
@@ -181,7 +181,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
         if pos < start || pos >= end {
             return corrupt(format!("position {pos} is not inside record {rec}"));
         }
-        rkyv::api::high::access_pos::<ArchivedValue, rancor::Error>(
+        rkyv::api::high::access_pos::<ArchivedValue, rancor::BoxedError>(
             &self.bytes()[start..end],
             pos - start,
         )

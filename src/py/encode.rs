@@ -220,6 +220,12 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
         }
         if let Some(np) = numpy(py) {
             if obj.is_instance(np.ndarray.bind(py))? {
+                if obj.hasattr("mask")? && obj.hasattr("_mask")? {
+                    return Err(self.unsupported(
+                        obj,
+                        " (its mask would be lost; store .data and .mask as two arrays)",
+                    ));
+                }
                 return self.array(obj);
             }
             if obj.is_instance(np.generic.bind(py))? {

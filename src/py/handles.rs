@@ -305,13 +305,21 @@ impl SharedList {
     }
 
     fn __contains__(slf: &Bound<'_, Self>, value: &Bound<'_, PyAny>) -> PyResult<bool> {
-        Ok(Self::index(slf, value).is_ok())
+        Ok(Self::index(slf, value, 0, None).is_ok())
     }
 
     /// Index of the first record equal to `value` (ValueError if absent).
-    fn index(slf: &Bound<'_, Self>, value: &Bound<'_, PyAny>) -> PyResult<usize> {
+    #[pyo3(signature = (value, start=0, stop=None))]
+    fn index(
+        slf: &Bound<'_, Self>,
+        value: &Bound<'_, PyAny>,
+        start: isize,
+        stop: Option<isize>,
+    ) -> PyResult<usize> {
         let store = base(slf)?;
-        for i in 0..store.reader.len() {
+        let len = store.reader.len() as isize;
+        let clamp = |i: isize| if i < 0 { (i + len).max(0) } else { i.min(len) } as u64;
+        for i in clamp(start)..clamp(stop.unwrap_or(len)) {
             if record(slf.py(), &store, i)?.eq(value)? {
                 return Ok(i as usize);
             }
@@ -567,6 +575,23 @@ impl SharedDict {
         abc_views(slf.py())?.2.bind(slf.py()).call1((slf,))
     }
 
+    /// Equal to any mapping with the same items (what `collections.abc.Mapping` gives).
+    fn __eq__(slf: &Bound<'_, Self>, other: &Bound<'_, PyAny>) -> PyResult<bool> {
+        if other.is(slf) {
+            return Ok(true);
+        }
+        let mapping = slf.py().import("collections.abc")?.getattr("Mapping")?;
+        if !other.is_instance(&mapping)? {
+            return Ok(false);
+        }
+        let plain = if other.is_instance_of::<SharedDict>() || other.is_instance_of::<DictView>() {
+            other.call_method0("to_python")?
+        } else {
+            other.clone()
+        };
+        Self::to_python(slf)?.as_any().eq(plain)
+    }
+
     /// All entries as a plain dict.
     fn to_python<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyDict>> {
         let py = slf.py();
@@ -712,19 +737,27 @@ pub fn put<'py>(
     ref_new(py, store, true)
 }
 
+/// What a pickle's (path, flag) names: a segment ("s"; its name is the file name) or a
+/// saved archive file ("").
+fn source_of(path: PathBuf, flag: &str) -> Source {
+    match (
+        flag,
+        path.file_name().and_then(|n| n.to_str()).map(str::to_owned),
+    ) {
+        ("s", Some(name)) => Source::Segment { name, path },
+        _ => Source::File { path },
+    }
+}
+
 /// Unpickle a handle: attach by path (segment or file).
 #[pyfunction]
 pub fn _rebuild<'py>(
     py: Python<'py>,
     cls: &str,
     path: PathBuf,
-    name: String,
+    kind_flag: String,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let source = if name.is_empty() {
-        Source::File { path }
-    } else {
-        Source::Segment { name, path }
-    };
+    let source = source_of(path, &kind_flag);
     let store = store::attach_source(py, source)?;
     let kind = match cls {
         "SharedList" => Kind::List,
@@ -745,15 +778,11 @@ pub fn _rebuild<'py>(
 pub fn _rebuild_view<'py>(
     py: Python<'py>,
     path: PathBuf,
-    name: String,
+    kind_flag: String,
     rec: u64,
     pos: u64,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let source = if name.is_empty() {
-        Source::File { path }
-    } else {
-        Source::Segment { name, path }
-    };
+    let source = source_of(path, &kind_flag);
     let store = store::attach_source(py, source)?;
     let node = store.reader.node_checked(rec, pos).map_err(err(&store))?;
     Ok(match store.reader.get(node) {

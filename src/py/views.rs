@@ -50,14 +50,15 @@ pub fn norm_index(i: isize, len: usize, what: &str) -> PyResult<usize> {
     Ok(j as usize)
 }
 
-/// (path, segment name or "" for a file, record, position): what a pickle carries.
+/// (path, "s" for a segment or "" for a saved file, record, position): what a pickle
+/// carries. A segment's name is its file name, so it is not repeated.
 pub type ReduceArgs = (String, String, u64, u64);
 type Reduced<'py> = (Bound<'py, PyAny>, ReduceArgs);
 
 /// The pickle payload of anything that lives in a store: its source and position.
 pub fn reduce_args(store: &Store, rec: u64, pos: u64) -> ReduceArgs {
     match &store.source {
-        Source::Segment { name, path } => (path.display().to_string(), name.clone(), rec, pos),
+        Source::Segment { path, .. } => (path.display().to_string(), "s".into(), rec, pos),
         Source::File { path } => (path.display().to_string(), String::new(), rec, pos),
     }
 }

@@ -14,8 +14,8 @@ pub use writer::{free_bytes, preflight, SegmentWriter};
 
 /// Every segment name starts with this, so sweeps and listings can find ours.
 pub const PREFIX: &str = "shmstore-";
-/// Longest accepted name (NAME_MAX is 255; leave room for the build suffix).
-pub const MAX_NAME: usize = 200;
+/// Longest accepted name: keeps pickled handles (which carry the path) under 256 bytes.
+pub const MAX_NAME: usize = 128;
 
 /// Errors of the segment layer.
 #[derive(Debug, thiserror::Error)]
@@ -132,7 +132,7 @@ pub fn normalize_name(name: &str) -> Result<String, SegmentError> {
         format!("{PREFIX}{name}")
     };
     if full.len() > MAX_NAME {
-        return bad("it is longer than 200 characters");
+        return bad("it is longer than 128 characters (prefix included)");
     }
     if full.contains(".part-") {
         return bad("'.part-' is reserved for stores being built");

@@ -1,0 +1,566 @@
+"""Store handles: names, sizes, close/unlink, context managers, save/open, attach, pickling,
+GC/weakref properties, zero-copy read-only arrays, segment permissions (docs/api.md)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import pickle
+import re
+import stat
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+import shmstore
+
+pytestmark = pytest.mark.usefixtures("no_leftover_segments")
+
+SHM = Path("/dev/shm")
+NAME_RE = re.compile(r"^shmstore-[0-9a-f]{32}$")
+
+
+def make(kind: str, value=None):
+    """A fresh store of `kind` ("list", "dict" or "ref")."""
+    if kind == "list":
+        return shmstore.SharedList(value if value is not None else [{"a": [1, 2]}, 3])
+    if kind == "dict":
+        return shmstore.SharedDict(value if value is not None else {"k": {"a": [1, 2]}, "n": 3})
+    return shmstore.put(value if value is not None else {"a": [1, 2], "arr": np.arange(4)})
+
+
+CLASSES = {"list": shmstore.SharedList, "dict": shmstore.SharedDict, "ref": shmstore.Ref}
+KINDS = list(CLASSES)
+
+
+def first(store):
+    """A view from the store (a container inside its first record)."""
+    if isinstance(store, shmstore.SharedList):
+        return store[0]["a"]
+    if isinstance(store, shmstore.SharedDict):
+        return store["k"]["a"]
+    return store.get()["a"]
+
+
+def mappings_of(path: str | os.stat_result) -> list[tuple[int, int, str]]:
+    """(start, end, perms) of this process's mappings of the file `path` (or of the file
+    with that stat result: matched by device and inode, as /proc/self/maps may show
+    another name of the file, e.g. the temporary name it was built under)."""
+    st = path if isinstance(path, os.stat_result) else os.stat(path)
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6:
+                continue
+            major, minor = (int(x, 16) for x in parts[3].split(":"))
+            dev = os.makedev(major, minor)
+            if int(parts[4]) == st.st_ino and dev == st.st_dev:
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                out.append((lo, hi, parts[1]))
+    return out
+
+
+def data_address(arr: np.ndarray) -> int:
+    return arr.__array_interface__["data"][0]
+
+
+# --- names, sizes, files ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_name_nbytes_and_segment_file(kind):
+    with make(kind) as s:
+        assert NAME_RE.match(s.name), s.name
+        path = SHM / s.name
+        st = path.stat()
+        assert s.nbytes == st.st_size > 128  # header + records
+        assert stat.S_ISREG(st.st_mode)
+        assert stat.S_IMODE(st.st_mode) == 0o400  # sealed: read-only, owner only
+        assert st.st_uid == os.geteuid()
+        assert s.name in repr(s)
+        assert not s.closed
+    assert not path.exists()
+
+
+def test_names_are_unguessable():
+    names = set()
+    for _ in range(100):
+        with shmstore.put(None) as r:
+            assert NAME_RE.match(r.name)
+            names.add(r.name)
+    assert len(names) == 100
+    # 128 random bits: every hex digit position takes many values.
+    digits = [{n[len("shmstore-") + i] for n in names} for i in range(32)]
+    assert all(len(d) >= 8 for d in digits), digits
+
+
+def test_nbytes_grows_with_data():
+    with shmstore.put(b"x" * 1000) as small, shmstore.put(b"x" * 1_000_000) as big:
+        assert big.nbytes - small.nbytes >= 999_000
+
+
+# --- user-given names ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_user_name_gets_prefix_and_can_be_attached(kind):
+    short = f"test-api-{kind}-{os.getpid()}"
+    build = {
+        "list": lambda: shmstore.SharedList([1, 2], name=short),
+        "dict": lambda: shmstore.SharedDict({"a": 1}, name=short),
+        "ref": lambda: shmstore.put([1, 2], name=short),
+    }[kind]
+    with build() as s:
+        assert s.name == f"shmstore-{short}"
+        assert (SHM / s.name).exists()
+        for n in (short, s.name):
+            with CLASSES[kind].attach(n) as a:
+                assert a.name == s.name and a.nbytes == s.nbytes
+    assert not (SHM / f"shmstore-{short}").exists()
+
+
+def test_user_name_with_prefix_is_kept():
+    name = f"shmstore-already-prefixed-{os.getpid()}"
+    with shmstore.SharedList([1], name=name) as s:
+        assert s.name == name
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_duplicate_name_raises_store_exists(kind):
+    short = f"test-dup-{kind}-{os.getpid()}"
+    with shmstore.SharedList(["original"], name=short) as s:
+        before = sorted(p.name for p in SHM.iterdir())
+        with pytest.raises(shmstore.StoreExistsError) as e:
+            if kind == "list":
+                shmstore.SharedList(["other"], name=short)
+            elif kind == "dict":
+                shmstore.SharedDict({"other": 1}, name=f"shmstore-{short}")
+            else:
+                shmstore.put(np.zeros(1000), name=short)
+        assert isinstance(e.value, FileExistsError)
+        assert s.name in str(e.value)
+        assert sorted(p.name for p in SHM.iterdir()) == before  # no *.part-* left
+        assert s[0] == "original"
+        with shmstore.SharedList.attach(short) as a:
+            assert a.to_python() == ["original"]
+
+
+@pytest.mark.parametrize(
+    "bad", ["", "a/b", "../etc", ".hidden", "x" * 250, "sp ace", "a.part-b", "ünï"]
+)
+def test_invalid_names_are_refused(bad):
+    with pytest.raises(shmstore.InvalidInputError):
+        shmstore.SharedList([1], name=bad)
+    with pytest.raises((shmstore.InvalidInputError, shmstore.StoreNotFoundError)):
+        shmstore.SharedList.attach(bad)
+
+
+# --- close / unlink / context manager ---------------------------------------------------------
+
+
+def _handle_calls(s, kind):
+    """Calls that need the store behind a handle."""
+    calls = [lambda: s.nbytes, lambda: s.save("/tmp/never-written"), lambda: s.unlink()]
+    return (
+        calls
+        + {
+            "list": [lambda: len(s), lambda: s[0], lambda: iter(s), lambda: s.to_python()],
+            "dict": [lambda: len(s), lambda: s["k"], lambda: "k" in s, lambda: list(s.keys())],
+            "ref": [lambda: s.get()],
+        }[kind]
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_use_after_close_raises_and_views_keep_working(kind):
+    s = make(kind)
+    name = s.name
+    view = first(s)
+    arr = s.get()["arr"] if kind == "ref" else None
+    s.close()
+    assert s.closed
+    assert s.name == name  # still known, for messages
+    assert "closed" in repr(s)
+    calls = _handle_calls(s, kind)
+    for call in calls:
+        with pytest.raises(shmstore.StoreClosedError) as e:
+            call()
+        assert isinstance(e.value, ValueError)
+        assert name in str(e.value)
+    with pytest.raises(shmstore.StoreClosedError):
+        pickle.dumps(s)
+    s.close()  # idempotent
+    # What was handed out before keeps working (and keeps the mapping alive).
+    assert view == [1, 2] and view.to_python() == [1, 2]
+    if arr is not None:
+        assert arr.tolist() == [0, 1, 2, 3]
+    del calls, s
+    gc.collect()
+    assert view[-1] == 2 and list(view) == [1, 2]
+    if arr is not None:
+        assert int(arr.sum()) == 6
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_unlink_removes_name_but_mappings_keep_working(kind):
+    s = make(kind)
+    name = s.name
+    attached = CLASSES[kind].attach(name)
+    view = first(s)
+    s.unlink()
+    assert not (SHM / name).exists()
+    s.unlink()  # idempotent
+    with pytest.raises(shmstore.StoreNotFoundError):
+        CLASSES[kind].attach(name)
+    assert view == [1, 2]
+    assert first(attached) == [1, 2]  # handles keep working too
+    assert first(s) == [1, 2]
+    s.close()
+    attached.close()
+    del s, attached
+    gc.collect()
+    assert view.to_python() == [1, 2]
+
+
+def test_views_survive_everything_else():
+    """Close, unlink, drop the handle and every other reference: views and arrays still read."""
+    lst = shmstore.SharedList([{"arr": np.arange(10.0), "x": [1, (2, 3)]}])
+    rec = lst[0]
+    arr = rec["arr"]
+    inner = rec["x"][1]
+    it = iter(rec["x"])
+    lst.unlink()
+    lst.close()
+    del lst, rec
+    gc.collect()
+    assert arr.sum() == 45.0
+    assert inner == (2, 3)
+    assert next(it) == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_context_manager_of_creator_unlinks(kind):
+    with make(kind) as s:
+        name = s.name
+        view = first(s)
+        assert (SHM / name).exists()
+    assert s.closed
+    assert not (SHM / name).exists()
+    assert view == [1, 2]
+
+
+def test_context_manager_unlinks_on_exception():
+    with pytest.raises(KeyError, match="boom"):
+        with shmstore.SharedList([1]) as s:
+            name = s.name
+            raise KeyError("boom")
+    assert not (SHM / name).exists()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_context_manager_of_attached_handle_only_closes(kind):
+    with make(kind) as s:
+        with CLASSES[kind].attach(s.name) as a:
+            assert a.nbytes == s.nbytes
+        assert a.closed
+        assert (SHM / s.name).exists()  # an attached handle does not unlink
+        assert not s.closed and first(s) == [1, 2]
+
+
+# --- save / open --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("as_str", [False, True], ids=["Path", "str"])
+def test_save_and_open(kind, as_str, tmp_path):
+    path = tmp_path / f"saved-{kind}.shmstore"
+    with make(kind) as s:
+        s.save(str(path) if as_str else path)
+        expected = s.to_python() if kind != "ref" else s.get().to_python()
+        nbytes = s.nbytes
+    assert path.stat().st_size == nbytes
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # no temp file left
+    opened = CLASSES[kind].open(str(path) if as_str else path)
+    got = opened.to_python() if kind != "ref" else opened.get().to_python()
+    assert str(got) == str(expected)
+    assert opened.nbytes == nbytes
+    assert str(path) in opened.name
+    view = first(opened)
+    assert pickle.loads(pickle.dumps(view)) == [1, 2]
+    with pytest.raises(shmstore.InvalidInputError):
+        opened.unlink()  # a file is not a segment
+    assert path.exists()
+    opened.close()
+    assert view == [1, 2]
+
+
+def test_saved_file_is_independent_of_the_segment(tmp_path, records):
+    path = tmp_path / "records.shmstore"
+    with shmstore.SharedList(records) as s:
+        s.save(path)
+    # The segment is gone; the file still opens, by several handles sharing one mapping.
+    a = shmstore.SharedList.open(path)
+    b = shmstore.SharedList.open(path)
+    assert a.to_python() == records == b.to_python()
+    assert len(mappings_of(str(path))) == 1
+    a.verify()
+    a.close()
+    b.close()
+
+
+def test_open_relative_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with shmstore.put([1, 2, 3]) as r:
+        r.save("rel.shmstore")
+    ref = shmstore.Ref.open("rel.shmstore")
+    monkeypatch.chdir("/")
+    assert pickle.loads(pickle.dumps(ref)).get() == [1, 2, 3]  # pickles an absolute path
+
+
+def test_save_overwrites_atomically(tmp_path):
+    path = tmp_path / "x.shmstore"
+    with shmstore.put([1]) as a, shmstore.put([2, 2]) as b:
+        a.save(path)
+        b.save(path)
+    assert shmstore.Ref.open(path).get() == [2, 2]
+    assert [p.name for p in tmp_path.iterdir()] == ["x.shmstore"]
+
+
+def test_saving_over_an_opened_file(tmp_path):
+    """save() replaces the file atomically: a process that has the old file open keeps its
+    (old) content; opening the path again gives the new archive."""
+    path = tmp_path / "x.shmstore"
+    with shmstore.put(["old"]) as a:
+        a.save(path)
+    old = shmstore.Ref.open(path)
+    old_view = old.get()
+    with shmstore.put(["new", "er"]) as b:
+        b.save(path)
+    assert old_view == ["old"] and old.get() == ["old"]
+    new = shmstore.Ref.open(path)
+    assert new.get() == ["new", "er"]
+    assert pickle.loads(pickle.dumps(new.get())) == ["new", "er"]
+    old.close()
+    new.close()
+
+
+def test_a_recreated_name_is_a_new_store():
+    name = f"test-recreate-{os.getpid()}"
+    first_store = shmstore.SharedList(["old"], name=name)
+    attached = shmstore.SharedList.attach(name)
+    first_store.unlink()
+    with shmstore.SharedList(["new"], name=name) as second:
+        assert shmstore.SharedList.attach(name)[0] == "new"
+        assert attached[0] == "old"  # the old mapping is still the old store
+        assert second.name == first_store.name
+    attached.close()
+    first_store.close()
+
+
+def test_open_missing_file(tmp_path):
+    missing = tmp_path / "missing.shmstore"
+    with pytest.raises(shmstore.StoreNotFoundError) as e:
+        shmstore.SharedList.open(missing)
+    assert isinstance(e.value, FileNotFoundError)
+    assert str(missing) in str(e.value)
+
+
+# --- attach -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "wrong"),
+    [("dict", "list"), ("list", "dict"), ("ref", "list"), ("list", "ref"), ("dict", "ref")],
+)
+def test_attach_with_the_wrong_class_is_a_clear_error(kind, wrong, tmp_path):
+    with make(kind) as s:
+        with pytest.raises(shmstore.InvalidInputError) as e:
+            CLASSES[wrong].attach(s.name)
+        msg = str(e.value)
+        assert s.name in msg
+        assert CLASSES[kind].__name__ in msg  # says which class to use
+        s.save(tmp_path / "f")
+    with pytest.raises(shmstore.InvalidInputError):
+        CLASSES[wrong].open(tmp_path / "f")
+
+
+def test_attach_missing_name():
+    for cls in CLASSES.values():
+        with pytest.raises(shmstore.StoreNotFoundError) as e:
+            cls.attach("no-such-store-anywhere")
+        assert isinstance(e.value, FileNotFoundError)
+        assert "shmstore-no-such-store-anywhere" in str(e.value)
+
+
+def test_attach_many_times_shares_one_mapping():
+    with shmstore.SharedList([{"arr": np.arange(1000)}]) as s:
+        path = str(SHM / s.name)
+        handles = [shmstore.SharedList.attach(s.name) for _ in range(10)]
+        handles += [pickle.loads(pickle.dumps(s)) for _ in range(5)]
+        assert len(mappings_of(path)) == 1
+        addrs = {data_address(h[0]["arr"]) for h in [s, *handles]}
+        assert len(addrs) == 1
+        for h in handles:
+            h.close()
+
+
+# --- zero-copy, read-only arrays ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_arrays_are_read_only_zero_copy_views_of_the_mapping(kind):
+    big = np.arange(1_000_000, dtype=np.float64)
+    value = {"k": {"a": [1, 2]}, "arr": big}
+    with make(kind, value if kind != "list" else [value]) as s:
+        get = {
+            "list": lambda: s[0]["arr"],
+            "dict": lambda: s["arr"],
+            "ref": lambda: s.get()["arr"],
+        }[kind]
+        a1, a2 = get(), get()
+        assert np.array_equal(a1, big)
+        assert not a1.flags.writeable and not a1.flags.owndata
+        with pytest.raises(ValueError):
+            a1.flags.writeable = True
+        with pytest.raises(ValueError):
+            a1[0] = 5.0
+        with pytest.raises(ValueError):
+            np.add(a1, 1, out=a1)
+        # Zero copy: both reads point at the same bytes, inside this process's mapping.
+        assert data_address(a1) == data_address(a2)
+        (lo, hi, perms) = mappings_of(str(SHM / s.name))[0]
+        assert lo <= data_address(a1) and data_address(a1) + a1.nbytes <= hi
+        assert perms.startswith("r-"), perms  # mapped read-only
+        assert data_address(a1) % 64 == 0
+        assert a1[-1] == 999_999.0
+
+
+def test_array_keeps_the_mapping_alive():
+    s = shmstore.put(np.arange(100, dtype=np.int32))
+    arr = s.get()
+    path = os.stat(SHM / s.name)
+    s.unlink()
+    s.close()
+    del s
+    gc.collect()
+    assert len(mappings_of(path)) == 1
+    assert int(arr.sum()) == 4950
+    del arr
+    gc.collect()
+    assert mappings_of(path) == []  # the last user gone: unmapped
+
+
+# --- GC / weakref / pickling --------------------------------------------------------------------
+
+
+def _all_objects(s):
+    items = {"handle": s, "attached": type(s).attach(s.name)}
+    if isinstance(s, shmstore.SharedList):
+        rec = s[0]
+    elif isinstance(s, shmstore.SharedDict):
+        rec = s["r"]
+    else:
+        rec = s.get()
+    items.update(
+        dictview=rec,
+        listview=rec["l"],
+        tupleview=rec["t"],
+        array_owner=rec["arr"].base,
+        list_iter=iter(rec["l"]),
+        dict_iter=iter(rec),
+    )
+    return items
+
+
+RECORD = {"l": [1, [2]], "t": (3, 4), "arr": np.arange(10), "big": b"x" * 100_000}
+
+
+def _store(kind):
+    return make(kind, {"list": [RECORD], "dict": {"r": RECORD}, "ref": RECORD}[kind])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_nothing_is_tracked_by_the_gc(kind):
+    with _store(kind) as s:
+        objs = _all_objects(s)
+        tracked = [f"{what} ({type(o).__name__})" for what, o in objs.items() if gc.is_tracked(o)]
+        assert tracked == [], "GC-tracked"
+        for what, obj in objs.items():
+            # Holds no Python references (a heap type's instance may report its type).
+            assert set(map(id, gc.get_referents(obj))) <= {id(type(obj))}, what
+        arr = (s[0] if kind == "list" else s["r"] if kind == "dict" else s.get())["arr"]
+        assert type(arr.base).__name__ == "ArrayOwner"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_weakrefs(kind):
+    with _store(kind) as s:
+        objs = _all_objects(s)
+        for what in ("handle", "attached", "dictview", "listview", "tupleview", "array_owner"):
+            obj = objs.pop(what)
+            called = []
+            r = weakref.ref(obj, called.append)
+            assert r() is obj, what
+            del obj
+            if what != "handle":  # `s` still refers to the handle
+                assert r() is None and called, f"{what} still alive after del"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("size", [10, 20_000_000], ids=["small", "20MB"])
+def test_pickles_are_small(kind, size, tmp_path):
+    value = {"l": [1, [2]], "t": (3, 4), "blob": b"x" * size, "arr": np.zeros(size // 8)}
+    with make(kind, {"list": [value], "dict": {"r": value}, "ref": value}[kind]) as s:
+        rec = s[0] if kind == "list" else s["r"] if kind == "dict" else s.get()
+        for obj in (s, rec, rec["l"], rec["l"][1], rec["t"]):
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            assert len(data) < 256, (type(obj).__name__, len(data))
+            assert len(pickle.dumps(obj, protocol=2)) < 256
+            back = pickle.loads(data)
+            assert type(back) is type(obj)
+        assert pickle.loads(pickle.dumps(rec["l"])) == [1, [2]]
+        assert pickle.loads(pickle.dumps(rec["t"])) == (3, 4)
+        assert pickle.loads(pickle.dumps(rec))["blob"] == value["blob"]
+        # The same from a saved file.
+        path = tmp_path / "p.shmstore"
+        s.save(path)
+        f = CLASSES[kind].open(path)
+        frec = f[0] if kind == "list" else f["r"] if kind == "dict" else f.get()
+        for obj in (f, frec["l"]):
+            assert len(pickle.dumps(obj)) < 256
+        assert pickle.loads(pickle.dumps(frec["l"])) == [1, [2]]
+        f.close()
+
+
+def test_unpickled_handle_reads_the_same_store(records):
+    with shmstore.SharedList(records) as s:
+        back = pickle.loads(pickle.dumps(s))
+        assert type(back) is shmstore.SharedList
+        assert back.name == s.name and back.to_python() == records
+        back.close()
+        assert (SHM / s.name).exists()  # an unpickled handle does not own the name
+
+
+def test_verify_accepts_a_fresh_store(records):
+    with shmstore.SharedList(records) as s, shmstore.SharedDict(enumerate(records)) as d:
+        s.verify()
+        d.verify()
+
+
+def test_error_hierarchy():
+    E = shmstore
+    assert issubclass(E.StoreNotFoundError, (E.ShmStoreError, FileNotFoundError))
+    for cls, builtin in [
+        (E.StoreNotFoundError, FileNotFoundError),
+        (E.CorruptStoreError, ValueError),
+        (E.UnsupportedTypeError, TypeError),
+        (E.StoreClosedError, ValueError),
+        (E.OutOfSharedMemoryError, MemoryError),
+        (E.StoreExistsError, FileExistsError),
+        (E.InvalidInputError, ValueError),
+    ]:
+        assert issubclass(cls, E.ShmStoreError) and issubclass(cls, builtin), cls
+        assert cls.__module__ == "shmstore"
+    assert issubclass(E.ShmStoreError, Exception)
