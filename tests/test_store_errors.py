@@ -435,11 +435,15 @@ def test_corrupt_segment_in_shared_memory(saved):
             lambda b: b[:100] + bytes([b[100] ^ 0xFF]) + b[101:],
             lambda b: b[:-40] + bytes([b[-40] ^ 0x10]) + b[-39:],
         ):
-            path.write_bytes(mutate(data))
-            os.chmod(path, 0o400)
-            with pytest.raises(shmstore.CorruptStoreError) as e:
-                s = shmstore.SharedList.attach(name)
-                s.verify()
+            # Held open from creation until checked, as a writer would: an unregistered file
+            # that nobody holds is an orphan, and a supervisor's sweep may remove it any time.
+            with open(path, "wb") as held:
+                held.write(mutate(data))
+                held.flush()
+                os.chmod(path, 0o400)
+                with pytest.raises(shmstore.CorruptStoreError) as e:
+                    s = shmstore.SharedList.attach(name)
+                    s.verify()
             assert name in str(e.value)
             path.unlink(missing_ok=True)  # the supervisor may have removed the orphan
     finally:

@@ -832,5 +832,6 @@ pub fn _store_info<'py>(
     d.set_item("created_unix_ms", h.created_unix_ms)?;
     d.set_item("creator_pid", h.creator_pid)?;
     d.set_item("owned_here", store.mapping().is_owner())?;
+    d.set_item("registered", store.registered())?;
     Ok(d)
 }

@@ -26,19 +26,13 @@ pub struct Store {
     /// Python str objects for the symbol table (dict keys), made once per process.
     py_symbols: PyOnceLock<Vec<Py<PyString>>>,
     /// The supervisor knows this process uses the segment (told before mapping it).
-    registered: bool,
+    /// Declared last: fields drop in order, so the mapping is gone before DROP is sent and
+    /// the supervisor's /proc check does not see this process as still mapping it.
+    registration: Registration,
 }
 
-impl Drop for Store {
-    fn drop(&mut self) {
-        if self.registered {
-            supervisor::client::drop_segment(self.source.path());
-        }
-    }
-}
-
-/// A registration held while a store is being built: dropped (DROP sent) if the build
-/// fails, handed over to the `Store` when it succeeds.
+/// "This process uses the segment": told to the supervisor when made, DROP sent when
+/// dropped (for a failed build or attach, or with the `Store` that owns it).
 struct Registration {
     path: PathBuf,
     active: bool,
@@ -50,15 +44,19 @@ impl Registration {
         Registration { path, active }
     }
 
+    /// Nothing to register (a saved file, not a segment).
+    fn none(path: PathBuf) -> Self {
+        Registration {
+            path,
+            active: false,
+        }
+    }
+
     fn follow(&mut self, py: Python<'_>, path: PathBuf) {
         if path != self.path {
             let old = std::mem::replace(self, Registration::new(py, path));
             drop(old);
         }
-    }
-
-    fn keep(mut self) {
-        self.active = false; // ownership moves to the Store (`registered`)
     }
 }
 
@@ -114,6 +112,11 @@ impl Store {
 
     pub fn kind(&self) -> Kind {
         self.reader.kind()
+    }
+
+    /// Whether the supervisor knows this process uses the store.
+    pub fn registered(&self) -> bool {
+        self.registration.active
     }
 
     pub fn nbytes(&self) -> usize {
@@ -188,27 +191,27 @@ fn open_store(py: Python<'_>, source: Source) -> PyResult<Arc<Store>> {
     };
     let owner_check = is_segment;
     // Register before mapping: then a supervisor deciding to unlink already counts us.
-    let registered = is_segment && register(py, &path);
+    let registration = if is_segment {
+        Registration::new(py, path.clone())
+    } else {
+        Registration::none(path.clone())
+    };
     let store = py.detach(|| {
         let mapping = Mapping::open(&path, &name, owner_check).map_err(StoreErr::Segment)?;
         let ident = file_ident(&path).unwrap_or((0, 0));
         let reader = Reader::open(mapping).map_err(StoreErr::Archive)?;
-        Ok::<_, StoreErr>(Store {
+        Ok::<_, StoreErr>((reader, ident))
+    });
+    let store = match store {
+        Ok((reader, ident)) => Arc::new(Store {
             reader,
             source: source.clone(),
             ident,
             py_symbols: PyOnceLock::new(),
-            registered,
-        })
-    });
-    let store = match store {
-        Ok(s) => Arc::new(s),
-        Err(e) => {
-            if registered {
-                supervisor::client::drop_segment(&path);
-            }
-            return Err(e.into_py(&format!("store {name:?}")));
-        }
+            registration,
+        }),
+        // `registration` drops here: DROP sent.
+        Err(e) => return Err(e.into_py(&format!("store {name:?}"))),
     };
     log::debug!(
         "attached {} ({} bytes)",
@@ -365,13 +368,12 @@ pub fn build(
             return Err(e.into_py(&context)); // `reg` drops the registration
         }
     };
-    reg.keep(); // from now on the Store's Drop sends DROP
     let store = Arc::new(Store {
         reader,
         source: Source::Segment { name, path },
         ident,
         py_symbols: PyOnceLock::new(),
-        registered,
+        registration: reg,
     });
     log::debug!(
         "created {} ({total} bytes, {} records)",

@@ -17,7 +17,7 @@ use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use rustix::process::{pidfd_open, Pid, PidfdFlags};
 
 use super::proto::{encode_seg, Request};
-use super::sweep::{holders, holders_among, segment_files};
+use super::sweep::{file_id, holders, holders_among, remove_if_same, segment_files, FileId};
 
 pub struct ServerConfig {
     /// Abstract socket name (see `super::socket_name`).
@@ -412,7 +412,20 @@ impl State {
         if idle.is_empty() && orphans.is_empty() {
             return;
         }
-        let all: HashSet<PathBuf> = idle.union(&orphans).cloned().collect();
+        // Identify each file before the scan: the decision is about that file, even if the
+        // name is removed and created again meanwhile.
+        let mut ids: HashMap<PathBuf, FileId> = HashMap::new();
+        for p in idle.union(&orphans) {
+            match file_id(p) {
+                Some(id) => {
+                    ids.insert(p.clone(), id);
+                }
+                None => {
+                    self.segments.remove(p); // gone already
+                }
+            }
+        }
+        let all: HashSet<PathBuf> = ids.keys().cloned().collect();
         let users = holders(&all);
         for path in all {
             let pids = users.get(&path).map(Vec::as_slice).unwrap_or(&[]);
@@ -424,7 +437,7 @@ impl State {
                 );
                 self.note(&msg);
             } else {
-                self.remove(&path);
+                self.remove(&path, ids[&path]);
             }
         }
     }
@@ -454,12 +467,22 @@ impl State {
         true
     }
 
-    fn remove(&mut self, path: &Path) {
+    fn remove(&mut self, path: &Path, id: FileId) {
+        // A name that is registered again (a new store under the same name) stays tracked.
+        let reused = self
+            .segments
+            .get(path)
+            .is_some_and(|s| !s.clients.is_empty() || !s.adopted.is_empty());
+        if reused {
+            return;
+        }
         let tracked = self.segments.remove(path).is_some();
-        match std::fs::remove_file(path) {
-            Ok(()) if tracked => self.note(&format!("unlinked {} (no user left)", path.display())),
-            Ok(()) => self.note(&format!("sweep: removed orphan {}", path.display())),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        match remove_if_same(path, id) {
+            Ok(true) if tracked => {
+                self.note(&format!("unlinked {} (no user left)", path.display()))
+            }
+            Ok(true) => self.note(&format!("sweep: removed orphan {}", path.display())),
+            Ok(false) => {}
             Err(e) => self.note(&format!("could not unlink {}: {e}", path.display())),
         }
     }

@@ -46,12 +46,26 @@ pub fn descendants(pid: u32) -> Vec<u32> {
     out
 }
 
+/// Unlink `path` only if it is still the file `id` names: between a /proc scan and the
+/// unlink the name may have been removed and created again (another store), and that one
+/// must not be touched. Returns whether it was removed.
+pub fn remove_if_same(path: &Path, id: FileId) -> std::io::Result<bool> {
+    if file_id(path) != Some(id) {
+        return Ok(false);
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// A file's identity: (device, inode). Paths are not enough: a process that mapped a
 /// segment through the descriptor it wrote it with shows the temporary `.part-` name in
 /// /proc/PID/maps, and any name shows as "(deleted)" once unlinked.
 pub type FileId = (u64, u64);
 
-fn file_id(path: &Path) -> Option<FileId> {
+pub fn file_id(path: &Path) -> Option<FileId> {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
 }
@@ -159,13 +173,19 @@ pub fn sweep(dirs: &[PathBuf], keep: &HashSet<PathBuf>, dry_run: bool) -> Vec<Sw
         .flat_map(|d| segment_files(d))
         .filter(|p| !keep.contains(p))
         .collect();
+    let ids: HashMap<PathBuf, FileId> = candidates
+        .iter()
+        .filter_map(|p| file_id(p).map(|id| (p.clone(), id)))
+        .collect();
     let users = holders(&candidates);
     let mut out: Vec<Swept> = candidates
         .into_iter()
+        .filter(|p| ids.contains_key(p))
         .map(|path| {
             let size = path.metadata().map(|m| m.len()).unwrap_or(0);
             let pids = users.get(&path).cloned().unwrap_or_default();
-            let removed = pids.is_empty() && (dry_run || std::fs::remove_file(&path).is_ok());
+            let removed =
+                pids.is_empty() && (dry_run || remove_if_same(&path, ids[&path]).unwrap_or(false));
             Swept {
                 path,
                 size,
