@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +28,23 @@ class Foo:
 
 
 def shm_files() -> set[str]:
-    return {p.name for p in SHM.iterdir() if p.name.startswith("shmstore-")}
+    """Segment files in this test's own segment directory (see `private_shm`)."""
+    d = Path(os.environ.get("SHMSTORE_DIR") or SHM)
+    return {p.name for p in d.iterdir() if p.name.startswith("shmstore-")}
+
+
+@pytest.fixture
+def private_shm(tmp_path_factory, monkeypatch):
+    """A segment directory of this test's own (a tmpfs directory): before/after comparisons
+    of its files cannot see stores other processes create meanwhile."""
+    d = SHM / f"shmstore_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    d.mkdir()
+    monkeypatch.setenv("SHMSTORE_DIR", str(d))
+    monkeypatch.setenv("SHMSTORE_FALLBACK", "0")
+    yield d
+    for f in d.iterdir():
+        f.unlink()
+    d.rmdir()
 
 
 # --- unsupported values ----------------------------------------------------------------------
@@ -198,7 +215,7 @@ class Boom(Exception):
     pass
 
 
-def test_generator_raising_mid_build_propagates_and_leaves_nothing():
+def test_generator_raising_mid_build_propagates_and_leaves_nothing(private_shm):
     seen_partial = []
 
     def gen():
@@ -215,7 +232,7 @@ def test_generator_raising_mid_build_propagates_and_leaves_nothing():
     assert shm_files() == before  # no sealed or *.part-* file left
 
 
-def test_pairs_generator_raising_mid_build():
+def test_pairs_generator_raising_mid_build(private_shm):
     err = Boom("pairs")
 
     def pairs():
@@ -229,7 +246,7 @@ def test_pairs_generator_raising_mid_build():
     assert shm_files() == before
 
 
-def test_mapping_whose_items_fail():
+def test_mapping_whose_items_fail(private_shm):
     class BadMapping(dict):
         def items(self):
             yield "a", 1
@@ -252,7 +269,7 @@ def test_mapping_whose_items_fail():
     ],
     ids=["list", "dict", "put", "duplicate_key", "cycle"],
 )
-def test_failed_builds_leave_nothing(build):
+def test_failed_builds_leave_nothing(build, private_shm):
     before = shm_files()
     with pytest.raises(shmstore.ShmStoreError):
         build()
