@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
+from shmstore._segments import pid_alive
 
 # --- hypothesis --------------------------------------------------------------------------
 
@@ -93,16 +94,6 @@ def _descendants() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _holders(path: Path) -> set[int]:
     """Pids that have `path` open (scan of /proc/*/fd)."""
     target = str(path)
@@ -141,7 +132,7 @@ def _is_ours(path: Path) -> bool:
     if len(head) < _PID_AT + 4:
         return True
     (pid,) = struct.unpack_from("<I", head, _PID_AT)
-    return pid in mine or not _pid_alive(pid)
+    return pid in mine or not pid_alive(pid)
 
 
 @pytest.fixture

@@ -10,23 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any
 
 from shmstore import _native
-from shmstore._segments import PREFIX, human_size, search_dirs, segment_paths
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+from shmstore._segments import PREFIX, human_size, pid_alive, search_dirs, segment_paths
 
 
 def _rows() -> list[dict[str, Any]]:
@@ -58,7 +47,7 @@ def _rows() -> list[dict[str, Any]]:
                 row.update(
                     kind=info["kind"], records=info["count"], creator_pid=info["creator_pid"]
                 )
-                row["creator_alive"] = _pid_alive(info["creator_pid"])
+                row["creator_alive"] = pid_alive(info["creator_pid"])
             except Exception as e:  # a corrupt or foreign file: still list it
                 row["kind"] = f"unreadable ({type(e).__name__})"
         rows.append(row)

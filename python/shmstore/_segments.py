@@ -55,6 +55,21 @@ def segment_paths(directory: Path | None = None) -> list[Path]:
     return sorted(out)
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (it may belong to another user).
+
+    >>> pid_alive(os.getpid())
+    True
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def human_size(n: float) -> str:
     """``1536`` -> ``'1.5 KiB'``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import ctypes
+import gc
 import io
 import logging
 import os
@@ -60,6 +61,7 @@ import pickle
 import re
 import struct
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Union
@@ -76,12 +78,15 @@ from joblib.parallel import (
 
 import shmstore
 from shmstore.leaks import GcGuard, gc_guard
-from shmstore.leaks._guard import default_guard
 
 __all__ = [
     "DEFAULT_THRESHOLD",
+    "GuardedThreadingBackend",
     "Parallel",
+    "Sharer",
     "SharingStats",
+    "ShmLokyBackend",
+    "ShmMultiprocessingBackend",
     "sharing",
 ]
 
@@ -133,8 +138,9 @@ class _FileSpan:
     offset: int  # file offset of the root's first byte
 
 
-def _maps_entry(addr: int) -> Optional[tuple[int, int, str, int, int, str]]:
-    """(start, end, perms, file offset, inode, path) of the mapping of this process at addr."""
+def _maps_entry(addr: int) -> Optional[tuple[int, int, str, int, tuple[int, int], str]]:
+    """(start, end, perms, file offset, (device, inode), path) of this process's mapping at
+    ``addr``, from /proc/self/maps."""
     try:
         with open("/proc/self/maps") as f:
             for line in f:
@@ -143,7 +149,9 @@ def _maps_entry(addr: int) -> Optional[tuple[int, int, str, int, int, str]]:
                 start, end = int(start_s, 16), int(end_s, 16)
                 if start <= addr < end:
                     path = parts[5].rstrip("\n") if len(parts) > 5 else ""
-                    return start, end, parts[1], int(parts[2], 16), int(parts[4]), path
+                    major, _, minor = parts[3].partition(":")
+                    dev = os.makedev(int(major, 16), int(minor, 16))
+                    return start, end, parts[1], int(parts[2], 16), (dev, int(parts[4])), path
     except OSError:
         return None
     return None
@@ -154,7 +162,8 @@ def _file_span(root: np.ndarray) -> Optional[_FileSpan]:
 
     shmstore arrays (``.base`` is ``shmstore.ArrayOwner``), saved archives and ``np.memmap``
     arrays all qualify. A store mapped by the process that built it shows its build name
-    (``shmstore-X.part-Y (deleted)``); its sealed name is ``shmstore-X``, checked by inode.
+    (``shmstore-X.part-Y (deleted)``); its sealed name is ``shmstore-X``, checked by
+    device and inode.
     """
     if root.base is None or root.nbytes == 0:
         return None
@@ -162,7 +171,7 @@ def _file_span(root: np.ndarray) -> Optional[_FileSpan]:
     entry = _maps_entry(addr)
     if entry is None:
         return None
-    start, end, perms, pgoff, inode, path = entry
+    start, end, perms, pgoff, ident, path = entry
     if "s" not in perms or not path.startswith("/") or addr + root.nbytes > end:
         return None  # private (copy-on-write) or anonymous mapping, or spans two mappings
     candidates = [path]
@@ -171,7 +180,8 @@ def _file_span(root: np.ndarray) -> Optional[_FileSpan]:
         candidates = [re.sub(r"\.part-[^/]*$", "", path)] if ".part-" in path else []
     for cand in candidates:
         try:
-            if os.stat(cand).st_ino == inode:
+            st = os.stat(cand)
+            if (st.st_dev, st.st_ino) == ident:
                 return _FileSpan(cand, addr - start + pgoff)
         except OSError:
             continue
@@ -701,9 +711,18 @@ class GuardedThreadingBackend(ThreadingBackend):
 
     def terminate(self) -> None:
         super().terminate()
-        # A task that ended while another thread was collecting skipped its check; the end of
-        # the call is one more task boundary, with every task done.
-        (self.guard or default_guard()).after_task()
+        # gc_guard bounds the garbage *during* the call (it collects when RSS grew, skips when
+        # another thread is collecting or its time budget is spent), so the last tasks' cycles
+        # may still be there. One full collection when the call ends leaves none behind; it
+        # costs what one gc.collect() costs, once per call (joblib's loky backend collects
+        # after every task).
+        t0 = time.perf_counter()
+        found = gc.collect()
+        log.debug(
+            "end of a threading call: gc.collect() found %d objects in %.1f ms",
+            found,
+            (time.perf_counter() - t0) * 1000,
+        )
 
 
 _BACKENDS: dict[str, type] = {

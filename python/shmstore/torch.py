@@ -42,7 +42,6 @@ __all__ = [
     "torch_broadcast",
 ]
 
-StoreHandle = Union["shmstore.SharedList", "shmstore.SharedDict", "shmstore.Ref"]
 #: What is broadcast: (kind, name, directory or saved-archive path, "segment" or "file")
 Payload = tuple[str, str, str, str]
 Broadcast = Callable[[Optional[Payload]], Payload]
@@ -184,7 +183,7 @@ def _from_payload(payload: Payload) -> Any:
 
 
 def shared_per_machine(
-    build: Callable[[], Union[StoreHandle, Iterable[Any]]],
+    build: Callable[[], Union[shmstore.StoreHandle, Iterable[Any]]],
     *,
     archive: Union[str, os.PathLike[str], None] = None,
     local_rank: Optional[int] = None,
