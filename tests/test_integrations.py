@@ -1,4 +1,4 @@
-"""Integrations: multiprocessing (Pool, ProcessPoolExecutor, Queue), joblib (loky,
+"""Integrations: multiprocessing Queue, joblib (loky,
 multiprocessing, threading), torch-style datasets and the DDP helper, XGBoost.
 
 Worker functions live at module level: spawn and forkserver children import this module.
@@ -11,7 +11,7 @@ import glob
 import multiprocessing as mp
 import os
 import pickle
-from concurrent.futures import ProcessPoolExecutor
+import weakref
 
 import numpy as np
 import pytest
@@ -33,18 +33,9 @@ MiB = 1 << 20
 # Worker functions
 
 
-def _area(args):
-    lst, i = args
-    return sum(a["area"] for a in lst[i]["annotations"])
-
-
 def _record(args):
     lst, i = args
     return lst[i]  # a view: travels back by name
-
-
-def _lookup(d, key, ref):
-    return d[key], float(ref.get().sum())
 
 
 def _queue_worker(inbox, outbox, ack):
@@ -97,9 +88,14 @@ class _Circular:
         self.data = data
 
 
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
 def _make_cycle(i):
-    _Circular(np.ones(2 * MiB // 8) * i)  # 2 MiB pinned by a cycle
-    return i
+    live = len(_LIVE)  # cycles of earlier tasks not collected yet
+    c = _Circular(np.ones(2 * MiB // 8) * i)  # 2 MiB pinned by a cycle
+    _LIVE.add(c)
+    return live
 
 
 def _loader_worker(dataset, batches, conn):
@@ -108,6 +104,12 @@ def _loader_worker(dataset, batches, conn):
         items = [dataset[i] for i in batch]
         conn.send([(it["image_id"], len(it["annotations"])) for it in items])
     conn.close()
+
+
+def _height_tensor(record):
+    import torch
+
+    return torch.tensor(record["height"])
 
 
 def _rank_worker(local_rank, rendezvous, q, done):
@@ -121,33 +123,8 @@ def _rank_worker(local_rank, rendezvous, q, done):
 
 
 # ---------------------------------------------------------------------------------------------
-# multiprocessing and concurrent.futures
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_pool_args_and_view_results(method, records):
-    ctx = mp.get_context(method)
-    with shmstore.SharedList(records) as lst, ctx.Pool(2) as pool:
-        areas = pool.map(_area, [(lst, i) for i in range(len(lst))])
-        views = pool.map(_record, [(lst, i) for i in range(5)])
-    assert areas == [sum(a["area"] for a in r["annotations"]) for r in records]
-    assert all(isinstance(v, shmstore.DictView) for v in views)
-    assert [v.to_python() for v in views] == records[:5]
-
-
-@pytest.mark.parametrize("method", METHODS)
-def test_process_pool_executor(method):
-    ctx = mp.get_context(method)
-    arr = np.arange(10_000.0)
-    with (
-        shmstore.SharedDict({"a": {"x": [1, 2]}, "b": 2}) as d,
-        shmstore.put(arr) as ref,
-        ProcessPoolExecutor(2, mp_context=ctx) as ex,
-    ):
-        out = list(ex.map(_lookup, [d, d], ["a", "b"], [ref, ref]))
-    assert isinstance(out[0][0], shmstore.DictView)  # a result view, by name
-    assert out[0][0].to_python() == {"x": [1, 2]}
-    assert out[1] == (2, float(arr.sum()))
+# multiprocessing (Pool, ProcessPoolExecutor and views returned by workers are covered by
+# tests/test_store_processes.py; here: Queue both ways and a result store made by the worker)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -174,12 +151,6 @@ def test_queue_both_ways_with_a_result_made_by_the_worker(method, records):
     del values
     made.unlink()  # the last user removes the name (the worker has let go)
     made.close()
-
-
-def test_handles_and_views_pickle_small(records):
-    with shmstore.SharedList(records) as lst:
-        for obj in (lst, lst[0], lst[0]["annotations"]):
-            assert len(pickle.dumps(obj)) < 256
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,19 +236,21 @@ def test_joblib_shmstore_objects_and_store_arrays_go_by_name(records):
 
 def test_joblib_threading_backend_collects_cycles_with_gc_guard():
     guard = leaks.GcGuard(min_growth=8 * MiB, max_gc_fraction=1.0)
-    before = len([o for o in gc.get_objects() if isinstance(o, _Circular)])
+    gc.collect()
     gc.disable()  # as if the automatic gc never ran (threads allocate few objects)
     try:
-        out = sj.Parallel(n_jobs=2, backend="threading", guard=guard)(
+        live = sj.Parallel(n_jobs=2, backend="threading", guard=guard)(
             delayed(_make_cycle)(i) for i in range(40)
         )
-        alive = len([o for o in gc.get_objects() if isinstance(o, _Circular)]) - before
+        left = len(_LIVE)
     finally:
         gc.enable()
-    assert out == list(range(40))
-    assert guard.stats.tasks >= 40  # + one check when the call ends
+    assert guard.stats.tasks == 40
     assert guard.stats.collections >= 1
-    assert alive < 40, "gc_guard collected none of the cycles"
+    # without the guard every task would see all the earlier cycles (up to 39); with it the
+    # count stays bounded (RSS is a coarse signal: glibc may serve a task from freed memory)
+    assert max(live) <= 25, live
+    assert left == 0  # and the end of the call collects what the last tasks left
 
 
 def test_joblib_threshold_and_arguments():
@@ -365,14 +338,16 @@ def test_dataset_by_name_path_and_transform(records, tmp_path):
 
 
 def test_real_torch_dataloader(records):
-    torch = pytest.importorskip("torch", reason="torch is not installed (too big for CI)")
+    pytest.importorskip("torch", reason="torch is not installed (too big for CI)")
     from torch.utils.data import DataLoader
 
+    totals = []
     with shmstore.SharedList(records) as lst:
-        ds = st.SharedListDataset(lst, transform=lambda r: torch.tensor(r["height"]))
-        loader = DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context="spawn")
-        total = sum(int(b.sum()) for b in loader)
-    assert total == sum(r["height"] for r in records)
+        ds = st.SharedListDataset(lst, transform=_height_tensor)
+        for method in ("fork", "spawn"):
+            loader = DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context=method)
+            totals.append(sum(int(b.sum()) for b in loader))
+    assert totals == [sum(r["height"] for r in records)] * 2
 
 
 @pytest.mark.parametrize("from_archive", [False, True])

@@ -1,0 +1,48 @@
+"""Every examples/*.py script runs as the guides in docs/guides/ show it (small sizes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+pytestmark = pytest.mark.usefixtures("no_leftover_segments")
+
+SCRIPTS = {
+    "joblib_slices.py": (["--mib", "16"], ["joblib"]),
+    "dataloader_ddp.py": (["--n", "2000"], []),
+    "xgboost_joblib.py": (["--rows", "8000"], ["joblib", "xgboost"]),
+}
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_example_runs(script: str) -> None:
+    args, needs = SCRIPTS[script]
+    for module in needs:
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed (requirements-dev.txt has it)")
+    proc = _run([str(EXAMPLES / script), *args])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_pytest_guide_example() -> None:
+    proc = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "examples/pytest_guide_test.py"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1 passed, 1 xfailed" in proc.stdout
+
+
+def test_every_example_is_covered() -> None:
+    scripts = {p.name for p in EXAMPLES.glob("*.py")} - {"pytest_guide_test.py"}
+    assert scripts == set(SCRIPTS)
