@@ -31,7 +31,7 @@ const T_TRUE: u8 = 2;
 const T_INT: u8 = 3;
 const T_BIGINT: u8 = 4;
 const T_FLOAT: u8 = 5;
-const T_STR: u8 = 6;
+pub(crate) const T_STR: u8 = 6;
 const T_BYTES: u8 = 7;
 const T_TUPLE: u8 = 8;
 

@@ -241,16 +241,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
         if self.header.kind != Kind::Dict || i >= self.header.count {
             return Err(ArchiveError::Invalid(format!("no key {i}")));
         }
-        let b = self.bytes();
-        let ko = self.header.keys_off as usize;
-        let blob = ko + (self.header.count as usize + 1) * 8;
-        let end = ko + self.header.keys_len as usize;
-        let s = u64_at(b, ko + i as usize * 8) as usize;
-        let e = u64_at(b, ko + (i as usize + 1) * 8) as usize;
-        if s > e || blob + e > end {
-            return corrupt(format!("key {i}: offsets out of bounds"));
-        }
-        let (k, rest) = decode_key(&b[blob + s..blob + e])?;
+        let (k, rest) = decode_key(self.key_bytes(i)?)?;
         if !rest.is_empty() {
             return corrupt(format!("key {i}: trailing bytes"));
         }
@@ -263,7 +254,39 @@ impl<B: AsRef<[u8]>> Reader<B> {
         if self.header.kind != Kind::Dict {
             return Ok(None);
         }
-        let h = key.stable_hash();
+        if let Key::Str(s) = key {
+            // Hot path (doc_id -> text): a str can only equal a stored str, whose canonical
+            // encoding is unique, so compare encoded bytes; no decoding, no UTF-8 check.
+            return self.probe(super::key::hash_str(s), |e| {
+                let k = self.key_bytes(e)?;
+                Ok(k.len() == s.len() + 5
+                    && k[0] == super::key::T_STR
+                    && k[1..5] == (s.len() as u32).to_le_bytes()
+                    && &k[5..] == s.as_bytes())
+            });
+        }
+        self.probe(key.stable_hash(), |e| Ok(self.key(e)?.key_eq(key)))
+    }
+
+    /// The encoded bytes of key `i` (bounds-checked).
+    fn key_bytes(&self, i: u64) -> Result<&[u8], ArchiveError> {
+        let b = self.bytes();
+        let ko = self.header.keys_off as usize;
+        let blob = ko + (self.header.count as usize + 1) * 8;
+        let end = ko + self.header.keys_len as usize;
+        let s = u64_at(b, ko + i as usize * 8) as usize;
+        let e = u64_at(b, ko + (i as usize + 1) * 8) as usize;
+        if s > e || blob.checked_add(e).is_none_or(|x| x > end) {
+            return corrupt(format!("key {i}: offsets out of bounds"));
+        }
+        Ok(&b[blob + s..blob + e])
+    }
+
+    fn probe(
+        &self,
+        h: u64,
+        mut matches: impl FnMut(u64) -> Result<bool, ArchiveError>,
+    ) -> Result<Option<u64>, ArchiveError> {
         let b = self.bytes();
         let cap = self.header.table_len / 8;
         let mask = cap - 1;
@@ -282,7 +305,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
                         self.header.count
                     ));
                 }
-                if self.key(e)?.key_eq(key) {
+                if matches(e)? {
                     return Ok(Some(e));
                 }
             }
