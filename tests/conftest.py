@@ -9,10 +9,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import struct
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -156,3 +159,25 @@ def no_leftover_segments():
         except OSError:
             pass
     assert not leftovers, f"test left segments behind: {[str(p) for p in leftovers]}"
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(base: Path, size: str, mode: str = "0700") -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``base/small-shm`` for the block (root only; the test is
+    skipped with the reason otherwise), unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (run as root to test capacity checks)")
+    mnt = base / "small-shm"
+    mnt.mkdir()
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode={mode}", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)]).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], check=True)

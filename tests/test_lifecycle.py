@@ -58,6 +58,7 @@ from typing import Any, Callable
 
 import pytest
 import shmstore
+from conftest import mounted_tmpfs
 from shmstore import _native
 
 WORKERS = Path(__file__).with_name("_lifecycle_workers.py")
@@ -954,22 +955,8 @@ def test_g6_64_processes_attach_at_once(lc: Lifecycle) -> None:
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """An 8 MiB tmpfs mounted for the test (root only), unmounted afterwards."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root (run as root to test the preflight)")
-    mnt = tmp_path / "small-shm"
-    mnt.mkdir()
-    r = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-    )
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path, "8m") as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)]).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
 def _free(path: Path) -> int:

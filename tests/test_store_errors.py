@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import shmstore
+from conftest import mounted_tmpfs
 
 pytestmark = pytest.mark.usefixtures("no_leftover_segments")
 
@@ -761,23 +762,10 @@ def test_corruptions_past_the_checksums_never_crash(tmp_path):
 @pytest.fixture
 def small_tmpfs(tmp_path, monkeypatch):
     """SHMSTORE_DIR on a fresh 4 MiB tmpfs (needs root to mount)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    mnt = tmp_path / "small-shm"
-    mnt.mkdir()
-    res = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)],
-        capture_output=True,
-        text=True,
-    )
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
-    monkeypatch.setenv("SHMSTORE_DIR", str(mnt))
-    monkeypatch.setenv("SHMSTORE_FALLBACK", "0")  # no disk fallback (docs/lifecycle.md)
-    try:
+    with mounted_tmpfs(tmp_path, "4m", mode="1777") as mnt:
+        monkeypatch.setenv("SHMSTORE_DIR", str(mnt))
+        monkeypatch.setenv("SHMSTORE_FALLBACK", "0")  # no disk fallback (docs/lifecycle.md)
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def _sizes(msg: str) -> tuple[int, int]:
