@@ -528,9 +528,10 @@ impl SharedDict {
         slf: &Bound<'py, Self>,
         key: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let store = base(slf)?;
-        match dict_find(&store, key)? {
-            Some(i) => record(slf.py(), &store, i),
+        let guard = slf.as_super().get().read()?;
+        let store = guard.as_ref().expect("read() checked it is open");
+        match dict_find(store, key)? {
+            Some(i) => record(slf.py(), store, i),
             None => Err(PyKeyError::new_err(key.clone().unbind())),
         }
     }
