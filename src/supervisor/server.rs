@@ -592,7 +592,8 @@ mod tests {
     #[test]
     fn mapped_by_a_non_client_waits_for_it() {
         let dir = tempfile::tempdir().unwrap();
-        let (name, server) = start(200, dir.path());
+        // File and holder exist before the server starts: its start-up sweep would
+        // (rightly) remove a file nobody holds yet.
         let p = seg(dir.path(), "held");
         let mut child = Command::new("sh")
             .arg("-c")
@@ -606,6 +607,7 @@ mod tests {
             assert!(Instant::now() < deadline);
             std::thread::yield_now();
         }
+        let (name, server) = start(200, dir.path());
         let mut a = TestConn::connect(&name).unwrap();
         a.request(&Request::Use(p.clone())).unwrap();
         a.request(&Request::Drop(p.clone())).unwrap();
