@@ -35,6 +35,8 @@ __all__ = [
     "_cleanup_at_exit",
     "_rebuild",
     "_rebuild_view",
+    "_search_dirs",
+    "_segment_users",
     "_store_info",
     "_supervisor_main",
     "gc_unreachable",
@@ -279,3 +281,6 @@ def supervisor_info() -> dict[str, Any] | None:
 def gc_unreachable(objects: list[object]) -> list[int]:
     """Indices of objects[:-1] nothing outside the list keeps alive; objects[-1] is a fresh
     calibration probe referenced only by the list. Needs the GIL."""
+
+def _search_dirs() -> list[str]: ...
+def _segment_users(paths: list[_Path]) -> dict[str, list[int]]: ...

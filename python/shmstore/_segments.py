@@ -8,25 +8,25 @@ from pathlib import Path
 PREFIX = "shmstore-"
 
 
-def segment_dir() -> Path:
-    """``$SHMSTORE_DIR`` if set, else ``/dev/shm`` (the same rule as the Rust core)."""
-    return Path(os.environ.get("SHMSTORE_DIR") or "/dev/shm")
-
-
-def fallback_dir() -> Path | None:
-    """Where stores go when the segment directory is too small (the Rust core's rule)."""
-    if os.environ.get("SHMSTORE_FALLBACK") in ("0", "off"):
-        return None
-    return Path(os.environ.get("SHMSTORE_FALLBACK_DIR") or f"/var/tmp/shmstore-{os.geteuid()}")
-
-
 def search_dirs() -> list[Path]:
-    """The segment directory, then the fallback directory."""
-    dirs = [segment_dir()]
-    fb = fallback_dir()
-    if fb is not None:
-        dirs.append(fb)
-    return dirs
+    """The segment directory (``$SHMSTORE_DIR``, else /dev/shm), then the disk fallback
+    unless ``SHMSTORE_FALLBACK=0``: the Rust core's rule, asked from it, not restated."""
+    from shmstore import _native
+
+    return [Path(d) for d in _native._search_dirs()]
+
+
+def segment_dir() -> Path:
+    """Where new segments go: ``$SHMSTORE_DIR`` if set, else ``/dev/shm``."""
+    return search_dirs()[0]
+
+
+def segment_users(paths: list[Path]) -> dict[Path, list[int]]:
+    """For each path, the pids of *other* processes that map it or hold it open (the same
+    /proc ground truth, by device and inode, that the supervisor uses)."""
+    from shmstore import _native
+
+    return {Path(p): pids for p, pids in _native._segment_users([str(p) for p in paths]).items()}
 
 
 def segment_paths(directory: Path | None = None) -> list[Path]:

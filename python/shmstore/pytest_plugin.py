@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import gc
 import inspect
-import os
 import re
 import time
 from collections.abc import Generator, Iterator
@@ -75,25 +74,9 @@ def list_segments() -> frozenset[str]:
 
 
 def _mapped_by_other_processes(names: frozenset[str]) -> frozenset[str]:
-    """Which of ``names`` another live process maps (e.g. another pytest-xdist worker's)."""
-    seg_dir = _memory.segment_dir().rstrip("/") + "/"
-    me = os.getpid()
-    seen: set[str] = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/maps", "rb") as f:
-                text = f.read().decode("utf-8", "replace")
-        except OSError:
-            continue
-        for line in text.splitlines():
-            idx = line.find(seg_dir + "shmstore-")
-            if idx >= 0:
-                name = line[idx + len(seg_dir) :].removesuffix(" (deleted)")
-                if name in names:
-                    seen.add(name)
-    return frozenset(seen)
+    """Which of ``names`` another live process maps or holds (e.g. another xdist worker's)."""
+    paths = [p for p in _segments.segment_paths() if p.name in names]
+    return frozenset(p.name for p, pids in _segments.segment_users(paths).items() if pids)
 
 
 def parse_bytes(value: Any) -> int:

@@ -54,16 +54,7 @@ impl StoreHandle {
     }
 
     pub fn store(&self) -> PyResult<Arc<Store>> {
-        self.inner
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
-            .ok_or_else(|| {
-                Exc::Closed.err(format!(
-                    "store {:?} is closed; attach again (e.g. SharedList.attach(name)) to keep reading",
-                    self.name
-                ))
-            })
+        Ok(self.read()?.clone().expect("read() checked it is open"))
     }
 }
 

@@ -21,7 +21,9 @@ mod _native {
         SharedDict, SharedList, StoreHandle,
     };
     #[pymodule_export]
-    use super::supervise::{_supervisor_main, supervisor_info, sweep};
+    use super::supervise::{
+        _search_dirs, _segment_users, _supervisor_main, supervisor_info, sweep,
+    };
     #[pymodule_export]
     use super::views::{ArrayOwner, DictIter, DictView, ListIter, ListView};
 

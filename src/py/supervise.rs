@@ -107,3 +107,21 @@ pub fn supervisor_info(py: Python<'_>) -> PyResult<Option<Bound<'_, PyDict>>> {
     d.set_item("segments", segments)?;
     Ok(Some(d))
 }
+
+/// The directories segments are looked up in, in order: `$SHMSTORE_DIR` (else /dev/shm),
+/// then the disk fallback unless `SHMSTORE_FALLBACK=0`. The one place that rule lives.
+#[pyfunction]
+pub fn _search_dirs() -> Vec<PathBuf> {
+    segment::search_dirs()
+}
+
+/// For each path, the pids of other processes that map it or hold it open (ground truth
+/// from /proc, matched by device and inode, as the supervisor does).
+#[pyfunction]
+pub fn _segment_users(
+    py: Python<'_>,
+    paths: Vec<PathBuf>,
+) -> std::collections::HashMap<PathBuf, Vec<u32>> {
+    let set = paths.into_iter().collect();
+    py.detach(|| sw::holders(&set))
+}

@@ -87,12 +87,27 @@ fn truncated_repr(
     Ok(out)
 }
 
-fn other_plain<'py>(other: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-    if is_view(other) {
-        other.call_method0("to_python")
+/// Views compare as the plain objects they hold (and a view on the other side too).
+fn compare_plain<'py>(
+    mine: Bound<'py, PyAny>,
+    other: &Bound<'py, PyAny>,
+    op: CompareOp,
+) -> PyResult<Py<PyAny>> {
+    let theirs = if is_view(other) {
+        other.call_method0("to_python")?
     } else {
-        Ok(other.clone())
-    }
+        other.clone()
+    };
+    Ok(mine.rich_compare(theirs, op)?.unbind())
+}
+
+/// Pickle a view by (store, record, position).
+fn reduce_view<'py>(py: Python<'py>, store: &Store, node: Node) -> PyResult<Reduced<'py>> {
+    let rebuild = py.import("shmstore._native")?.getattr("_rebuild_view")?;
+    Ok((
+        rebuild,
+        reduce_args(store, node.record() as u64, node.pos()),
+    ))
 }
 
 // ---------------------------------------------------------------------------------------
@@ -247,9 +262,7 @@ impl ListView {
         other: &Bound<'py, PyAny>,
         op: CompareOp,
     ) -> PyResult<Py<PyAny>> {
-        let mine = self.to_python(py)?;
-        let theirs = other_plain(other)?;
-        Ok(mine.rich_compare(theirs, op)?.unbind())
+        compare_plain(self.to_python(py)?, other, op)
     }
 
     fn __hash__(&self, py: Python<'_>) -> PyResult<isize> {
@@ -278,11 +291,7 @@ impl ListView {
     }
 
     fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<Reduced<'py>> {
-        let rebuild = py.import("shmstore._native")?.getattr("_rebuild_view")?;
-        Ok((
-            rebuild,
-            reduce_args(&self.store, self.node.record() as u64, self.node.pos()),
-        ))
+        reduce_view(py, &self.store, self.node)
     }
 }
 
@@ -473,9 +482,7 @@ impl DictView {
         other: &Bound<'py, PyAny>,
         op: CompareOp,
     ) -> PyResult<Py<PyAny>> {
-        let mine = self.to_python(py)?;
-        let theirs = other_plain(other)?;
-        Ok(mine.rich_compare(theirs, op)?.unbind())
+        compare_plain(self.to_python(py)?, other, op)
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
@@ -494,11 +501,7 @@ impl DictView {
     }
 
     fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<Reduced<'py>> {
-        let rebuild = py.import("shmstore._native")?.getattr("_rebuild_view")?;
-        Ok((
-            rebuild,
-            reduce_args(&self.store, self.node.record() as u64, self.node.pos()),
-        ))
+        reduce_view(py, &self.store, self.node)
     }
 }
 
