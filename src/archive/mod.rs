@@ -25,7 +25,11 @@ pub enum ArchiveError {
     /// The archive is still being written; readers must not use it yet.
     #[error("the archive is still being written (not sealed yet)")]
     Unsealed,
-    #[error("archive format version {0} is not supported (this shmstore reads version 1)")]
+    #[error(
+        "archive format version {0} is not supported (this shmstore reads version {v}): \
+         rebuild the store with this shmstore, or read it with the one that wrote it",
+        v = super::archive::header::VERSION
+    )]
     Version(u16),
     /// The input cannot be archived (a record too large for its in-record offsets, ...).
     #[error("{0}")]

@@ -60,6 +60,27 @@ fn corrupt<T>(msg: impl Into<String>) -> Result<T, ArchiveError> {
     Err(ArchiveError::Corrupt(msg.into()))
 }
 
+/// How far before a record's end a dict lookup prefetches (its root value and the bytes of
+/// a str that ends there).
+const PREFETCH_BACK: usize = 1024;
+
+/// Start loading the cache line of `bytes[at]`; out-of-range positions are ignored.
+#[inline(always)]
+fn prefetch(bytes: &[u8], at: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if at < bytes.len() {
+        let p = bytes[at..].as_ptr();
+        // SAFETY: `_mm_prefetch` needs SSE, which every x86_64 CPU has (it is in the
+        // target's baseline). A prefetch is a hint: it never faults and has no effect on
+        // program state, and `p` points inside `bytes` anyway.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (bytes, at);
+}
+
 fn u64_at(bytes: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap())
 }
@@ -74,8 +95,11 @@ impl<B: AsRef<[u8]>> Reader<B> {
         let bytes = backing.as_ref();
         let header = Header::parse(bytes)?;
         if header.kind == Kind::Dict {
-            let cap = header.table_len / 8;
-            if !cap.is_power_of_two() || header.keys_len < (header.count + 1) * 8 {
+            let slot = super::builder::TABLE_SLOT as u64;
+            if header.table_len % slot != 0
+                || header.table_len / slot != super::builder::table_capacity(header.count)
+                || header.keys_len < (header.count + 1) * 8
+            {
                 return corrupt("dict table/keys region malformed");
             }
         }
@@ -288,28 +312,50 @@ impl<B: AsRef<[u8]>> Reader<B> {
         mut matches: impl FnMut(u64) -> Result<bool, ArchiveError>,
     ) -> Result<Option<u64>, ArchiveError> {
         let b = self.bytes();
-        let cap = self.header.table_len / 8;
-        let mask = cap - 1;
+        let slot_len = super::builder::TABLE_SLOT;
+        let cap = self.header.table_len / slot_len as u64; // checked at open: >= 8
         let to = self.header.table_off as usize;
-        let mut i = h & mask;
+        let blob = self.header.keys_off as usize + (self.header.count as usize + 1) * 8;
+        let mut i = super::builder::table_home(h, cap);
         for _ in 0..cap {
-            let slot = u64_at(b, to + i as usize * 8);
-            if slot == 0 {
+            let at = to + i as usize * slot_len;
+            let slot = &b[at..at + slot_len];
+            let e1 = u32::from_le_bytes(slot[4..8].try_into().unwrap());
+            if e1 == 0 {
                 return Ok(None);
             }
-            if slot >> 32 == h >> 32 {
-                let e = (slot & 0xffff_ffff) - 1;
+            if u32::from_le_bytes(slot[0..4].try_into().unwrap()) == h as u32 {
+                let e = e1 as u64 - 1;
                 if e >= self.header.count {
                     return corrupt(format!(
                         "dict table slot points at entry {e} of {}",
                         self.header.count
                     ));
                 }
+                // Hints (see the builder): start loading the key and the end of the record
+                // (its root value and, for a str, its bytes) now, so that the misses on the
+                // keys' offsets, the key, the index and the record overlap instead of
+                // following one another. Only prefetches: the hints are never trusted.
+                let key = u32::from_le_bytes(slot[8..12].try_into().unwrap());
+                if key != u32::MAX {
+                    prefetch(b, blob.saturating_add(key as usize));
+                }
+                let end = u32::from_le_bytes(slot[12..16].try_into().unwrap()) as usize * 64;
+                if end != 0 {
+                    let mut line = end;
+                    while line + PREFETCH_BACK > end {
+                        prefetch(b, line);
+                        if line < 64 {
+                            break;
+                        }
+                        line -= 64;
+                    }
+                }
                 if matches(e)? {
                     return Ok(Some(e));
                 }
             }
-            i = (i + 1) & mask;
+            i = if i + 1 == cap { 0 } else { i + 1 };
         }
         Ok(None)
     }

@@ -159,3 +159,88 @@ fn arrays_and_payloads() {
     assert_eq!(a.offset % 64, 0);
     assert_eq!(&bytes[a.offset..a.offset + a.nbytes], &data[..]);
 }
+
+/// Recompute the header checksum after editing metadata (what a forger would do).
+fn reseal(bytes: &mut [u8]) {
+    let idx = index_off(bytes);
+    let sum = header::checksum_parts(&bytes[..120], &bytes[idx..]);
+    bytes[120..128].copy_from_slice(&sum.to_le_bytes());
+}
+
+fn index_off(bytes: &[u8]) -> usize {
+    u64::from_le_bytes(bytes[32..40].try_into().unwrap()) as usize
+}
+
+fn build_dict(n: i64) -> Vec<u8> {
+    let mut b = Builder::new(Cursor::new(Vec::new()), Kind::Dict, 1).unwrap();
+    for i in 0..n {
+        b.add_key(&Key::Str(format!("D{i:08}").into())).unwrap();
+        b.finish_record(&Value::Str("x".repeat(i as usize % 3000)))
+            .unwrap();
+    }
+    b.finish(0).unwrap().0.into_inner()
+}
+
+/// The table's key and record hints only steer prefetches: garbage in them (even with a
+/// valid checksum) changes no answer and reads nothing out of bounds.
+#[test]
+fn table_hints_are_never_trusted() {
+    let mut bytes = build_dict(500);
+    let (to, len) = {
+        let r = Reader::open(&bytes[..]).unwrap();
+        (r.header().table_off as usize, r.header().table_len as usize)
+    };
+    assert_eq!(len % builder::TABLE_SLOT, 0);
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for slot in bytes[to..to + len].chunks_mut(builder::TABLE_SLOT) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        slot[8..16].copy_from_slice(&x.to_le_bytes());
+    }
+    reseal(&mut bytes);
+    let r = Reader::open(&bytes[..]).unwrap();
+    for i in 0..500u64 {
+        let key = Key::Str(format!("D{i:08}").into());
+        assert_eq!(r.lookup(&key).unwrap(), Some(i));
+        let ArchivedValue::Str(s) = r.get(r.root(i).unwrap()) else {
+            panic!("not a str")
+        };
+        assert_eq!(s.len(), i as usize % 3000);
+    }
+    assert_eq!(r.lookup(&Key::Str("D99999999".into())).unwrap(), None);
+}
+
+/// A full table (no empty slot) ends a miss after one round instead of looping.
+#[test]
+fn missing_key_in_a_full_table_ends() {
+    let mut bytes = build_dict(20);
+    let (to, len) = {
+        let r = Reader::open(&bytes[..]).unwrap();
+        (r.header().table_off as usize, r.header().table_len as usize)
+    };
+    for slot in bytes[to..to + len].chunks_mut(builder::TABLE_SLOT) {
+        if slot[4..8] == [0, 0, 0, 0] {
+            slot[4..8].copy_from_slice(&1u32.to_le_bytes());
+        }
+    }
+    reseal(&mut bytes);
+    let r = Reader::open(&bytes[..]).unwrap();
+    assert_eq!(r.lookup(&Key::Str("nope".into())).unwrap(), None);
+    assert_eq!(r.lookup(&Key::Str("D00000003".into())).unwrap(), Some(3));
+}
+
+/// Archives of another format version are refused with a message that says what to do.
+#[test]
+fn other_versions_are_refused() {
+    let mut bytes = build_dict(3);
+    bytes[8..10].copy_from_slice(&1u16.to_le_bytes());
+    reseal(&mut bytes);
+    let err = Reader::open(&bytes[..]).err().expect("refused");
+    assert!(matches!(err, ArchiveError::Version(1)));
+    let msg = err.to_string();
+    assert!(
+        msg.contains("version 1") && msg.contains("rebuild"),
+        "{msg}"
+    );
+}
