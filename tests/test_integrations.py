@@ -384,6 +384,42 @@ def test_shared_per_machine_one_copy(records, tmp_path, from_archive):
         handle.close()
 
 
+def _ddp_rank(rank, world, init_file, n, q):
+    import torch.distributed as dist
+
+    os.environ["LOCAL_RANK"] = str(rank)  # what torchrun sets
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        handle = st.shared_per_machine(lambda: [{"i": i, "x": [i] * 3} for i in range(n)])
+        total = sum(handle[i]["x"][2] for i in range(len(handle)))
+        q.put((rank, handle.name, total))
+        dist.barrier()  # rank 0 keeps the store until every rank has read
+        if rank == 0:
+            handle.unlink()
+        handle.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_shared_per_machine_over_real_torch_distributed(tmp_path):
+    """The default broadcast: torch.distributed (gloo) all-gathers only the name."""
+    pytest.importorskip("torch", reason="torch is not installed (too big for CI)")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    world, n = 3, 500
+    procs = [
+        ctx.Process(target=_ddp_rank, args=(r, world, tmp_path / "pg", n, q)) for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    reports = sorted(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+    assert all(p.exitcode == 0 for p in procs)
+    assert len({name for _, name, _ in reports}) == 1  # one store for the machine
+    assert [total for _, _, total in reports] == [sum(range(n))] * world
+
+
 def test_shared_per_machine_needs_a_broadcast(records):
     try:
         import torch.distributed as dist
