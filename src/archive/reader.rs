@@ -175,7 +175,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
             return Ok(());
         }
         let (start, end) = self.check_span(rec)?;
-        rkyv::access::<ArchivedValue, rancor::BoxedError>(&self.bytes()[start..end])
+        rkyv::api::low::access::<ArchivedValue, rancor::BoxedError>(&self.bytes()[start..end])
             .map_err(|e| ArchiveError::Corrupt(format!("record {rec}: invalid structure: {e}")))?;
         self.validated[word].fetch_or(bit, Ordering::AcqRel);
         Ok(())
@@ -281,15 +281,22 @@ impl<B: AsRef<[u8]>> Reader<B> {
         if let Key::Str(s) = key {
             // Hot path (doc_id -> text): a str can only equal a stored str, whose canonical
             // encoding is unique, so compare encoded bytes; no decoding, no UTF-8 check.
-            return self.probe(super::key::hash_str(s), |e| {
-                let k = self.key_bytes(e)?;
-                Ok(k.len() == s.len() + 5
+            let b = self.bytes();
+            let keys_end = (self.header.keys_off + self.header.keys_len) as usize;
+            return self.probe(super::key::hash_str(s), |e, at| {
+                // The encoding is self-delimiting (tag, u32 length, bytes), so the key's start
+                // is enough; from the slot when it has it, else from the keys' offsets.
+                let k = match at {
+                    Some(at) if at < keys_end => &b[at..keys_end],
+                    _ => self.key_bytes(e)?,
+                };
+                Ok(k.len() >= s.len() + 5
                     && k[0] == super::key::T_STR
                     && k[1..5] == (s.len() as u32).to_le_bytes()
-                    && &k[5..] == s.as_bytes())
+                    && &k[5..5 + s.len()] == s.as_bytes())
             });
         }
-        self.probe(key.stable_hash(), |e| Ok(self.key(e)?.key_eq(key)))
+        self.probe(key.stable_hash(), |e, _| Ok(self.key(e)?.key_eq(key)))
     }
 
     /// The encoded bytes of key `i` (bounds-checked).
@@ -309,7 +316,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
     fn probe(
         &self,
         h: u64,
-        mut matches: impl FnMut(u64) -> Result<bool, ArchiveError>,
+        mut matches: impl FnMut(u64, Option<usize>) -> Result<bool, ArchiveError>,
     ) -> Result<Option<u64>, ArchiveError> {
         let b = self.bytes();
         let slot_len = super::builder::TABLE_SLOT;
@@ -337,8 +344,9 @@ impl<B: AsRef<[u8]>> Reader<B> {
                 // keys' offsets, the key, the index and the record overlap instead of
                 // following one another. Only prefetches: the hints are never trusted.
                 let key = u32::from_le_bytes(slot[8..12].try_into().unwrap());
-                if key != u32::MAX {
-                    prefetch(b, blob.saturating_add(key as usize));
+                let key_at = (key != u32::MAX).then(|| blob.saturating_add(key as usize));
+                if let Some(at) = key_at {
+                    prefetch(b, at);
                 }
                 let end = u32::from_le_bytes(slot[12..16].try_into().unwrap()) as usize * 64;
                 if end != 0 {
@@ -351,7 +359,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
                         line -= 64;
                     }
                 }
-                if matches(e)? {
+                if matches(e, key_at)? {
                     return Ok(Some(e));
                 }
             }

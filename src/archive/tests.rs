@@ -181,26 +181,20 @@ fn build_dict(n: i64) -> Vec<u8> {
     b.finish(0).unwrap().0.into_inner()
 }
 
-/// The table's key and record hints only steer prefetches: garbage in them (even with a
-/// valid checksum) changes no answer and reads nothing out of bounds.
-#[test]
-fn table_hints_are_never_trusted() {
-    let mut bytes = build_dict(500);
-    let (to, len) = {
-        let r = Reader::open(&bytes[..]).unwrap();
-        (r.header().table_off as usize, r.header().table_len as usize)
-    };
-    assert_eq!(len % builder::TABLE_SLOT, 0);
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    for slot in bytes[to..to + len].chunks_mut(builder::TABLE_SLOT) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        slot[8..16].copy_from_slice(&x.to_le_bytes());
-    }
-    reseal(&mut bytes);
-    let r = Reader::open(&bytes[..]).unwrap();
-    for i in 0..500u64 {
+fn table_range(bytes: &[u8]) -> (usize, usize) {
+    let r = Reader::open(bytes).unwrap();
+    (r.header().table_off as usize, r.header().table_len as usize)
+}
+
+fn xorshift(x: &mut u64) -> u64 {
+    *x ^= *x << 13;
+    *x ^= *x >> 7;
+    *x ^= *x << 17;
+    *x
+}
+
+fn check_all(r: &Reader<&[u8]>, n: u64) {
+    for i in 0..n {
         let key = Key::Str(format!("D{i:08}").into());
         assert_eq!(r.lookup(&key).unwrap(), Some(i));
         let ArchivedValue::Str(s) = r.get(r.root(i).unwrap()) else {
@@ -209,6 +203,78 @@ fn table_hints_are_never_trusted() {
         assert_eq!(s.len(), i as usize % 3000);
     }
     assert_eq!(r.lookup(&Key::Str("D99999999".into())).unwrap(), None);
+}
+
+/// The record hint only steers prefetches: garbage in it (even under a valid checksum)
+/// changes no answer. A key hint that is absent or out of range falls back to the keys'
+/// offsets.
+#[test]
+fn table_record_hints_are_only_prefetched() {
+    let mut bytes = build_dict(500);
+    let (to, len) = table_range(&bytes);
+    assert_eq!(len % builder::TABLE_SLOT, 0);
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    for (n, slot) in bytes[to..to + len]
+        .chunks_mut(builder::TABLE_SLOT)
+        .enumerate()
+    {
+        let key = if n % 2 == 0 { u32::MAX } else { u32::MAX - 7 };
+        slot[8..12].copy_from_slice(&key.to_le_bytes());
+        slot[12..16].copy_from_slice(&(xorshift(&mut x) as u32).to_le_bytes());
+    }
+    reseal(&mut bytes);
+    check_all(&Reader::open(&bytes[..]).unwrap(), 500);
+}
+
+/// Key hints are metadata like the offsets they repeat: a forged one (with a forged checksum)
+/// can make a lookup miss or answer another entry, as any forged byte can, but every read
+/// stays in bounds and nothing panics.
+#[test]
+fn forged_key_hints_stay_in_bounds() {
+    let mut bytes = build_dict(500);
+    let (to, len) = table_range(&bytes);
+    let keys_len = Reader::open(&bytes[..]).unwrap().header().keys_len as u32;
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    for slot in bytes[to..to + len].chunks_mut(builder::TABLE_SLOT) {
+        let key = xorshift(&mut x) as u32 % (keys_len + 64);
+        slot[8..12].copy_from_slice(&key.to_le_bytes());
+    }
+    reseal(&mut bytes);
+    let r = Reader::open(&bytes[..]).unwrap();
+    for i in 0..600u64 {
+        let _ = r.lookup(&Key::Str(format!("D{i:08}").into()));
+        let _ = r.lookup(&Key::Str("x".repeat(i as usize).into()));
+    }
+}
+
+/// The builder's hints are right: every slot's key hint is its entry's key offset.
+#[test]
+fn table_hints_match_the_metadata() {
+    let bytes = build_dict(500);
+    let r = Reader::open(&bytes[..]).unwrap();
+    let (to, len) = table_range(&bytes);
+    let h = r.header();
+    let (ko, idx) = (h.keys_off as usize, h.index_off as usize);
+    let mut seen = 0;
+    for slot in bytes[to..to + len].chunks(builder::TABLE_SLOT) {
+        let e1 = u32::from_le_bytes(slot[4..8].try_into().unwrap()) as usize;
+        if e1 == 0 {
+            continue;
+        }
+        seen += 1;
+        let e = e1 - 1;
+        let key = u32::from_le_bytes(slot[8..12].try_into().unwrap()) as u64;
+        let end = u32::from_le_bytes(slot[12..16].try_into().unwrap()) as u64;
+        let off = u64::from_le_bytes(bytes[ko + e * 8..ko + e * 8 + 8].try_into().unwrap());
+        let span_end = u64::from_le_bytes(
+            bytes[idx + e * header::INDEX_ENTRY + 8..idx + e * header::INDEX_ENTRY + 16]
+                .try_into()
+                .unwrap(),
+        );
+        assert_eq!(key, off);
+        assert_eq!(end, span_end / 64);
+    }
+    assert_eq!(seen, 500);
 }
 
 /// A full table (no empty slot) ends a miss after one round instead of looping.
