@@ -27,6 +27,7 @@ import argparse
 import os
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -278,6 +279,13 @@ def measure(approach: str, spec: dict, procs: int, lookups: int, first: int, n_d
     }
 
 
+def median_run(runs: list[dict]) -> dict:
+    """Per-field medians of repeated measurements (checksums: all of them)."""
+    out = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "checksums"}
+    out["checksums"] = set().union(*(r["checksums"] for r in runs))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--docs", type=int, default=250_000)
@@ -288,6 +296,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=0,
         help="random lookups per process (default: one epoch, as many as documents)",
+    )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="measure each (approach, processes) this many times, round-robin; report medians",
     )
     ap.add_argument(
         "--first",
@@ -353,8 +367,12 @@ def main(argv: list[str] | None = None) -> int:
         }
         rows, res = [], {}
         for p in procs_list:
+            runs: dict[str, list[dict]] = {a: [] for a in approaches}
+            for _ in range(args.repeat):  # round-robin, so that drifting load hits all alike
+                for a in approaches:
+                    runs[a].append(measure(a, spec, p, args.lookups, args.first, args.docs))
             for a in approaches:
-                r = measure(a, spec, p, args.lookups, args.first, args.docs)
+                r = median_run(runs[a])
                 res[(a, p)] = r
                 mem = r["pss"] - base[p]["pss"]
                 if a == "shmstore":
@@ -467,7 +485,8 @@ def main(argv: list[str] | None = None) -> int:
 {args.docs:,} documents of {args.words} Zipf-distributed words, **{C.mib(raw)} MiB of text**
 (doc ids + texts, as UTF-8). Every process (spawned, like DDP ranks) loads its store, then does
 {args.lookups:,} lookups of random doc_ids (get + decode to `str`){epoch}; all processes of a row
-run at once on {os.cpu_count()} cores, so per-process rates fall as processes are added.
+run at once on {os.cpu_count()} cores, so per-process rates fall as processes are added. Each
+row is the median of {args.repeat} runs, taken round-robin over the approaches.
 {scaled}
 - **lookups/s per proc**: over the whole run; **first {args.first // 1000}k**: over the first
   {args.first:,} lookups after the store is loaded, which pay for first touches (page faults,
