@@ -7,7 +7,7 @@ PYTHON ?= python3
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 
-.PHONY: help venv build test test-rust test-python demo bench lint format clean
+.PHONY: help venv build test test-rust test-python test-torch demo bench lint format clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -31,6 +31,17 @@ test-python: build ## pytest (slow tests included)
 
 test: build test-rust test-python ## set up everything, then run the Rust and Python tests
 
+# torch (~5 GB with its CUDA libraries from PyPI) is kept out of .venv and `make test`; this
+# target runs the tests that skip without it (real DataLoader, torch.distributed) in .venv-torch.
+TORCH_VENV ?= .venv-torch
+test-torch: venv ## the integration tests with real torch, in .venv-torch (downloads ~5 GB once)
+	test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/python -m pip install -q torch -r requirements-dev.txt
+	rm -rf target/torch-wheel
+	$(VENV)/bin/maturin build --release -q -o target/torch-wheel -i $(TORCH_VENV)/bin/python
+	$(TORCH_VENV)/bin/python -m pip install -q --force-reinstall --no-deps target/torch-wheel/*.whl
+	$(TORCH_VENV)/bin/python -m pytest -q tests/test_integrations.py tests/test_examples.py
+
 demo: build ## memory comparison: plain list vs pickle buffer vs shmstore (< 2 min)
 	$(PY) benchmarks/demo.py
 
@@ -52,4 +63,4 @@ format: venv ## format Rust and Python
 
 clean: ## remove build products and the venv
 	cargo clean
-	rm -rf $(VENV) target
+	rm -rf $(VENV) $(TORCH_VENV) target
