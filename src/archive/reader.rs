@@ -339,10 +339,11 @@ impl<B: AsRef<[u8]>> Reader<B> {
                         self.header.count
                     ));
                 }
-                // Hints (see the builder): start loading the key and the end of the record
-                // (its root value and, for a str, its bytes) now, so that the misses on the
-                // keys' offsets, the key, the index and the record overlap instead of
-                // following one another. Only prefetches: the hints are never trusted.
+                // Hints (docs/format.md, "The dict table"): start loading the key and the end
+                // of the record (its root value and, for a str, its bytes) now, so that the
+                // misses on the key, the index and the record overlap instead of following
+                // one another. The record hint is only prefetched; the key hint also tells
+                // `matches` where the key is (bounds-checked there, like the offsets).
                 let key = u32::from_le_bytes(slot[8..12].try_into().unwrap());
                 let key_at = (key != u32::MAX).then(|| blob.saturating_add(key as usize));
                 if let Some(at) = key_at {
