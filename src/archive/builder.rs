@@ -16,17 +16,12 @@ use super::header::{
 };
 use super::key::Key;
 use super::value::{Extent, Value};
-use super::ArchiveError;
+use super::{table, u64_at, ArchiveError};
 
 /// Most distinct strings the symbol table interns; later new keys are stored inline.
 pub const MAX_SYMBOLS: usize = 1 << 16;
 /// Longest str that is interned as a symbol.
 pub const MAX_SYMBOL_LEN: usize = 128;
-/// Hash-table load: capacity >= entries * 4 / 3 (load factor <= 0.75).
-const TABLE_NUM: u64 = 4;
-const TABLE_DEN: u64 = 3;
-/// Bytes per slot of a dict archive's table.
-pub const TABLE_SLOT: usize = 16;
 
 /// Builds one archive into `W`.
 pub struct Builder<W: Write + Seek> {
@@ -254,7 +249,7 @@ impl<W: Write + Seek> Builder<W> {
             }
         }
         let keys_len = (meta.len() - keys_start) as u64;
-        // Table (dict): 16-byte slots, see `KeyTable::final_slots`.
+        // Table (dict): see `table`.
         let table_off = index_off + meta.len() as u64;
         let table_start = meta.len();
         if self.kind == Kind::Dict {
@@ -338,51 +333,26 @@ impl KeyTable {
         self.len += 1;
     }
 
-    /// The on-disk table: `table_capacity(count)` slots of 16 bytes, linear probing from
-    /// `table_home(hash, cap)`. A slot is `tag u32` (low 32 bits of the hash), `entry + 1 u32`
-    /// (0 = empty), and two hints that let a reader start loading the key and the record
-    /// before it has read the keys' offsets and the index: `key u32` (offset of the key in
-    /// the key blob, `u32::MAX` = none) and `end u32` (record span end / 64, 0 = none).
+    /// The on-disk table (`table`): linear probing from `table::home`, wrapping.
     fn final_slots(
         &self,
         count: u64,
         key_offsets: &[u64],
         span_end: impl Fn(u32) -> u64,
     ) -> Vec<u8> {
-        let cap = table_capacity(count);
-        let mut used = vec![false; cap as usize];
-        let mut out = vec![0u8; cap as usize * TABLE_SLOT];
+        let cap = table::capacity(count) as usize;
+        let mut used = vec![false; cap];
+        let mut out = vec![0u8; cap * table::SLOT];
         for &(h, e1) in self.slots.iter().filter(|s| s.1 != 0) {
-            let mut i = table_home(h, cap) as usize;
+            let mut i = table::home(h, cap as u64) as usize;
             while used[i] {
-                i = if i + 1 == cap as usize { 0 } else { i + 1 };
+                i = if i + 1 == cap { 0 } else { i + 1 };
             }
             used[i] = true;
             let e = e1 - 1;
-            let key = u32::try_from(key_offsets[e as usize]).unwrap_or(u32::MAX);
-            let end = u32::try_from(span_end(e) / 64).unwrap_or(0);
-            let slot = &mut out[i * TABLE_SLOT..(i + 1) * TABLE_SLOT];
-            slot[0..4].copy_from_slice(&(h as u32).to_le_bytes());
-            slot[4..8].copy_from_slice(&e1.to_le_bytes());
-            slot[8..12].copy_from_slice(&key.to_le_bytes());
-            slot[12..16].copy_from_slice(&end.to_le_bytes());
+            table::Slot::new(h, e, key_offsets[e as usize], span_end(e))
+                .write(&mut out[i * table::SLOT..(i + 1) * table::SLOT]);
         }
         out
     }
-}
-
-/// Slots in a dict archive's table for `count` entries: >= count * 4/3, at least 8.
-pub fn table_capacity(count: u64) -> u64 {
-    (count * TABLE_NUM / TABLE_DEN + 1).max(8)
-}
-
-/// The first slot to probe for `hash` in a table of `cap` slots (multiply-shift range
-/// reduction: uses the hash's high bits, while the slot's tag holds its low 32 bits).
-#[inline]
-pub fn table_home(hash: u64, cap: u64) -> u64 {
-    ((hash as u128 * cap as u128) >> 64) as u64
-}
-
-fn u64_at(bytes: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap())
 }

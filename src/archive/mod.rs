@@ -5,6 +5,7 @@ pub mod builder;
 pub mod header;
 pub mod key;
 pub mod reader;
+pub mod table;
 pub mod value;
 
 #[cfg(test)]
@@ -28,7 +29,7 @@ pub enum ArchiveError {
     #[error(
         "archive format version {0} is not supported (this shmstore reads version {v}): \
          rebuild the store with this shmstore, or read it with the one that wrote it",
-        v = super::archive::header::VERSION
+        v = header::VERSION
     )]
     Version(u16),
     /// The input cannot be archived (a record too large for its in-record offsets, ...).
@@ -39,4 +40,14 @@ pub enum ArchiveError {
     DuplicateKey(u32),
     #[error(transparent)]
     Io(#[from] std::io::Error),
+}
+
+/// The little-endian u64 at `bytes[at..at + 8]` (panics out of bounds: callers check first).
+pub(crate) fn u64_at(bytes: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap())
+}
+
+/// The little-endian u32 at `bytes[at..at + 4]`.
+pub(crate) fn u32_at(bytes: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap())
 }

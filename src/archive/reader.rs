@@ -16,7 +16,7 @@ use xxhash_rust::xxh3::xxh3_64;
 use super::header::{Header, Kind, INDEX_ENTRY, PAYLOAD_ALIGN, SPAN_ALIGN};
 use super::key::{decode_key, Key};
 use super::value::{typestr_itemsize, ArchivedArrayMeta, ArchivedExtent, ArchivedValue};
-use super::ArchiveError;
+use super::{table, u32_at, u64_at, ArchiveError};
 
 /// A validated position of an archived value: only the [`Reader`] makes these, from values
 /// it has validated, so turning one back into a reference is sound.
@@ -81,23 +81,15 @@ fn prefetch(bytes: &[u8], at: usize) {
     let _ = (bytes, at);
 }
 
-fn u64_at(bytes: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap())
-}
-
-fn u32_at(bytes: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap())
-}
-
 impl<B: AsRef<[u8]>> Reader<B> {
     /// Check the header and metadata; records are checked lazily on first access.
     pub fn open(backing: B) -> Result<Self, ArchiveError> {
         let bytes = backing.as_ref();
         let header = Header::parse(bytes)?;
         if header.kind == Kind::Dict {
-            let slot = super::builder::TABLE_SLOT as u64;
+            let slot = table::SLOT as u64;
             if header.table_len % slot != 0
-                || header.table_len / slot != super::builder::table_capacity(header.count)
+                || header.table_len / slot != table::capacity(header.count)
                 || header.keys_len < (header.count + 1) * 8
             {
                 return corrupt("dict table/keys region malformed");
@@ -319,20 +311,17 @@ impl<B: AsRef<[u8]>> Reader<B> {
         mut matches: impl FnMut(u64, Option<usize>) -> Result<bool, ArchiveError>,
     ) -> Result<Option<u64>, ArchiveError> {
         let b = self.bytes();
-        let slot_len = super::builder::TABLE_SLOT;
-        let cap = self.header.table_len / slot_len as u64; // checked at open: >= 8
+        let cap = self.header.table_len / table::SLOT as u64; // checked at open: >= 8
         let to = self.header.table_off as usize;
         let blob = self.header.keys_off as usize + (self.header.count as usize + 1) * 8;
-        let mut i = super::builder::table_home(h, cap);
+        let mut i = table::home(h, cap);
         for _ in 0..cap {
-            let at = to + i as usize * slot_len;
-            let slot = &b[at..at + slot_len];
-            let e1 = u32::from_le_bytes(slot[4..8].try_into().unwrap());
-            if e1 == 0 {
+            let at = to + i as usize * table::SLOT;
+            let slot = table::Slot::read(&b[at..at + table::SLOT]);
+            let Some(e) = slot.entry() else {
                 return Ok(None);
-            }
-            if u32::from_le_bytes(slot[0..4].try_into().unwrap()) == h as u32 {
-                let e = e1 as u64 - 1;
+            };
+            if slot.tag == h as u32 {
                 if e >= self.header.count {
                     return corrupt(format!(
                         "dict table slot points at entry {e} of {}",
@@ -344,20 +333,17 @@ impl<B: AsRef<[u8]>> Reader<B> {
                 // misses on the key, the index and the record overlap instead of following
                 // one another. The record hint is only prefetched; the key hint also tells
                 // `matches` where the key is (bounds-checked there, like the offsets).
-                let key = u32::from_le_bytes(slot[8..12].try_into().unwrap());
-                let key_at = (key != u32::MAX).then(|| blob.saturating_add(key as usize));
+                let key_at = slot.key_hint().map(|k| blob.saturating_add(k));
                 if let Some(at) = key_at {
                     prefetch(b, at);
                 }
-                let end = u32::from_le_bytes(slot[12..16].try_into().unwrap()) as usize * 64;
-                if end != 0 {
-                    let mut line = end;
-                    while line + PREFETCH_BACK > end {
+                if let Some(end) = slot.end_hint() {
+                    // From the end down: the root value is needed first.
+                    for line in (end.saturating_sub(PREFETCH_BACK - 64)..=end)
+                        .rev()
+                        .step_by(64)
+                    {
                         prefetch(b, line);
-                        if line < 64 {
-                            break;
-                        }
-                        line -= 64;
                     }
                 }
                 if matches(e, key_at)? {

@@ -212,12 +212,9 @@ fn check_all(r: &Reader<&[u8]>, n: u64) {
 fn table_record_hints_are_only_prefetched() {
     let mut bytes = build_dict(500);
     let (to, len) = table_range(&bytes);
-    assert_eq!(len % builder::TABLE_SLOT, 0);
+    assert_eq!(len % table::SLOT, 0);
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    for (n, slot) in bytes[to..to + len]
-        .chunks_mut(builder::TABLE_SLOT)
-        .enumerate()
-    {
+    for (n, slot) in bytes[to..to + len].chunks_mut(table::SLOT).enumerate() {
         let key = if n % 2 == 0 { u32::MAX } else { u32::MAX - 7 };
         slot[8..12].copy_from_slice(&key.to_le_bytes());
         slot[12..16].copy_from_slice(&(xorshift(&mut x) as u32).to_le_bytes());
@@ -235,7 +232,7 @@ fn forged_key_hints_stay_in_bounds() {
     let (to, len) = table_range(&bytes);
     let keys_len = Reader::open(&bytes[..]).unwrap().header().keys_len as u32;
     let mut x = 0x2545_f491_4f6c_dd1du64;
-    for slot in bytes[to..to + len].chunks_mut(builder::TABLE_SLOT) {
+    for slot in bytes[to..to + len].chunks_mut(table::SLOT) {
         let key = xorshift(&mut x) as u32 % (keys_len + 64);
         slot[8..12].copy_from_slice(&key.to_le_bytes());
     }
@@ -256,15 +253,14 @@ fn table_hints_match_the_metadata() {
     let h = r.header();
     let (ko, idx) = (h.keys_off as usize, h.index_off as usize);
     let mut seen = 0;
-    for slot in bytes[to..to + len].chunks(builder::TABLE_SLOT) {
-        let e1 = u32::from_le_bytes(slot[4..8].try_into().unwrap()) as usize;
-        if e1 == 0 {
+    for slot in bytes[to..to + len].chunks(table::SLOT) {
+        let slot = table::Slot::read(slot);
+        let Some(e) = slot.entry() else {
             continue;
-        }
+        };
         seen += 1;
-        let e = e1 - 1;
-        let key = u32::from_le_bytes(slot[8..12].try_into().unwrap()) as u64;
-        let end = u32::from_le_bytes(slot[12..16].try_into().unwrap()) as u64;
+        let e = e as usize;
+        let (key, end) = (slot.key as u64, slot.end64 as u64);
         let off = u64::from_le_bytes(bytes[ko + e * 8..ko + e * 8 + 8].try_into().unwrap());
         let span_end = u64::from_le_bytes(
             bytes[idx + e * header::INDEX_ENTRY + 8..idx + e * header::INDEX_ENTRY + 16]
@@ -285,7 +281,7 @@ fn missing_key_in_a_full_table_ends() {
         let r = Reader::open(&bytes[..]).unwrap();
         (r.header().table_off as usize, r.header().table_len as usize)
     };
-    for slot in bytes[to..to + len].chunks_mut(builder::TABLE_SLOT) {
+    for slot in bytes[to..to + len].chunks_mut(table::SLOT) {
         if slot[4..8] == [0, 0, 0, 0] {
             slot[4..8].copy_from_slice(&1u32.to_le_bytes());
         }
