@@ -197,6 +197,28 @@ impl<W: Write + Seek> Builder<W> {
         self.buf = buf;
         self.buf.clear();
         res?;
+        self.close_span(start);
+        Ok(())
+    }
+
+    /// Write already-serialized rkyv bytes (root value last) as the next record, unchecked.
+    /// Only for the fuzzer (`archive::fuzz`), which crafts records no `Value` can make
+    /// without deep recursion (tens of thousands of nesting levels).
+    #[doc(hidden)]
+    pub fn finish_raw_record(&mut self, rkyv_bytes: &[u8]) -> Result<(), ArchiveError> {
+        if self.kind == Kind::Dict && self.key_offsets.len() as u64 != self.count + 2 {
+            return Err(ArchiveError::Invalid(
+                "dict record written without its key".into(),
+            ));
+        }
+        let start = self.ensure_span()?;
+        self.pad_to(8)?;
+        self.write_raw(rkyv_bytes)?;
+        self.close_span(start);
+        Ok(())
+    }
+
+    fn close_span(&mut self, start: u64) {
         let end = self.pos;
         let hash = self.span_hash.digest();
         self.span_start = None;
@@ -204,7 +226,6 @@ impl<W: Write + Seek> Builder<W> {
         self.index.extend_from_slice(&end.to_le_bytes());
         self.index.extend_from_slice(&hash.to_le_bytes());
         self.count += 1;
-        Ok(())
     }
 
     /// Write the metadata and seal the header. Returns the output and the total size.

@@ -176,3 +176,35 @@ pub fn checksum_parts(head: &[u8], meta: &[u8]) -> u64 {
 
 /// Magic of an archive still being written (never valid for readers).
 pub const UNSEALED_MAGIC: [u8; 8] = *b"SHMSTOR\x01";
+
+/// Recompute every checksum of an edited archive, as a forger would: each record's span
+/// checksum (where the index entry still points inside the file) and the metadata checksum
+/// (where `index_off` still does). Used by tests and the fuzzer (`archive::fuzz`) to get
+/// arbitrary structure past the checksums, so that the structural checks are what is tested.
+pub fn reseal(bytes: &mut [u8]) {
+    if bytes.len() < HEADER_LEN {
+        return;
+    }
+    let field = |b: &[u8], at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
+    let (count, index_off) = (field(bytes, 24), field(bytes, 32));
+    let len = bytes.len() as u64;
+    for rec in 0..count {
+        let Some(at) = rec
+            .checked_mul(INDEX_ENTRY as u64)
+            .and_then(|o| o.checked_add(index_off))
+            .filter(|&at| at.checked_add(INDEX_ENTRY as u64).is_some_and(|e| e <= len))
+        else {
+            break;
+        };
+        let at = at as usize;
+        let (s, e) = (field(bytes, at), field(bytes, at + 8));
+        if s <= e && e <= len {
+            let h = xxhash_rust::xxh3::xxh3_64(&bytes[s as usize..e as usize]);
+            bytes[at + 16..at + 24].copy_from_slice(&h.to_le_bytes());
+        }
+    }
+    if index_off <= len {
+        let sum = meta_checksum(bytes, index_off);
+        bytes[120..128].copy_from_slice(&sum.to_le_bytes());
+    }
+}

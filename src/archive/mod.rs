@@ -2,6 +2,8 @@
 //! and the validating reader. See docs/format.md for the byte layout.
 
 pub mod builder;
+#[doc(hidden)]
+pub mod fuzz;
 pub mod header;
 pub mod key;
 pub mod reader;

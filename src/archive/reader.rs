@@ -11,11 +11,14 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use rkyv::rancor;
+use rkyv::validation::{archive::ArchiveValidator, Validator};
 use xxhash_rust::xxh3::xxh3_64;
 
 use super::header::{Header, Kind, INDEX_ENTRY, PAYLOAD_ALIGN, SPAN_ALIGN};
 use super::key::{decode_key, Key};
-use super::value::{typestr_itemsize, ArchivedArrayMeta, ArchivedExtent, ArchivedValue};
+use super::value::{
+    typestr_itemsize, ArchivedArrayMeta, ArchivedExtent, ArchivedValue, MAX_SUBTREE_DEPTH,
+};
 use super::{table, u32_at, u64_at, ArchiveError};
 
 /// A validated position of an archived value: only the [`Reader`] makes these, from values
@@ -59,6 +62,9 @@ pub struct Reader<B> {
 fn corrupt<T>(msg: impl Into<String>) -> Result<T, ArchiveError> {
     Err(ArchiveError::Corrupt(msg.into()))
 }
+
+/// Most dimensions an array may have (numpy's limit since numpy 2).
+pub const MAX_NDIM: usize = 64;
 
 /// How far before a record's end a dict lookup prefetches (its root value and the bytes of
 /// a str that ends there).
@@ -142,10 +148,11 @@ impl<B: AsRef<[u8]>> Reader<B> {
     fn check_span(&self, rec: u64) -> Result<(usize, usize), ArchiveError> {
         let (start, end, hash) = self.span(rec);
         let min = std::mem::size_of::<ArchivedValue>();
+        // Checked: both ends come from the file and may be anything up to 2^64 - 1.
         if start % SPAN_ALIGN as usize != 0
             || start < super::header::HEADER_LEN
             || end > self.header.index_off as usize
-            || end < start + min
+            || start.checked_add(min).is_none_or(|m| end < m)
         {
             return corrupt(format!("record {rec}: span {start}..{end} out of bounds"));
         }
@@ -167,7 +174,8 @@ impl<B: AsRef<[u8]>> Reader<B> {
             return Ok(());
         }
         let (start, end) = self.check_span(rec)?;
-        rkyv::api::low::access::<ArchivedValue, rancor::BoxedError>(&self.bytes()[start..end])
+        let bytes = &self.bytes()[start..end];
+        check_value(bytes, end - start - std::mem::size_of::<ArchivedValue>())
             .map_err(|e| ArchiveError::Corrupt(format!("record {rec}: invalid structure: {e}")))?;
         self.validated[word].fetch_or(bit, Ordering::AcqRel);
         Ok(())
@@ -197,11 +205,8 @@ impl<B: AsRef<[u8]>> Reader<B> {
         if pos < start || pos >= end {
             return corrupt(format!("position {pos} is not inside record {rec}"));
         }
-        rkyv::api::high::access_pos::<ArchivedValue, rancor::BoxedError>(
-            &self.bytes()[start..end],
-            pos - start,
-        )
-        .map_err(|e| ArchiveError::Corrupt(format!("record {rec}: no value at {pos}: {e}")))?;
+        check_value(&self.bytes()[start..end], pos - start)
+            .map_err(|e| ArchiveError::Corrupt(format!("record {rec}: no value at {pos}: {e}")))?;
         Ok(Node {
             rec: rec as u32,
             pos: pos as u64,
@@ -426,6 +431,10 @@ impl<B: AsRef<[u8]>> Reader<B> {
         hash: u64,
         mut matches: impl FnMut(&ArchivedValue) -> Result<bool, ArchiveError>,
     ) -> Result<Option<usize>, ArchiveError> {
+        if items.len() % 2 != 0 {
+            // A key without its value: finding it would index past the items.
+            return corrupt("a dict with a key but no value");
+        }
         if index.is_empty() {
             for (i, k) in items.iter().step_by(2).enumerate() {
                 if matches(k)? {
@@ -487,13 +496,28 @@ impl<B: AsRef<[u8]>> Reader<B> {
         let Some(itemsize) = typestr_itemsize(typestr) else {
             return corrupt(format!("array with unsupported dtype {typestr:?}"));
         };
+        if meta.shape.len() > MAX_NDIM {
+            return corrupt(format!(
+                "record {}: array with {} dimensions (at most {MAX_NDIM})",
+                node.rec,
+                meta.shape.len()
+            ));
+        }
         let shape: Vec<usize> = meta.shape.iter().map(|d| d.to_native() as usize).collect();
-        let n = shape
+        // numpy's own rule (it skips zero dimensions): the product of the other dimensions
+        // times the item size must fit in an isize, else it refuses the array. An empty
+        // array of shape (0, 2**62) holds no data but is still no array numpy can make.
+        let too_big =
+            || ArchiveError::Corrupt(format!("record {}: array shape overflows", node.rec));
+        let span = shape
             .iter()
+            .filter(|&&d| d != 0)
             .try_fold(itemsize, |acc, &d| acc.checked_mul(d))
-            .ok_or_else(|| ArchiveError::Corrupt("array shape overflows".into()))?;
+            .filter(|&n| isize::try_from(n).is_ok())
+            .ok_or_else(too_big)?;
+        let n = if shape.contains(&0) { 0 } else { span };
         let (offset, nbytes) = self.extent(node, &meta.data)?;
-        if n != nbytes || offset % PAYLOAD_ALIGN as usize != 0 || shape.len() > 64 {
+        if n != nbytes || offset % PAYLOAD_ALIGN as usize != 0 {
             return corrupt(format!("record {}: array metadata inconsistent", node.rec));
         }
         Ok(ArrayView {
@@ -503,6 +527,22 @@ impl<B: AsRef<[u8]>> Reader<B> {
             nbytes,
         })
     }
+}
+
+/// rkyv's structural validation of the `Value` at `pos` in a record's bytes, with the
+/// format's depth limit: rkyv's check recurses once per pointer it follows, so without a
+/// limit a crafted record nested tens of thousands deep overflows the stack. With one,
+/// validation stops at [`MAX_SUBTREE_DEPTH`] levels and the record is corrupt; every later
+/// recursive reader (decode, compare, repr) only ever sees validated, bounded values.
+/// Low validator: `Value` holds no shared pointers.
+fn check_value(bytes: &[u8], pos: usize) -> Result<(), rancor::BoxedError> {
+    let depth = std::num::NonZeroUsize::new(MAX_SUBTREE_DEPTH);
+    let mut context = Validator::new(ArchiveValidator::with_max_depth(bytes, depth), ());
+    rkyv::api::check_pos_with_context::<ArchivedValue, _, rancor::BoxedError>(
+        bytes,
+        pos,
+        &mut context,
+    )
 }
 
 fn parse_symbols(bytes: &[u8], h: &Header) -> Result<Vec<(usize, usize)>, ArchiveError> {

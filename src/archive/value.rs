@@ -79,16 +79,36 @@ pub struct IndexedDict {
 /// Dicts with more entries than this get a hash index inside the record.
 pub const DICT_INDEX_MIN: usize = 8;
 
+/// Containers (list, tuple, dict) nested in one record: the builder refuses deeper input.
+pub const MAX_DEPTH: usize = 100;
+/// Tuples nested inside one dict key (on top of [`MAX_DEPTH`]).
+pub const MAX_KEY_DEPTH: usize = 32;
+/// The deepest container nesting a well-formed record can hold: readers refuse deeper
+/// values as corrupt (docs/format.md, "Depth").
+pub const MAX_VALUE_DEPTH: usize = MAX_DEPTH + MAX_KEY_DEPTH;
+/// The same limit counted as rkyv counts it while validating (pointers followed from the
+/// record's root): the root itself, two per container (an indexed dict is a box holding a
+/// vector) and two below the deepest one (an array's box and its shape). Validation stops
+/// there, so its recursion is bounded by this, not by the bytes.
+pub const MAX_SUBTREE_DEPTH: usize = 1 + 2 * MAX_VALUE_DEPTH + 2;
+
 /// Item size in bytes of an array-interface typestr, if shmstore stores that dtype.
 ///
 /// Accepted: bool (`|b1`), signed/unsigned ints of 1/2/4/8 bytes, floats of 2/4/8 bytes,
 /// complex of 8/16 bytes, in either byte order.
 pub fn typestr_itemsize(typestr: &str) -> Option<usize> {
     let b = typestr.as_bytes();
-    if b.len() < 3 || !matches!(b[0], b'<' | b'>' | b'|' | b'=') {
+    // Bytes, not chars: the typestr comes from the file and may hold any UTF-8.
+    if !(3..=4).contains(&b.len())
+        || !matches!(b[0], b'<' | b'>' | b'|' | b'=')
+        || !b[2..].iter().all(u8::is_ascii_digit)
+        || b[2] == b'0'
+    {
         return None;
     }
-    let size: usize = typestr[2..].parse().ok()?;
+    let size = b[2..]
+        .iter()
+        .fold(0usize, |acc, d| acc * 10 + usize::from(d - b'0'));
     let ok = match b[1] {
         b'b' => size == 1,
         b'i' | b'u' => matches!(size, 1 | 2 | 4 | 8),
@@ -118,5 +138,12 @@ mod tests {
         assert_eq!(typestr_itemsize("<f3"), None);
         assert_eq!(typestr_itemsize("<U4"), None);
         assert_eq!(typestr_itemsize(""), None);
+        // From crafted files: never a panic on non-ASCII or odd digits.
+        assert_eq!(typestr_itemsize("<\u{e9}8"), None);
+        assert_eq!(typestr_itemsize("<f\u{e9}"), None);
+        assert_eq!(typestr_itemsize("\u{e9}f8"), None);
+        assert_eq!(typestr_itemsize("<f+8"), None);
+        assert_eq!(typestr_itemsize("<f0008"), None);
+        assert_eq!(typestr_itemsize("<i08"), None);
     }
 }

@@ -11,7 +11,8 @@ use pyo3::IntoPyObjectExt;
 use super::errors::{archive_err, Exc};
 use super::store::Store;
 use super::views::{new_untracked, ArrayOwner, DictView, ListView};
-use crate::archive::{ArchivedValue, Key, Node};
+use crate::archive::value::MAX_VALUE_DEPTH;
+use crate::archive::{ArchiveError, ArchivedValue, Key, Node};
 
 static NP_ASARRAY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
@@ -33,7 +34,28 @@ pub fn value<'py>(
     v: &ArchivedValue,
     deep: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
+    value_at(py, store, parent, v, deep, 0)
+}
+
+/// `value`, `depth` containers below where the conversion started. Validation already
+/// bounds the nesting of every record; this guard keeps the recursion within the format's
+/// limit even so (a record can be well-formed for rkyv and still deeper than any writer
+/// makes).
+fn value_at<'py>(
+    py: Python<'py>,
+    store: &Arc<Store>,
+    parent: Node,
+    v: &ArchivedValue,
+    deep: bool,
+    depth: usize,
+) -> PyResult<Bound<'py, PyAny>> {
     let err = |e| archive_err(e, &store.describe());
+    if depth > MAX_VALUE_DEPTH {
+        return Err(err(ArchiveError::Corrupt(format!(
+            "record {}: values nested deeper than {MAX_VALUE_DEPTH} levels",
+            parent.record()
+        ))));
+    }
     Ok(match v {
         ArchivedValue::None => py.None().into_bound(py),
         ArchivedValue::Bool(b) => PyBool::new(py, *b).to_owned().into_any(),
@@ -57,7 +79,7 @@ pub fn value<'py>(
             }
             let objs = items
                 .iter()
-                .map(|it| value(py, store, node, it, true))
+                .map(|it| value_at(py, store, node, it, true, depth + 1))
                 .collect::<PyResult<Vec<_>>>()?;
             if is_tuple {
                 PyTuple::new(py, objs)?.into_any()
@@ -71,11 +93,20 @@ pub fn value<'py>(
                 return Ok(new_untracked(py, DictView::new(store.clone(), node))?.into_any());
             }
             let (items, _) = dict_parts(v);
+            if items.len() % 2 != 0 {
+                return Err(err(ArchiveError::Corrupt(format!(
+                    "record {}: a dict with a key but no value",
+                    parent.record()
+                ))));
+            }
             let d = PyDict::new(py);
             for kv in items.chunks_exact(2) {
+                // Checked like a view's keys: a list in key position is a corrupt record
+                // (CorruptStoreError), not the TypeError `set_item` would raise.
+                store.reader.value_key(&kv[0]).map_err(err)?;
                 d.set_item(
-                    value(py, store, node, &kv[0], true)?,
-                    value(py, store, node, &kv[1], true)?,
+                    value_at(py, store, node, &kv[0], true, depth + 1)?,
+                    value_at(py, store, node, &kv[1], true, depth + 1)?,
                 )?;
             }
             d.into_any()
@@ -92,7 +123,15 @@ pub fn value<'py>(
                 })?;
                 Ok::<_, PyErr>(np.getattr("asarray")?.unbind())
             })?;
-            asarray.bind(py).call1((owner,))?
+            // The metadata passed the reader's checks (dtype allowlist, numpy's size and
+            // dimension limits), so numpy should accept it; if a numpy still refuses, the
+            // array is unreadable here, which is reported as such.
+            asarray.bind(py).call1((owner,)).map_err(|e| {
+                err(ArchiveError::Corrupt(format!(
+                    "record {}: numpy cannot represent the stored array ({e})",
+                    parent.record()
+                )))
+            })?
         }
     })
 }

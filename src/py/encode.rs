@@ -17,8 +17,9 @@ use crate::archive::value::IndexedDict;
 use crate::archive::value::DICT_INDEX_MIN;
 use crate::archive::{ArrayMeta, Builder, Key, Value};
 
-/// Containers nested deeper than this are refused (rkyv validation and our readers recurse).
-pub const MAX_DEPTH: usize = 100;
+/// Containers nested deeper than this are refused: readers enforce the same limit.
+pub use crate::archive::value::MAX_DEPTH;
+use crate::archive::value::MAX_KEY_DEPTH;
 /// `bytes` longer than this are stored out of line (no temporary copy, 64-bit length).
 const BYTES_OUT_OF_LINE: usize = 64 * 1024;
 /// Array payloads larger than this are copied with the GIL released.
@@ -427,7 +428,7 @@ fn py_key_depth(k: &Bound<'_, PyAny>, depth: usize) -> PyResult<Option<Key<'stat
         return Ok(Some(Key::Bytes(Cow::Owned(b.as_bytes().to_vec()))));
     }
     if let Ok(t) = k.cast::<PyTuple>() {
-        if depth >= 32 {
+        if depth >= MAX_KEY_DEPTH {
             return Ok(None);
         }
         let mut items = Vec::with_capacity(t.len());

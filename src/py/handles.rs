@@ -827,3 +827,25 @@ pub fn _store_info<'py>(
     d.set_item("registered", store.registered())?;
     Ok(d)
 }
+
+/// Testing hook: fuzz case `seed` (src/archive/fuzz.rs) as (kind, archive bytes): an
+/// archive with valid checksums and arbitrary structure, for tests/test_fuzz.py.
+#[pyfunction]
+pub fn _fuzz_case(py: Python<'_>, seed: u64) -> (&'static str, Bound<'_, pyo3::types::PyBytes>) {
+    let bytes = py.detach(|| crate::archive::fuzz::case(seed));
+    (
+        crate::archive::fuzz::kind_of(seed).name(),
+        pyo3::types::PyBytes::new(py, &bytes),
+    )
+}
+
+/// Testing hook: the hostile archive `name` (src/archive/fuzz.rs, `CRAFTED`), as bytes.
+#[pyfunction]
+pub fn _crafted_archive<'py>(
+    py: Python<'py>,
+    name: &str,
+) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+    let (_, bytes) = crate::archive::fuzz::crafted(name)
+        .ok_or_else(|| pyo3::exceptions::PyValueError::new_err(format!("no archive {name:?}")))?;
+    Ok(pyo3::types::PyBytes::new(py, &bytes))
+}

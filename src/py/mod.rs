@@ -17,8 +17,8 @@ mod _native {
 
     #[pymodule_export]
     use super::handles::{
-        _cleanup_at_exit, _rebuild, _rebuild_view, _store_info, put, KeyIter, RecordIter, Ref,
-        SharedDict, SharedList, StoreHandle,
+        _cleanup_at_exit, _crafted_archive, _fuzz_case, _rebuild, _rebuild_view, _store_info, put,
+        KeyIter, RecordIter, Ref, SharedDict, SharedList, StoreHandle,
     };
     #[pymodule_export]
     use super::supervise::{

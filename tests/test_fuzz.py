@@ -1,0 +1,177 @@
+"""Structure-aware fuzzing of every Python read path (docs/security.md, "Fuzzing").
+
+The cases come from the Rust generator (src/archive/fuzz.rs) through the testing hook
+`_native._fuzz_case(seed)`: archives whose checksums are right but whose structure is
+arbitrary (nesting far beyond the format's limit, anything in a key position, array shapes,
+typestrs and extents, span ends near 2**64, symbols, keys, tables). Each is saved as a file
+and read through everything a user can call; the only exception allowed is
+CorruptStoreError. The cases run in a child process, so a crash (SIGSEGV, SIGBUS, a stack
+overflow) fails the test and names the seed instead of killing pytest.
+
+`SHMSTORE_FUZZ_CASES` / `SHMSTORE_FUZZ_SEED` change the run (`make fuzz` runs longer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+CASES = int(os.environ.get("SHMSTORE_FUZZ_CASES", "20000"))
+SEED = int(os.environ.get("SHMSTORE_FUZZ_SEED", "0"))
+
+SCRIPT = r"""
+import json, os, pickle, sys, threading
+import numpy as np
+import shmstore
+from shmstore import _native
+
+workdir, start, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+Corrupt = shmstore.CorruptStoreError
+classes = {"list": shmstore.SharedList, "dict": shmstore.SharedDict, "object": shmstore.Ref}
+counts = {"cases": 0, "open_corrupt": 0, "read_corrupt": 0, "intact": 0, "reput": 0}
+
+def eq(a, b):
+    numpy_ok(lambda: (a == b, a != b))
+
+def numpy_ok(f):
+    try:
+        f()
+    except ValueError as e:
+        # numpy: comparing containers that hold arrays (as with plain lists)
+        if not isinstance(e, Corrupt) and "truth value of an" in str(e):
+            return
+        raise
+
+def each(v):
+    # Every read path of a value: iteration, lookups, slices, repr, ==, pickling, arrays.
+    if isinstance(v, shmstore.DictView):
+        for k in v:
+            _ = k in v
+            v.get(k)
+            try:
+                each(v[k])
+            except KeyError:
+                pass  # a forged hash index can hide a key from lookups (docs/security.md)
+        try:
+            list(v.items()); list(v.values())
+        except KeyError:
+            pass  # as above (and a NaN key, as in a dict, is never found by lookup)
+        len(v)
+        repr(v); eq(v, v.to_python())
+        pickle.loads(pickle.dumps(v))
+    elif isinstance(v, shmstore.ListView):
+        for x in v:
+            each(x)
+        list(reversed(v)); v[::-2]; v[-1:]
+        numpy_ok(lambda: (v.count(None), None in v))
+        repr(v); eq(v, v.to_python())
+        pickle.loads(pickle.dumps(v))
+    elif isinstance(v, np.ndarray):
+        v.tobytes()[:16]; repr(v); v.shape; v.dtype
+
+def read_all(h, kind, reput):
+    if kind == "object":
+        v = h.get()
+        each(v)
+        tops = [v]
+    else:
+        keys = list(h) if kind == "dict" else range(len(h))
+        tops = []
+        for k in keys:
+            try:
+                v = h[k]
+            except KeyError:
+                continue  # a forged table can hide a key from lookups (docs/security.md)
+            each(v)
+            tops.append(v)
+        repr(h); list(h)
+        try:
+            h.to_python()
+            if kind == "dict":
+                list(h.items()); eq(h, h.to_python())
+        except KeyError:
+            pass
+    h.verify()
+    if reput:
+        for v in tops[:2]:
+            try:
+                with shmstore.put(v) as r:
+                    r.get()
+            except shmstore.InvalidInputError:
+                pass  # e.g. a value nested deeper than the builder takes, via key tuples
+
+def run():
+    for seed in range(start, start + n):
+        sys.stderr.write(f"case {seed}\n")  # the last line names the seed after a crash
+        kind, data = _native._fuzz_case(seed)
+        path = os.path.join(workdir, f"case-{seed % 2}")
+        with open(path, "wb") as f:
+            f.write(data)
+        counts["cases"] += 1
+        try:
+            h = classes[kind].open(path)
+        except Corrupt:
+            counts["open_corrupt"] += 1
+            continue
+        except BaseException as e:
+            print(f"FAIL seed {seed}: open raised {type(e).__name__}: {e}", flush=True)
+            raise SystemExit(1)
+        reput = seed % 25 == 0
+        try:
+            read_all(h, kind, reput)
+            counts["intact"] += 1
+            counts["reput"] += reput
+        except Corrupt:
+            counts["read_corrupt"] += 1
+        except BaseException as e:
+            print(f"FAIL seed {seed}: {type(e).__name__}: {e}", flush=True)
+            raise SystemExit(1)
+        finally:
+            h.close()
+
+# A worker thread with a small stack: depth limits must hold where recursion hurts first.
+threading.stack_size(1 << 20)
+failed = []
+
+def guarded():
+    try:
+        run()
+    except BaseException as e:
+        failed.append(e)
+
+t = threading.Thread(target=guarded)
+t.start()
+t.join()
+print(json.dumps(counts), flush=True)
+sys.exit(1 if failed else 0)
+"""
+
+
+def test_fuzzed_archives_raise_only_corrupt_store_error(tmp_path: Path) -> None:
+    """Zero crashes and zero exceptions but CorruptStoreError over `CASES` fuzz cases."""
+    env = dict(os.environ)
+    env["SHMSTORE_DIR"] = str(tmp_path)  # re-put stores: private, removed with tmp_path
+    env["SHMSTORE_FALLBACK"] = "0"
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path), str(SEED), str(CASES)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
+    assert proc.returncode == 0, (
+        f"fuzzing died with return code {proc.returncode}"
+        f"{' (signal ' + str(-proc.returncode) + ')' if proc.returncode < 0 else ''}\n"
+        f"stdout: {proc.stdout[-3000:]}\nstderr: {proc.stderr[-3000:]}"
+    )
+    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert counts["cases"] == CASES
+    assert counts["open_corrupt"] + counts["read_corrupt"] + counts["intact"] == CASES
+    # Every outcome is reached, or the generator tests less than it claims.
+    if CASES >= 1000:
+        assert min(counts["open_corrupt"], counts["read_corrupt"], counts["intact"]) > CASES // 50
+        assert counts["reput"] > 0
+    print(f"fuzz: {counts}")

@@ -1,0 +1,167 @@
+"""Hostile archives with valid checksums: each once crashed a reader (stack overflow,
+PanicException) or raised the wrong exception (OverflowError, TypeError). Every read path
+must now give CorruptStoreError (docs/security.md). The archives are made by the Rust
+side (`_native._crafted_archive`, src/archive/fuzz.rs)."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import shmstore
+from shmstore import _native
+
+ATTACKS = [
+    "deep",
+    "deep-mixed",
+    "deep-limit",
+    "typestr-non-ascii",
+    "typestr-non-ascii-2",
+    "empty-huge-shape",
+    "empty-huge-shape-2",
+    "too-many-dims",
+    "list-key",
+    "list-in-tuple-key",
+    "dict-key-without-value",
+    "sym-out-of-range",
+    "span-start-near-2^64",
+    "span-end-near-2^64",
+    "payload-extent-near-2^64",
+]
+
+
+def _save(tmp_path: Path, name: str) -> Path:
+    p = tmp_path / (name.replace("^", "") + ".shmstore")
+    p.write_bytes(_native._crafted_archive(name))
+    return p
+
+
+def _read_paths(path: Path) -> dict[str, object]:
+    """Each read path a user has, run on its own; its exception (or None)."""
+    out: dict[str, object] = {}
+
+    def attempt(what: str, f) -> None:  # type: ignore[no-untyped-def]
+        try:
+            f()
+            out[what] = None
+        except BaseException as e:  # PanicException is a BaseException
+            out[what] = e
+
+    def get():  # type: ignore[no-untyped-def]
+        return shmstore.Ref.open(path).get()
+
+    def plain(v):  # type: ignore[no-untyped-def]
+        return v.to_python() if isinstance(v, (shmstore.ListView, shmstore.DictView)) else v
+
+    attempt("open+verify", lambda: shmstore.Ref.open(path).verify())
+    attempt("get", get)
+    attempt("to_python", lambda: plain(get()))
+    attempt("==", lambda: get() == get())
+    attempt("repr", lambda: repr(get()))
+    attempt("iterate", lambda: list(get()) if hasattr(get(), "__iter__") else None)
+    attempt("put(view)", lambda: shmstore.put(get()).close())
+    attempt("pickle", lambda: pickle.loads(pickle.dumps(get())))
+
+    def lookups():  # type: ignore[no-untyped-def]
+        v = get()
+        if isinstance(v, shmstore.DictView):
+            for k in v:
+                _ = v[k], k in v, v.get(k)
+            _ = "b" in v
+
+    attempt("lookups", lookups)
+    return out
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_hostile_archive_gives_corrupt_store_error(tmp_path, attack):
+    path = _save(tmp_path, attack)
+    results = _read_paths(path)
+    wrong = {w: f"{type(e).__name__}: {e}" for w, e in results.items()
+             if e is not None and not isinstance(e, shmstore.CorruptStoreError)}
+    assert not wrong, wrong
+    # Every attack is noticed by at least the full check.
+    assert isinstance(results["open+verify"], shmstore.CorruptStoreError) or any(
+        isinstance(e, shmstore.CorruptStoreError) for e in results.values()
+    ), results
+
+
+def test_deepest_valid_nesting_reads_back(tmp_path):
+    """The format's own limit (containers nested as deep as writers may) stays readable."""
+    path = _save(tmp_path, "deep-ok")
+    with shmstore.Ref.open(path) as r:
+        r.verify()
+        v = r.get().to_python()
+        depth = 0
+        while isinstance(v, list) and v:
+            v, depth = v[0], depth + 1
+        assert depth == 132
+
+
+def test_too_deep_is_corrupt_in_a_thread_with_a_small_stack(tmp_path):
+    """The depth limits hold where recursion hurts first: a worker thread with a 512 KiB
+    stack (CPython's default thread stack is 8 MiB on Linux)."""
+    paths = {name: _save(tmp_path, name) for name in ("deep", "deep-mixed", "deep-limit", "deep-ok")}
+    script = r"""
+import sys, threading
+import shmstore
+results = {}
+def work():
+    for name, path in zip(sys.argv[1::2], sys.argv[2::2]):
+        try:
+            r = shmstore.Ref.open(path)
+            r.verify()
+            v = r.get()
+            v.to_python(); v == v; repr(v)
+            try:
+                shmstore.put(v).close()
+            except shmstore.InvalidInputError:
+                pass  # 132 nested lists: readable, but deeper than a writer takes lists
+            results[name] = "ok"
+        except shmstore.CorruptStoreError:
+            results[name] = "corrupt"
+        except BaseException as e:
+            results[name] = f"{type(e).__name__}: {e}"
+threading.stack_size(512 * 1024)
+t = threading.Thread(target=work)
+t.start()
+t.join()
+print(results)
+"""
+    args = [str(x) for kv in paths.items() for x in kv]
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert eval(proc.stdout) == {
+        "deep": "corrupt",
+        "deep-mixed": "corrupt",
+        "deep-limit": "corrupt",
+        "deep-ok": "ok",
+    }
+
+
+def test_worker_thread_small_stack_in_process(tmp_path):
+    """Same in this process (no crash means pytest survives)."""
+    path = _save(tmp_path, "deep")
+    caught: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            shmstore.Ref.open(path).get()
+        except BaseException as e:
+            caught.append(e)
+
+    old = threading.stack_size(512 * 1024)
+    try:
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+    finally:
+        threading.stack_size(old)
+    assert len(caught) == 1 and isinstance(caught[0], shmstore.CorruptStoreError), caught
+    assert "record 0" in str(caught[0])
