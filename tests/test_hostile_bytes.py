@@ -81,8 +81,11 @@ def _read_paths(path: Path) -> dict[str, object]:
 def test_hostile_archive_gives_corrupt_store_error(tmp_path, attack):
     path = _save(tmp_path, attack)
     results = _read_paths(path)
-    wrong = {w: f"{type(e).__name__}: {e}" for w, e in results.items()
-             if e is not None and not isinstance(e, shmstore.CorruptStoreError)}
+    wrong = {
+        w: f"{type(e).__name__}: {e}"
+        for w, e in results.items()
+        if e is not None and not isinstance(e, shmstore.CorruptStoreError)
+    }
     assert not wrong, wrong
     # Every attack is noticed by at least the full check.
     assert isinstance(results["open+verify"], shmstore.CorruptStoreError) or any(
@@ -105,7 +108,9 @@ def test_deepest_valid_nesting_reads_back(tmp_path):
 def test_too_deep_is_corrupt_in_a_thread_with_a_small_stack(tmp_path):
     """The depth limits hold where recursion hurts first: a worker thread with a 512 KiB
     stack (CPython's default thread stack is 8 MiB on Linux)."""
-    paths = {name: _save(tmp_path, name) for name in ("deep", "deep-mixed", "deep-limit", "deep-ok")}
+    paths = {
+        name: _save(tmp_path, name) for name in ("deep", "deep-mixed", "deep-limit", "deep-ok")
+    }
     script = r"""
 import sys, threading
 import shmstore
