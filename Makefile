@@ -7,7 +7,7 @@ PYTHON ?= python3
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 
-.PHONY: help venv build test test-rust test-python test-torch demo bench lint format clean
+.PHONY: help venv build test test-rust test-python test-torch fuzz demo bench lint format clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -41,6 +41,15 @@ test-torch: venv ## the integration tests with real torch, in .venv-torch (downl
 	$(VENV)/bin/maturin build --release -q -o target/torch-wheel -i $(TORCH_VENV)/bin/python
 	$(TORCH_VENV)/bin/python -m pip install -q --force-reinstall --no-deps target/torch-wheel/*.whl
 	$(TORCH_VENV)/bin/python -m pytest -q tests/test_integrations.py tests/test_examples.py
+
+# CI runs 20k cases each way inside `make test`; this runs many more, from other seeds.
+FUZZ_CASES ?= 1000000
+FUZZ_SEED ?= 100000
+fuzz: build ## structure-aware fuzzing of the readers (FUZZ_CASES Rust cases, 1/10 as many in Python)
+	SHMSTORE_FUZZ_CASES=$(FUZZ_CASES) SHMSTORE_FUZZ_SEED=$(FUZZ_SEED) \
+		cargo test --release -q --lib fuzz_cases_never_crash_the_reader -- --nocapture
+	SHMSTORE_FUZZ_CASES=$$(( $(FUZZ_CASES) / 10 )) SHMSTORE_FUZZ_SEED=$(FUZZ_SEED) \
+		$(PY) -m pytest -q -s tests/test_fuzz.py
 
 demo: build ## memory comparison: plain list vs pickle buffer vs shmstore (< 2 min)
 	$(PY) benchmarks/demo.py
