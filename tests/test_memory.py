@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import shmstore
 from shmstore import memory
 
 MiB = 1 << 20
@@ -148,10 +149,34 @@ def test_plot_writes_a_png(tmp_path: Path) -> None:
     mon = memory.Monitor(interval=1)
     mon.sample()
     mon.sample()
-    out = mon.plot(str(tmp_path / "mem.png"))
-    assert Path(out).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    fig = mon.plot(str(tmp_path / "mem.png"))
+    assert (tmp_path / "mem.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [a.get_ylabel() for a in fig.axes] == ["PSS (MiB)", "USS (MiB)"]
     with pytest.raises(ValueError, match="fields"):
         mon.plot(str(tmp_path / "x.png"), fields=("vms",))
+
+
+def test_plot_returns_the_figure_or_draws_into_given_axes() -> None:
+    """matplotlib's object-API convention: a new Figure when no ``ax``, else the given Axes
+    (one per field) drawn into and returned."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    mon = memory.Monitor(interval=1)
+    mon.sample()
+    mon.sample()
+    fig = mon.plot(fields=("uss",))
+    assert isinstance(fig, Figure) and len(fig.axes) == 1
+    total = [ln for ln in fig.axes[0].get_lines() if ln.get_label() == "total"]
+    assert len(total) == 1 and len(total[0].get_xdata()) == 2
+    mine = Figure()
+    ax = mine.add_subplot()
+    assert mon.plot(ax=ax, fields=("pss",)) is ax
+    assert ax.get_ylabel() == "PSS (MiB)" and ax.get_lines()
+    two = mine.subplots(1, 2)
+    assert mon.plot(ax=two) is two
+    with pytest.raises(ValueError, match="one Axes per field"):
+        mon.plot(ax=ax)  # two default fields, one Axes
 
 
 def test_plot_without_matplotlib_says_what_to_install(
@@ -173,3 +198,25 @@ def test_bad_arguments() -> None:
         memory.Monitor().peak("vms")
     with pytest.raises(KeyError, match="not in this snapshot"):
         memory.snapshot(children=False).by_pid(-5)
+
+
+def test_a_created_store_is_counted_under_its_public_name() -> None:
+    """The creator maps its store under the public name, not ``…part-<id> (deleted)``, so a
+    store is one entry of ``segments`` (not two, with its PSS split, under DDP)."""
+    with shmstore.SharedList(range(1000)) as lst:
+        segs = memory.snapshot(children=False).by_pid(os.getpid()).segments
+        assert [k for k in segs if lst.name in k] == [lst.name], segs
+
+
+def test_build_names_resolve_to_the_public_name_of_the_same_file(tmp_path: Path) -> None:
+    from shmstore import _procmaps
+
+    public = tmp_path / "shmstore-x"
+    public.write_bytes(b"x")
+    st = public.stat()
+    ident = (st.st_dev, st.st_ino)
+    built = f"{tmp_path}/shmstore-x.part-0123abcd (deleted)"
+    assert _procmaps.live_path(built, ident) == str(public)
+    assert _procmaps.live_path(built, (st.st_dev, st.st_ino + 1)) is None  # another file
+    assert _procmaps.live_path(f"{public} (deleted)", ident) is None  # really unlinked
+    assert _procmaps.live_path(str(public), ident) == str(public)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Callable, Iterable, Optional, Sequence
 
-from . import _segments
+from . import _procmaps, _segments
 
 __all__ = [
     "FIELDS",
@@ -165,21 +165,31 @@ def _read_rollup(pid: int) -> dict[str, int]:
 
 
 def _read_segments(pid: int, prefix: str) -> dict[str, int]:
-    """PSS per shmstore segment mapped by ``pid`` (one mapping may appear several times)."""
+    """PSS per shmstore segment mapped by ``pid``, keyed by the segment's public name.
+
+    One segment may appear as several mappings (summed). The process that built a store may
+    show it under its build name (``shmstore-X.part-Y (deleted)``): it is counted under
+    ``shmstore-X`` when that name is the same file, so a segment never appears twice. A name
+    still ending in " (deleted)" was unlinked while mapped: it still costs memory.
+    """
     segs: dict[str, int] = {}
     current: Optional[str] = None
     with open(f"/proc/{pid}/smaps", "rb") as f:
         for raw in f:
             line = raw.decode("utf-8", "replace")
-            first = line.split(" ", 1)[0]
-            if "-" in first and not first.endswith(":"):
-                # a mapping header: "start-end perms offset dev inode   pathname"
-                parts = line.split(None, 5)
-                path = parts[5].rstrip("\n") if len(parts) == 6 else ""
-                current = os.path.basename(path) if path.startswith(prefix) else None
+            # a header starts with a hex address; a field with its name ("Pss:", "VmFlags:")
+            entry = _procmaps.parse_header(line) if line[:1] in _HEX else None
+            if entry is not None:
+                current = None
+                if entry.path.startswith(prefix):
+                    live = _procmaps.live_path(entry.path, entry.ident)
+                    current = os.path.basename(live if live is not None else entry.path)
             elif current is not None and line.startswith("Pss:"):
                 segs[current] = segs.get(current, 0) + int(line.split()[1]) * 1024
     return segs
+
+
+_HEX = frozenset("0123456789abcdef")
 
 
 def _comm(pid: int) -> str:
@@ -411,10 +421,30 @@ class Monitor:
                 f.write(text)
         return text
 
-    def plot(self, path: str, fields: Sequence[str] = ("pss", "uss")) -> str:
-        """PNG of ``fields`` over time, one line per process plus the total (needs matplotlib).
+    def plot(
+        self,
+        path: Optional[str] = None,
+        fields: Sequence[str] = ("pss", "uss"),
+        *,
+        ax: Any = None,
+    ) -> Any:
+        """Plot ``fields`` over time, one line per process plus the total (needs matplotlib).
+
+        Follows matplotlib's object API (no pyplot state, no global backend change):
+
+        - ``ax=None``: a new ``matplotlib.figure.Figure`` with one Axes per field, returned.
+        - ``ax``: an ``Axes`` (one field) or a sequence of Axes (one per field) to draw into;
+          returned as given, so it composes with your own figure.
+        - ``path``: also save the figure there (PNG, SVG, PDF... from the file name).
 
         Raises ImportError naming the extra to install when matplotlib is missing.
+
+        Example::
+
+            >>> mon = Monitor(interval=1); _ = mon.sample()
+            >>> fig = mon.plot()                                # doctest: +SKIP
+            >>> fig.axes[0].get_ylabel()                        # doctest: +SKIP
+            'PSS (MiB)'
         """
         try:
             from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -424,26 +454,43 @@ class Monitor:
         for f in fields:
             if f not in FIELDS:
                 raise ValueError(f"fields must be among {FIELDS}, not {f!r}")
+        fig: Any
+        if ax is None:
+            fig = Figure(figsize=(7, 3 * len(fields)))
+            FigureCanvasAgg(fig)
+            axes = [fig.add_subplot(len(fields), 1, i + 1) for i in range(len(fields))]
+            result: Any = fig
+        else:
+            if hasattr(ax, "flat"):  # the array of Axes that Figure.subplots returns
+                axes = list(ax.flat)
+            else:
+                axes = list(ax) if isinstance(ax, (list, tuple)) else [ax]
+            if len(axes) != len(fields):
+                raise ValueError(
+                    f"ax has {len(axes)} Axes for {len(fields)} fields {tuple(fields)}: pass "
+                    "one Axes per field (or fields=(...) with one field for a single Axes)"
+                )
+            fig = axes[0].figure
+            result = ax
         series: dict[tuple[int, str], list[tuple[float, ProcessMemory]]] = {}
         for t, p in self._rows():
             series.setdefault((p.pid, p.name), []).append((t, p))
-        fig = Figure(figsize=(7, 3 * len(fields)))
-        FigureCanvasAgg(fig)
-        for i, f in enumerate(fields):
-            ax = fig.add_subplot(len(fields), 1, i + 1)
+        for i, (f, a) in enumerate(zip(fields, axes)):
             for (pid, name), pts in series.items():
                 label = "total" if pid == 0 else f"{name} [{pid}]"
-                ax.plot(
+                a.plot(
                     [t for t, _ in pts],
                     [getattr(p, f) / (1 << 20) for _, p in pts],
                     label=label,
                     linewidth=2.0 if pid == 0 else 1.0,
                 )
-            ax.set_ylabel(f"{f.upper()} (MiB)")
-            ax.grid(True, alpha=0.3)
+            a.set_ylabel(f"{f.upper()} (MiB)")
+            a.grid(True, alpha=0.3)
             if i == 0:
-                ax.legend(fontsize="small", loc="upper left")
-        fig.axes[-1].set_xlabel("time (s)")
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        return path
+                a.legend(fontsize="small", loc="upper left")
+        axes[-1].set_xlabel("time (s)")
+        if ax is None:
+            fig.tight_layout()
+        if path is not None:
+            fig.savefig(path, dpi=100)
+        return result

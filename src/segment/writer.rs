@@ -205,7 +205,26 @@ impl SegmentWriter {
         }
         self.published = true;
         let _ = std::fs::remove_file(&self.tmp);
+        let file = reopen_same(&final_path, file);
         Ok((final_path, file))
+    }
+}
+
+/// The file of `path` opened read-only, if it is still the inode of `file`; else `file`.
+///
+/// A mapping made through `file` would show in /proc/PID/maps (and so in `pmap`, `smem`,
+/// `shmstore.memory`) under the build name, `<name>.part-<random> (deleted)`, which reads like
+/// a leak and splits one segment in two in per-name accounting. Mapping the public name
+/// avoids that. If the name was removed or replaced meanwhile, `file` is still right.
+fn reopen_same(path: &Path, file: File) -> File {
+    use std::os::unix::fs::MetadataExt;
+    let flags = (rustix::fs::OFlags::CLOEXEC | rustix::fs::OFlags::NOFOLLOW).bits() as i32;
+    let Ok(reopened) = OpenOptions::new().read(true).custom_flags(flags).open(path) else {
+        return file;
+    };
+    match (reopened.metadata(), file.metadata()) {
+        (Ok(a), Ok(b)) if (a.dev(), a.ino()) == (b.dev(), b.ino()) => reopened,
+        _ => file,
     }
 }
 
@@ -250,5 +269,24 @@ impl Drop for SegmentWriter {
         if !self.published {
             let _ = std::fs::remove_file(&self.tmp);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    /// The published file is open under its public name, so a mapping of it shows that
+    /// name in /proc/PID/maps instead of `<name>.part-<random> (deleted)`.
+    #[test]
+    fn published_file_is_open_under_its_public_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = SegmentWriter::create(dir.path(), "shmstore-w", None).unwrap();
+        w.write_all(b"sealed").unwrap();
+        let (path, file) = w.publish().unwrap();
+        assert_eq!(path, dir.path().join("shmstore-w"));
+        let shown = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())).unwrap();
+        assert_eq!(shown, path);
     }
 }
