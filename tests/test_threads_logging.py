@@ -59,3 +59,17 @@ def test_rust_logs_reach_python_logging(caplog):
             name = lst.name
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("shmstore")]
     assert any(name in m and "created" in m for m in messages), messages
+
+
+def test_rust_logs_use_public_logger_names_one_line_per_event(caplog):
+    """Records from the Rust core go to loggers named by what they are about
+    (``shmstore.store``), not by Rust module paths (``shmstore.py.store``); an unlink logs
+    once even when ``with`` unlinks again after an explicit ``unlink()``."""
+    with caplog.at_level(logging.DEBUG, logger="shmstore"):
+        with shmstore.SharedList([1, 2, 3]) as lst:
+            name = lst.name
+            lst.unlink()
+    mine = [r for r in caplog.records if name in r.getMessage()]
+    assert {r.name for r in mine} == {"shmstore.store"}, [(r.name, r.getMessage()) for r in mine]
+    unlinked = [r for r in mine if r.getMessage().startswith("unlinked")]
+    assert len(unlinked) == 1, [r.getMessage() for r in mine]

@@ -97,9 +97,14 @@ impl StoreHandle {
                 path.display()
             )));
         }
-        py.detach(|| store.mapping().unlink())
+        let removed = py
+            .detach(|| store.mapping().unlink())
             .map_err(super::errors::segment_err)?;
-        log::debug!("unlinked {}", self.name);
+        // One line per event: a second unlink (e.g. `with` exiting after an explicit
+        // unlink()) or a name the supervisor already removed logs nothing.
+        if removed {
+            log::debug!("unlinked {}", self.name);
+        }
         Ok(())
     }
 

@@ -5,6 +5,7 @@ mod encode;
 mod errors;
 mod graph;
 mod handles;
+mod logging;
 mod store;
 mod supervise;
 mod views;
@@ -29,11 +30,7 @@ mod _native {
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
-        // Rust `log` records -> Python `logging` (loggers "shmstore.*"). No level caching:
-        // we log only on create/attach/unlink, and users change levels at run time.
-        let _ = pyo3_log::Logger::new(m.py(), pyo3_log::Caching::Nothing)?
-            .filter(log::LevelFilter::Trace)
-            .install();
+        logging::install(m.py())?;
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
         errors::register(m)?;
         graph::register(m)?;
