@@ -1,0 +1,334 @@
+"""The ``shmstore`` command: ``ls | inspect NAME | gc [--dry-run] | rm NAME...``.
+
+Also ``python -m shmstore``. Every verb takes ``--json`` (machine-readable output on stdout).
+A user error prints one line, ``shmstore VERB: what went wrong``, to stderr (no traceback) and
+exits with a code that says what kind of error it was:
+
+====  ==========================================================================================
+code  meaning
+====  ==========================================================================================
+0     success
+1     a named store does not exist (``inspect``, ``rm``), or ``gc --dry-run`` found orphans
+2     usage error: unknown verb or option, or a name shmstore would never give a store
+3     the target exists but is not a readable store (corrupt, truncated, a directory, a
+      foreign file)
+4     permission denied, or another error of the operating system
+130   interrupted (Ctrl-C)
+141   stdout was closed early (``shmstore ls --json | head``): the output stops quietly, as a
+      program killed by SIGPIPE would (128 + 13)
+====  ==========================================================================================
+
+A store the process that built it still maps is listed under its public name with its state
+(``in use``), never under its build name.
+
+>>> main(["ls", "--json"])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, NoReturn, Optional
+
+from shmstore import _native
+from shmstore._native import (
+    CorruptStoreError,
+    InvalidInputError,
+    ShmStoreError,
+    StoreNotFoundError,
+    StorePermissionError,
+)
+from shmstore._segments import (
+    PREFIX,
+    human_size,
+    pid_alive,
+    search_dirs,
+    segment_paths,
+    segment_users,
+)
+
+__all__ = [
+    "EXIT_BROKEN_PIPE",
+    "EXIT_INTERRUPTED",
+    "EXIT_NOT_FOUND",
+    "EXIT_OK",
+    "EXIT_OS_ERROR",
+    "EXIT_UNREADABLE",
+    "EXIT_USAGE",
+    "main",
+]
+
+EXIT_OK = 0
+EXIT_NOT_FOUND = 1
+EXIT_USAGE = 2
+EXIT_UNREADABLE = 3
+EXIT_OS_ERROR = 4
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
+
+
+class UserError(Exception):
+    """An error to report in one line, with its exit code."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _classify(e: BaseException, target: str) -> UserError:
+    """The one line and exit code for an exception raised while handling ``target``."""
+    if isinstance(e, UserError):
+        return e
+    said = str(e) or type(e).__name__
+    line = said if target in said else f"{target}: {said}"
+    if isinstance(e, (StoreNotFoundError, FileNotFoundError)):
+        return UserError(line, EXIT_NOT_FOUND)
+    if isinstance(e, IsADirectoryError):
+        return UserError(f"{target}: is a directory, not a store", EXIT_UNREADABLE)
+    if isinstance(e, CorruptStoreError):
+        return UserError(f"not a readable store: {line}", EXIT_UNREADABLE)
+    if isinstance(e, InvalidInputError):
+        return UserError(line, EXIT_USAGE)
+    if isinstance(e, (PermissionError, StorePermissionError)):
+        return UserError(f"permission denied: {line}", EXIT_OS_ERROR)
+    if isinstance(e, (ShmStoreError, OSError)):
+        return UserError(line, EXIT_OS_ERROR)
+    raise e
+
+
+def _emit_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2))
+
+
+# ---------------------------------------------------------------------------------------------
+# ls
+
+
+def _state(row: dict[str, Any]) -> str:
+    if row["kind"] == "building":
+        return "building"
+    if row["kind"] is None or str(row["kind"]).startswith("unreadable"):
+        return "unreadable"
+    return "in use" if row["users"] else "orphaned"
+
+
+def _rows() -> list[dict[str, Any]]:
+    sup = _native.supervisor_info()
+    tracked: dict[str, list[int]] = sup["segments"] if sup else {}
+    paths = segment_paths()
+    users = segment_users(paths)
+    rows: list[dict[str, Any]] = []
+    for path in paths:
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue
+        row: dict[str, Any] = {
+            "name": path.name,
+            "path": str(path),
+            "size": st.st_size,
+            "age_s": round(time.time() - st.st_mtime, 1),
+            "kind": None,
+            "records": None,
+            "creator_pid": None,
+            "creator_alive": None,
+            "users": sorted(users.get(path, [])),
+            "attached_pids": tracked.get(str(path), []),
+            "tracked": str(path) in tracked,
+        }
+        if ".part-" in path.name:
+            row["kind"] = "building"
+        else:
+            try:
+                info = _native._store_info(str(path))
+                row.update(
+                    kind=info["kind"], records=info["count"], creator_pid=info["creator_pid"]
+                )
+                row["creator_alive"] = pid_alive(info["creator_pid"])
+            except (ShmStoreError, OSError) as e:  # a corrupt or foreign file: still list it
+                row["kind"] = f"unreadable ({type(e).__name__})"
+        row["state"] = _state(row)
+        rows.append(row)
+    return rows
+
+
+def _ls(args: argparse.Namespace) -> int:
+    rows = _rows()
+    if args.json:
+        _emit_json(rows)
+        return EXIT_OK
+    if not rows:
+        print("no shmstore segments in " + ", ".join(str(d) for d in search_dirs()))
+        return EXIT_OK
+    print(
+        f"{'NAME':42} {'SIZE':>10} {'KIND':9} {'STATE':10} {'RECORDS':>9} {'CREATOR':>12} "
+        f"{'AGE':>7}  USERS"
+    )
+    for r in rows:
+        creator = ""
+        if r["creator_pid"] is not None:
+            creator = f"{r['creator_pid']}{'' if r['creator_alive'] else ' (dead)'}"
+        records = "" if r["records"] is None else str(r["records"])
+        print(
+            f"{r['name']:42} {human_size(r['size']):>10} {r['kind']:9} {r['state']:10} "
+            f"{records:>9} {creator:>12} {r['age_s']:>6.0f}s  "
+            f"{','.join(map(str, r['users'])) or '-'}"
+        )
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect, gc, rm
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    target = args.name
+    if ("/" in target or target == ".") and Path(target).is_dir():
+        raise UserError(f"{target}: is a directory, not a store", EXIT_UNREADABLE)
+    try:
+        info = dict(_native._store_info(target))
+    except Exception as e:
+        raise _classify(e, args.name) from e
+    if args.json:
+        _emit_json(info)
+    else:
+        for k, v in info.items():
+            shown = human_size(v) if k.endswith("nbytes") else v
+            print(f"{k:16} {shown}")
+    return EXIT_OK
+
+
+def _gc(args: argparse.Namespace) -> int:
+    try:
+        report = _native.sweep(dry_run=args.dry_run)
+    except Exception as e:
+        raise _classify(e, "sweep") from e
+    orphans = [r for r in report if r["removed"]]
+    freed = sum(r["size"] for r in orphans)
+    status = EXIT_NOT_FOUND if (args.dry_run and orphans) else EXIT_OK
+    if args.json:
+        _emit_json(
+            {
+                "dry_run": args.dry_run,
+                "segments": [dict(r) for r in report],
+                "removed": len(orphans),
+                "freed_bytes": freed,
+            }
+        )
+        return status
+    verb = "would remove" if args.dry_run else "removed"
+    for r in report:
+        if r["removed"]:
+            print(f"{verb} {r['path']} ({human_size(r['size'])})")
+        elif args.verbose:
+            print(f"kept {r['path']}: used by {r['users']}")
+    print(f"{verb} {len(orphans)} orphaned segment(s), {human_size(freed)}")
+    return status
+
+
+def _full_name(name: str) -> str:
+    """``name`` with the prefix; a name shmstore never gives a store is a usage error."""
+    full = name if name.startswith(PREFIX) else PREFIX + name
+    if "/" in name or name.startswith(".") or not name or "\0" in name:
+        raise UserError(
+            f"{name!r} is not a store name (a name has no '/' and does not start with '.')",
+            EXIT_USAGE,
+        )
+    return full
+
+
+def _rm(args: argparse.Namespace) -> int:
+    status = EXIT_OK
+    results: list[dict[str, Any]] = []
+    for name in args.names:
+        row: dict[str, Any] = {"name": name, "path": None, "removed": False, "error": None}
+        results.append(row)
+        try:
+            full = _full_name(name)
+            for d in search_dirs():
+                path = d / full
+                try:
+                    path.unlink()
+                except FileNotFoundError:
+                    continue
+                row.update(path=str(path), removed=True)
+                break
+            else:
+                raise UserError(f"no segment named {full!r}", EXIT_NOT_FOUND)
+        except Exception as e:
+            err = _classify(e, name)
+            row["error"] = str(err)
+            _complain(args.cmd, str(err))
+            status = max(status, err.code)
+    if args.json:
+        _emit_json(results)
+    return status
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+
+
+def _complain(verb: Optional[str], message: str) -> None:
+    print(f"shmstore{' ' + verb if verb else ''}: {message}", file=sys.stderr)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with usage errors as one line (plus the usage) and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        _complain(None, message)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="shmstore", description="Manage shmstore segments.")
+    p.add_argument("--version", action="version", version=f"shmstore {_native.__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+
+    def verb(name: str, fn: Callable[[argparse.Namespace], int], help: str) -> Any:
+        v = sub.add_parser(name, help=help)
+        v.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+        v.set_defaults(fn=fn)
+        return v
+
+    verb("ls", _ls, "list this user's segments (size, kind, state, creator, users)")
+    ins = verb("inspect", _inspect, "show a store's header (a name, or a saved file's path)")
+    ins.add_argument("name")
+    gc = verb("gc", _gc, "remove orphaned segments (no live process maps them)")
+    gc.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    gc.add_argument("-v", "--verbose", action="store_true", help="also list what is kept")
+    rm = verb("rm", _rm, "unlink segments by name (mappings in use keep working)")
+    rm.add_argument("names", nargs="+")
+    return p
+
+
+def _broken_pipe() -> int:
+    # Whatever is still buffered for the closed pipe would fail again at exit: point stdout
+    # at /dev/null so the interpreter's final flush is silent.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_BROKEN_PIPE
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Entry point of the ``shmstore`` console script; returns the exit code."""
+    args = _parser().parse_args(argv)
+    try:
+        code = int(args.fn(args))
+        sys.stdout.flush()
+        return code
+    except UserError as e:
+        _complain(args.cmd, str(e))
+        return e.code
+    except BrokenPipeError:
+        return _broken_pipe()
+    except KeyboardInterrupt:
+        _complain(args.cmd, "interrupted")
+        return EXIT_INTERRUPTED

@@ -1,0 +1,186 @@
+"""The ``shmstore`` command: every verb's output, its ``--json`` form and its error paths
+(one line on stderr, no traceback, the documented exit code).
+
+Each test runs the command as a subprocess in a private segment directory, without a
+supervisor and without the disk fallback, so nothing outside that directory is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import shmstore
+from shmstore import cli
+
+TIMEOUT_S = 120
+
+
+class Env:
+    def __init__(self, segdir: Path) -> None:
+        self.dir = segdir
+        self.vars = {
+            **os.environ,
+            "SHMSTORE_DIR": str(segdir),
+            "SHMSTORE_SUPERVISOR": "0",
+            "SHMSTORE_FALLBACK": "0",
+        }
+
+    def run(self, *args: str, **kw: object) -> subprocess.CompletedProcess[str]:
+        r = subprocess.run(
+            [sys.executable, "-m", "shmstore", *args],
+            env=self.vars,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+            **kw,  # type: ignore[arg-type]
+        )
+        assert "Traceback" not in r.stderr, r.stderr
+        return r
+
+    def one_error_line(self, r: subprocess.CompletedProcess[str], code: int, *words: str) -> str:
+        assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("shmstore"), r.stderr
+        for w in words:
+            assert w in lines[0], (w, lines[0])
+        return lines[0]
+
+
+@pytest.fixture
+def env() -> Iterator[Env]:
+    segdir = Path(tempfile.mkdtemp(prefix="shmstore-cli-test-", dir="/dev/shm"))
+    try:
+        yield Env(segdir)
+    finally:
+        for p in segdir.iterdir():
+            p.unlink()
+        segdir.rmdir()
+
+
+CREATOR = """
+import sys, shmstore
+lst = shmstore.SharedList(range(7), name="cli-live")
+print(lst.name, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_ls_shows_a_live_store_under_its_public_name_with_its_state(env: Env) -> None:
+    creator = subprocess.Popen(
+        [sys.executable, "-c", CREATOR],
+        env=env.vars,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert creator.stdout is not None and creator.stdin is not None
+        name = creator.stdout.readline().strip()
+        assert name == "shmstore-cli-live"
+        r = env.run("ls", "--json")
+        assert r.returncode == 0, r
+        (row,) = json.loads(r.stdout)
+        assert row["name"] == name and ".part-" not in row["path"]
+        assert row["state"] == "in use" and row["users"] == [creator.pid]
+        assert row["kind"] == "list" and row["records"] == 7
+        assert row["creator_pid"] == creator.pid and row["creator_alive"] is True
+        r = env.run("ls")
+        assert r.returncode == 0 and name in r.stdout and "in use" in r.stdout, r
+        assert "(deleted)" not in r.stdout and ".part-" not in r.stdout
+    finally:
+        creator.communicate("\n", timeout=TIMEOUT_S)
+    assert creator.returncode == 0
+
+
+def test_ls_into_a_closed_pipe_stops_quietly(env: Env) -> None:
+    """``shmstore ls --json | head``: a reader that goes away is not an error to report."""
+    for args in (("ls", "--json"), ("ls",)):
+        r_fd, w_fd = os.pipe()
+        os.close(r_fd)  # the reader is gone before the first write
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "shmstore", *args],
+                env=env.vars,
+                stdout=w_fd,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=TIMEOUT_S,
+            )
+        finally:
+            os.close(w_fd)
+        assert proc.returncode == cli.EXIT_BROKEN_PIPE, proc
+        assert proc.stderr == "", proc.stderr
+
+
+def test_inspect_errors(env: Env, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.shm"
+    bad.write_bytes(b"not a store" * 100)
+    env.one_error_line(env.run("inspect", str(bad)), cli.EXIT_UNREADABLE, str(bad))
+    env.one_error_line(env.run("inspect", str(tmp_path)), cli.EXIT_UNREADABLE, "directory")
+    (env.dir / "shmstore-garbage").write_bytes(b"\0" * 4096)
+    env.one_error_line(env.run("inspect", "garbage"), cli.EXIT_UNREADABLE, "garbage")
+    env.one_error_line(env.run("inspect", "absent"), cli.EXIT_NOT_FOUND, "absent")
+    env.one_error_line(env.run("inspect", str(tmp_path / "nofile")), cli.EXIT_NOT_FOUND)
+    env.one_error_line(env.run("inspect", "bad name!"), cli.EXIT_USAGE, "bad name!")
+    # a corrupt segment is still listed, as unreadable
+    r = env.run("ls", "--json")
+    assert r.returncode == 0, r
+    (row,) = json.loads(r.stdout)
+    assert row["name"] == "shmstore-garbage" and row["state"] == "unreadable"
+
+
+def test_inspect_json_and_text(env: Env, tmp_path: Path) -> None:
+    path = tmp_path / "five.shm"
+    with shmstore.SharedList(range(5)) as lst:
+        lst.save(path)
+    r = env.run("inspect", str(path), "--json")
+    assert r.returncode == 0, r
+    assert json.loads(r.stdout)["count"] == 5
+    r = env.run("inspect", str(path))
+    assert r.returncode == 0 and "count" in r.stdout, r
+
+
+def test_rm_errors_and_json(env: Env) -> None:
+    (env.dir / "shmstore-doomed").write_bytes(b"x")
+    r = env.run("rm", "doomed", "missing", "--json")
+    env.one_error_line(r, cli.EXIT_NOT_FOUND, "shmstore-missing")
+    rows = json.loads(r.stdout)
+    assert [(x["name"], x["removed"]) for x in rows] == [("doomed", True), ("missing", False)]
+    assert not (env.dir / "shmstore-doomed").exists()
+    env.one_error_line(env.run("rm", "../etc"), cli.EXIT_USAGE, "not a store name")
+    env.one_error_line(env.run("rm", ".hidden"), cli.EXIT_USAGE, "not a store name")
+
+
+def test_gc_json(env: Env) -> None:
+    (env.dir / "shmstore-orphan").write_bytes(b"\0" * 4096)
+    r = env.run("gc", "--dry-run", "--json")
+    assert r.returncode == cli.EXIT_NOT_FOUND, r
+    report = json.loads(r.stdout)
+    assert report["dry_run"] is True and report["removed"] == 1
+    assert (env.dir / "shmstore-orphan").exists()
+    r = env.run("gc", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["removed"] == 1, r
+    assert not (env.dir / "shmstore-orphan").exists()
+
+
+def test_usage_errors(env: Env) -> None:
+    r = env.run()
+    assert r.returncode == cli.EXIT_USAGE and "usage:" in r.stderr, r
+    r = env.run("frobnicate")
+    assert r.returncode == cli.EXIT_USAGE and "invalid choice" in r.stderr, r
+    r = env.run("ls", "--bogus")
+    assert r.returncode == cli.EXIT_USAGE and "--bogus" in r.stderr, r
+
+
+def test_every_verb_takes_json(env: Env) -> None:
+    for args in (("ls",), ("gc", "--dry-run"), ("inspect", "x"), ("rm", "x")):
+        r = env.run(*args, "--json")
+        assert r.returncode in (0, cli.EXIT_NOT_FOUND), r
+        assert "unrecognized arguments" not in r.stderr
