@@ -22,6 +22,7 @@ import shmstore.joblib as sj  # noqa: E402
 import shmstore.torch as st  # noqa: E402
 from joblib import delayed  # noqa: E402
 from shmstore import leaks  # noqa: E402
+from shmstore.joblib import _cache, _reduce, _watch  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("no_leftover_segments")
 
@@ -49,7 +50,7 @@ def _queue_worker(inbox, outbox, ack):
 
 def _backing_file(x):
     """The file behind a worker's array (its segment), and what joblib wrote for our parent."""
-    span = sj._file_span(sj._root_of(x))
+    span = _reduce.file_span(_reduce.root_of(x))
     return None if span is None else span.path
 
 
@@ -67,8 +68,8 @@ def _first_rows(x):
 
 
 def _cache_state(_):
-    sj._CACHE.sweep()
-    return os.getpid(), len(sj._CACHE.held), sum(map(len, sj._CACHE.buffers.values()))
+    _cache.CACHE.sweep()
+    return os.getpid(), len(_cache.CACHE.held), sum(map(len, _cache.CACHE.buffers.values()))
 
 
 class _Model:
@@ -193,9 +194,9 @@ def test_joblib_large_results_come_back_by_name(backend, big):
         for d in doubled:
             np.testing.assert_array_equal(d, big * 2)
             assert not d.flags.writeable
-            assert isinstance(sj._root_of(d).base, shmstore._native.ArrayOwner)
+            assert isinstance(_reduce.root_of(d).base, shmstore._native.ArrayOwner)
         # a view of the input comes back as a view of the input's segment: no copy
-        assert sj._file_span(sj._root_of(heads[0])).path.endswith(segment)
+        assert _reduce.file_span(_reduce.root_of(heads[0])).path.endswith(segment)
         np.testing.assert_array_equal(heads[1], big[:200_000])
         assert stats.segments == 1  # two calls, one array: one segment
         # the workers let go of the result segments once we attached them
@@ -253,11 +254,42 @@ def test_joblib_threading_backend_collects_cycles_with_gc_guard():
     assert left == 0  # and the end of the call collects what the last tasks left
 
 
+def _pid(_: int) -> int:
+    return os.getpid()
+
+
+def test_joblib_prefer_threads_is_honoured_inside_sharing():
+    """Libraries ask for threads with ``prefer="threads"`` (scikit-learn does); inside
+    ``sharing()`` they get the gc-guarded threading backend, as they would outside it. An
+    explicit backend wins over the hint, as in joblib."""
+    me = os.getpid()
+    with sj.sharing(n_jobs=2):
+        threads = joblib.Parallel(prefer="threads")(delayed(_pid)(i) for i in range(4))
+        processes = joblib.Parallel()(delayed(_pid)(i) for i in range(4))
+    assert set(threads) == {me}
+    assert me not in processes
+    par = sj.Parallel(n_jobs=2, prefer="threads")
+    assert set(par(delayed(_pid)(i) for i in range(4))) == {me}
+    assert isinstance(par._backend, sj.GuardedThreadingBackend)
+    explicit = sj.Parallel(n_jobs=2, backend="loky", prefer="threads")
+    assert me not in explicit(delayed(_pid)(i) for i in range(4))
+
+
+@pytest.mark.parametrize("mode", ["r+", "w+", "c"])
+def test_joblib_writable_mmap_mode_warns(mode, big):
+    """Arrays arrive read-only whatever ``mmap_mode`` asks: a writable mode warns."""
+    with sj.sharing(n_jobs=2), pytest.warns(sj.WritableMemmapWarning, match=mode):
+        out = joblib.Parallel(mmap_mode=mode)(delayed(_first_rows)(big) for _ in range(2))
+    assert [o.flags.writeable for o in out] == [False, False]
+    with sj.sharing(n_jobs=2):  # the default "r": no warning (warnings are errors here)
+        joblib.Parallel()(delayed(_pid)(i) for i in range(2))
+
+
 def test_joblib_threshold_and_arguments():
-    assert sj._parse_bytes("1M") == MiB and sj._parse_bytes("512k") == 512 << 10
-    assert sj._parse_bytes(None) == 0 and sj._parse_bytes(10) == 10
+    assert _reduce.parse_bytes("1M") == MiB and _reduce.parse_bytes("512k") == 512 << 10
+    assert _reduce.parse_bytes(None) == 0 and _reduce.parse_bytes(10) == 10
     with pytest.raises(ValueError):
-        sj._parse_bytes("lots")
+        _reduce.parse_bytes("lots")
     with pytest.raises(ValueError, match="backend must be"):
         sj.Parallel(backend="dask")
     small = np.arange(100.0)
@@ -275,7 +307,7 @@ def test_watcher_reports_an_unlinked_segment():
     seen = threading.Event()
     ref = shmstore.put(np.zeros(10))
     path = shmstore._native._store_info(ref)["path"]
-    watcher = sj._Watcher(lambda p: seen.set() if p == path else None)
+    watcher = _watch.Watcher(lambda p: seen.set() if p == path else None)
     assert watcher.watch(path)
     ref.unlink()
     assert seen.wait(30)
@@ -335,6 +367,22 @@ def test_dataset_by_name_path_and_transform(records, tmp_path):
         assert [by_name[i] for i in range(3)] == [0, 1, 2]
         assert by_path[4] == records[4] and len(by_path) == len(records)
         del by_name
+
+
+def test_dataset_relative_file_path_is_a_file(records, tmp_path, monkeypatch):
+    """A bare relative file name (``"coco.shm"``) opens that file when no store has the name;
+    when a store has it too, the dataset refuses to guess."""
+    monkeypatch.chdir(tmp_path)
+    with shmstore.SharedList(records) as lst:
+        lst.save("coco.shm")
+        ds = st.SharedListDataset("coco.shm")
+        assert len(ds) == len(records) and ds[3] == records[3]
+        ds.data.close()
+        with pytest.raises(shmstore.StoreNotFoundError):
+            st.SharedListDataset(f"missing-{os.getpid()}.shm")
+        lst.save(lst.name)  # a file named like the live store
+        with pytest.raises(ValueError, match="both a store and a file"):
+            st.SharedListDataset(lst.name)
 
 
 def test_real_torch_dataloader(records):

@@ -47,14 +47,40 @@ Payload = tuple[str, str, str, str]
 Broadcast = Callable[[Optional[Payload]], Payload]
 
 
+def _open_list(data: Union[str, os.PathLike[str]]) -> shmstore.SharedList:
+    """A path-like, or a string with a ``/``, is a saved archive; a bare string is a store
+    name, or a file in the current directory when no store has that name (both: ValueError,
+    since either reading would be a guess)."""
+    path = os.fspath(data)
+    if not isinstance(data, str) or os.sep in path:
+        return shmstore.SharedList.open(path)
+    try:
+        attached = shmstore.SharedList.attach(path)
+    except shmstore.StoreNotFoundError:
+        if os.path.isfile(path):
+            return shmstore.SharedList.open(path)
+        raise
+    if os.path.isfile(path):
+        attached.close()
+        raise ValueError(
+            f"{path!r} names both a store and a file in the current directory: pass "
+            f"'./{path}' for the file or shmstore.SharedList.attach({path!r}) for the store"
+        )
+    return attached
+
+
 class SharedListDataset:
     """A map-style dataset over a :class:`shmstore.SharedList`.
 
-    ``data`` is a SharedList, or the name of one (attached), or the path of a saved archive
-    (opened). ``transform`` (optional) is applied to each record, a lazy read-only view; make it
-    return what your collate function wants (e.g. ``rec.to_python()``, or tensors: note that
-    ``torch.as_tensor`` warns on read-only numpy arrays, so copy them with ``np.array(x)`` or
-    use ``torch.tensor``).
+    ``data`` is a SharedList, the name of one (attached), or the path of a saved archive
+    (opened): a ``PathLike`` or a string containing ``/`` is a path; a bare string like
+    ``"coco.shm"`` is a store name, or the file of that name in the current directory when no
+    store has that name (ValueError when both exist).
+
+    ``transform`` (optional) is applied to each record, a lazy read-only view; make it return
+    what your collate function wants. Numpy arrays stay zero-copy *read-only* views, also
+    inside ``rec.to_python()``, and the default collate's ``torch.as_tensor`` warns on them:
+    make tensors with ``torch.tensor(x)`` (a copy) or copy with ``np.array(x)``.
 
     Pickles by name: DataLoader workers attach to the same pages under every start method.
     """
@@ -65,12 +91,7 @@ class SharedListDataset:
         transform: Optional[Callable[[Any], Any]] = None,
     ) -> None:
         if isinstance(data, (str, os.PathLike)):
-            path = os.fspath(data)
-            data = (
-                shmstore.SharedList.open(path)
-                if os.sep in path
-                else shmstore.SharedList.attach(path)
-            )
+            data = _open_list(data)
         self.data = data
         self.transform = transform
 
