@@ -518,6 +518,47 @@ def test_gc_guard_respects_its_time_budget() -> None:
         leaks.GcGuard(max_gc_fraction=0)
 
 
+def _peak_growth(task: Any, n: int) -> int:
+    """Run ``task`` ``n`` times in this thread; the largest RSS growth seen after a task."""
+    base = rss_bytes() or 0
+    peak = base
+    for i in range(n):
+        task(i)
+        peak = max(peak, rss_bytes() or 0)
+    return peak - base
+
+
+@pytest.mark.skipif(rss_bytes() is None, reason="needs /proc/self/statm")
+def test_gc_guard_memory_ceiling_wins_over_the_time_budget() -> None:
+    """Tasks that leak 40 MiB each through cycles, with a time budget that is spent after the
+    first collection (the guard's clock never advances): the budget alone lets the garbage
+    pile up; ``max_growth`` keeps it under the ceiling plus one task's allocation."""
+    frozen = 0.0
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()  # the guard is the only collector, as in a pool of threads
+    try:
+        budget_only = leaks.GcGuard(
+            min_growth=40 * MiB, max_growth=None, burst=0, clock=lambda: frozen
+        )
+        grown_budget_only = _peak_growth(budget_only.wrap(_leaky_task), 10)
+        gc.collect()
+        ceiling = leaks.GcGuard(
+            min_growth=40 * MiB, max_growth=100 * MiB, burst=0, clock=lambda: frozen
+        )
+        grown_with_ceiling = _peak_growth(ceiling.wrap(_leaky_task), 10)
+    finally:
+        if was:
+            gc.enable()
+        gc.collect()
+    assert budget_only.stats.collections == 1 and budget_only.stats.over_ceiling == 0
+    assert grown_budget_only >= 300 * MiB  # everything after the first collection stays
+    assert ceiling.stats.over_ceiling >= 2
+    assert grown_with_ceiling < 100 * MiB + 2 * 40 * MiB, grown_with_ceiling
+    with pytest.raises(ValueError, match="max_growth"):
+        leaks.GcGuard(min_growth=2 * MiB, max_growth=MiB)
+
+
 def test_gc_guard_as_decorator_and_context_manager() -> None:
     guard = leaks.GcGuard(min_growth=1 << 40)
 

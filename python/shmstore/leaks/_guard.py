@@ -21,6 +21,8 @@ __all__ = ["GcEvent", "GcGuard", "GcWatch", "GuardStats", "gc_guard", "watch"]
 
 log = logging.getLogger("shmstore.leaks")
 F = TypeVar("F", bound=Callable[..., Any])
+#: The default memory ceiling of :class:`GcGuard` (or its ``min_growth``, if larger).
+DEFAULT_MAX_GROWTH = 512 << 20
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -40,6 +42,8 @@ class GuardStats:
     tasks: int = 0
     collections: int = 0
     skipped_for_budget: int = 0
+    #: collections run although the time budget was spent, because RSS grew past max_growth
+    over_ceiling: int = 0
     freed_bytes: int = 0
     collected_objects: int = 0
     gc_seconds: float = 0.0
@@ -58,6 +62,15 @@ class GcGuard:
     collecting. Each collection is
     logged (logger ``shmstore.leaks``, INFO) with the bytes it gave back.
 
+    ``max_growth`` is a memory ceiling that wins over the time budget: once RSS has grown by
+    ``max_growth`` bytes since the last collection, the next task to end collects whatever the
+    budget says (default 512 MiB, or ``min_growth`` if larger; None turns the ceiling off,
+    leaving only the budget). Cycle
+    garbage between two collections therefore stays under about ``max_growth`` plus what the
+    tasks running at that moment allocate, however fast the tasks leak. Memory that a
+    collection does not give back (live data, not garbage) moves the baseline, so a
+    process that really needs more memory is not collected after every task.
+
     Example::
 
         >>> from concurrent.futures import ThreadPoolExecutor
@@ -73,6 +86,7 @@ class GcGuard:
         self,
         *,
         min_growth: int = 64 << 20,
+        max_growth: Optional[int] = DEFAULT_MAX_GROWTH,
         max_gc_fraction: float = 0.05,
         burst: float = 0.1,
         generation: int = 2,
@@ -80,11 +94,19 @@ class GcGuard:
     ) -> None:
         if min_growth < 0:
             raise ValueError(f"min_growth must be >= 0 bytes, not {min_growth}")
+        if max_growth == DEFAULT_MAX_GROWTH:
+            max_growth = max(max_growth, min_growth)
+        if max_growth is not None and max_growth < min_growth:
+            raise ValueError(
+                f"max_growth ({max_growth} bytes) must be >= min_growth ({min_growth} bytes), "
+                "or None for no memory ceiling"
+            )
         if not 0 < max_gc_fraction <= 1:
             raise ValueError(f"max_gc_fraction must be in (0, 1], not {max_gc_fraction}")
         if generation not in (0, 1, 2):
             raise ValueError(f"generation must be 0, 1 or 2, not {generation}")
         self.min_growth = min_growth
+        self.max_growth = max_growth
         self.max_gc_fraction = max_gc_fraction
         self.burst = burst
         self.generation = generation
@@ -104,14 +126,16 @@ class GcGuard:
         if rss is None or rss - self._baseline < self.min_growth:
             return False
         if not self._lock.acquire(blocking=False):
-            return False  # another thread is collecting right now
+            return False  # another thread is collecting right now: it frees the garbage
         try:
+            grown = rss - self._baseline
             elapsed = self._clock() - self._started
             budget = self.max_gc_fraction * elapsed + self.burst
             if self.stats.gc_seconds + self._last_cost > budget:
-                self.stats.skipped_for_budget += 1
-                return False
-            grown = rss - self._baseline
+                if self.max_growth is None or grown < self.max_growth:
+                    self.stats.skipped_for_budget += 1
+                    return False
+                self.stats.over_ceiling += 1  # the memory ceiling wins over the budget
             t0 = time.perf_counter()
             found = gc.collect(self.generation)
             cost = time.perf_counter() - t0
