@@ -51,7 +51,7 @@ fuzz: build ## structure-aware fuzzing of the readers (FUZZ_CASES Rust cases, 1/
 	SHMSTORE_FUZZ_CASES=$$(( $(FUZZ_CASES) / 10 )) SHMSTORE_FUZZ_SEED=$(FUZZ_SEED) \
 		$(PY) -m pytest -q -s tests/test_fuzz.py
 
-demo: build ## memory comparison: plain list vs pickle buffer vs shmstore (< 2 min)
+demo: build ## memory: plain list vs pickle buffer vs shmstore, fork/spawn/forkserver (~3 min)
 	$(PY) benchmarks/demo.py
 
 bench: build ## all acceptance benchmarks; results go to benchmarks/results/

@@ -1,8 +1,9 @@
-"""`make demo`: the memory comparison of issue 2 at a size that runs in well under 2 minutes.
+"""`make demo`: bench_memory.py at a demo size (about 3 minutes on 2 cores).
 
 50,000 COCO-like records, 4 workers that each read every record once, under fork, spawn and
 forkserver: a plain Python list, the usual pickle-per-record numpy buffer, and a shmstore
 SharedList. Prints the markdown table (no results file). See bench_memory.py for the method.
+Each start method takes about a third of the time: ``--methods fork`` for a one-minute run.
 
     python benchmarks/demo.py [--n 50000] [--workers 4] [--methods fork,spawn,forkserver]
 """
