@@ -22,6 +22,13 @@ import shmstore
 import shmstore.memory
 import shmstore.torch as st
 
+try:  # progress of the build: a build consumes its iterable once, as it writes
+    from tqdm import tqdm
+except ImportError:  # tqdm is optional here
+
+    def tqdm(iterable, **_):
+        return iterable
+
 
 def write_corpus(path: str, n: int) -> None:
     rng = random.Random(0)
@@ -38,9 +45,14 @@ def read_corpus(path: str):
             yield doc_id, text
 
 
-def rank_main(local_rank: int, corpus: str, rendezvous: str, out, done) -> None:
+def build(corpus: str, n: int) -> shmstore.SharedDict:
+    """Local rank 0 only, first run only: a streaming build with a progress bar."""
+    return shmstore.SharedDict(tqdm(read_corpus(corpus), total=n, desc="building", unit="doc"))
+
+
+def rank_main(local_rank: int, corpus: str, n: int, rendezvous: str, out, done) -> None:
     docs = st.shared_per_machine(
-        lambda: shmstore.SharedDict(read_corpus(corpus)),  # local rank 0 only, first run only
+        lambda: build(corpus, n),  # local rank 0 only, first run only
         archive=corpus + ".shm",  # later runs open the saved archive instead of rebuilding
         local_rank=local_rank,
         broadcast=st.file_broadcast(rendezvous),  # or leave out: torch.distributed
@@ -67,7 +79,7 @@ def main() -> None:
             rendezvous = os.path.join(tmp, f"rendezvous-{run[:5]}")
             out, done = ctx.Queue(), ctx.Event()
             ranks = [
-                ctx.Process(target=rank_main, args=(r, corpus, rendezvous, out, done))
+                ctx.Process(target=rank_main, args=(r, corpus, args.docs, rendezvous, out, done))
                 for r in range(args.ranks)
             ]
             for p in ranks:

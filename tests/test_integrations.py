@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import glob
+import io
 import multiprocessing as mp
 import os
 import pickle
@@ -367,6 +368,18 @@ def test_dataset_by_name_path_and_transform(records, tmp_path):
         assert [by_name[i] for i in range(3)] == [0, 1, 2]
         assert by_path[4] == records[4] and len(by_path) == len(records)
         del by_name
+
+
+def test_a_build_reports_progress_through_tqdm(records):
+    """``SharedList(tqdm(records))`` composes: the build consumes the iterable once, in order,
+    and the bar ends at the record count."""
+    tqdm = pytest.importorskip("tqdm", reason="tqdm is in requirements-dev.txt").tqdm
+    out = io.StringIO()
+    bar = tqdm((r for r in records), total=len(records), file=out, mininterval=0)
+    with shmstore.SharedList(bar) as lst:
+        assert len(lst) == len(records) and lst[7] == records[7]
+    assert bar.n == len(records)
+    assert f"{len(records)}/{len(records)}" in out.getvalue()
 
 
 def test_dataset_relative_file_path_is_a_file(records, tmp_path, monkeypatch):
