@@ -181,3 +181,47 @@ def mounted_tmpfs(base: Path, size: str, mode: str = "0700") -> Iterator[Path]:
     finally:
         if subprocess.run(["umount", str(mnt)]).returncode != 0:
             subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+# --- a second Unix user ------------------------------------------------------------------
+
+OTHER_USER = "shmstore-test"
+
+
+@pytest.fixture(scope="session")
+def other_user() -> tuple[int, int]:
+    """(uid, gid) of a second, unprivileged user, for attacks by a neighbour. Needs root:
+    the user `shmstore-test` is created with `useradd` if missing (else `nobody` is used);
+    tests act as it through `subprocess.run(..., user=uid, group=gid)`."""
+    import pwd
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as a second Unix user (useradd, setuid)")
+    try:
+        pw = pwd.getpwnam(OTHER_USER)
+    except KeyError:
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER_USER],
+            capture_output=True,
+            check=False,
+        )
+        try:
+            pw = pwd.getpwnam(OTHER_USER)
+        except KeyError:
+            pw = pwd.getpwnam("nobody")
+    return pw.pw_uid, pw.pw_gid
+
+
+@pytest.fixture
+def neighbour_dir(other_user: tuple[int, int]) -> Iterator[Path]:
+    """A directory in /tmp owned by the other user (mode 0755), which both users can reach."""
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="shmstore-neighbour-", dir="/tmp"))
+    os.chmod(d, 0o755)
+    os.chown(d, *other_user)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)

@@ -102,8 +102,8 @@ class StoreHandle:
         """Drop this handle's reference; views and arrays handed out keep working."""
     def unlink(self) -> None:
         """Remove the name now; existing mappings (here and elsewhere) keep working."""
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the archive to a regular file (atomically)."""
+    def save(self, path: str | os.PathLike[str], *, mode: int = 0o600) -> None:
+        """Write the archive to a regular file (atomically), with permission bits ``mode``."""
     def verify(self) -> None:
         """Check every record now (checksums and structure)."""
     def __enter__(self: _S) -> _S: ...

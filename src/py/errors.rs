@@ -114,6 +114,19 @@ impl Exc {
     }
 }
 
+impl Exc {
+    /// An `OSError` subclass with `errno`, `strerror` (here the whole message, which names
+    /// the step and the OS reason) and `filename` set, as `OSError(errno, strerror, filename)`.
+    pub fn os_err(self, errno: i32, msg: String, filename: String) -> PyErr {
+        Python::attach(|py| {
+            PyErr::from_type(
+                types(py)[self as usize].bind(py).clone(),
+                (errno, msg, filename),
+            )
+        })
+    }
+}
+
 /// Add the classes to the module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     for (ty, (name, _, _)) in types(m.py()).iter().zip(CLASSES) {
@@ -128,6 +141,8 @@ pub fn segment_err(e: SegmentError) -> PyErr {
         SegmentError::NotFound { .. } => Exc::NotFound.err(msg),
         SegmentError::Exists { .. } => Exc::Exists.err(msg),
         SegmentError::WrongOwner { .. } => Exc::Permission.err(msg),
+        SegmentError::NameTaken { .. } => Exc::Exists.err(msg),
+        SegmentError::NotAFile { .. } => Exc::Io.err(msg),
         SegmentError::Full { .. } => Exc::OutOfMemory.err(msg),
         SegmentError::BadName { .. } => Exc::Invalid.err(msg),
         SegmentError::Empty { .. } => Exc::Corrupt.err(msg),

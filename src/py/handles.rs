@@ -109,9 +109,10 @@ impl StoreHandle {
     }
 
     /// Write the archive to a regular file; `open(path)` maps it read-only later (processes
-    /// share it through the page cache).
-    fn save(&self, py: Python<'_>, path: PathBuf) -> PyResult<()> {
-        store::save(py, &*self.store()?, &path)
+    /// share it through the page cache). The file gets `mode` (default 0o600: only you).
+    #[pyo3(signature = (path, *, mode=0o600))]
+    fn save(&self, py: Python<'_>, path: PathBuf, mode: u32) -> PyResult<()> {
+        store::save(py, &*self.store()?, &path, mode)
     }
 
     /// Check every record now (checksums and structure). Reading checks each record on
@@ -829,6 +830,7 @@ pub fn _store_info<'py>(
     d.set_item("created_unix_ms", h.created_unix_ms)?;
     d.set_item("creator_pid", h.creator_pid)?;
     d.set_item("owned_here", store.mapping().is_owner())?;
+    d.set_item("private_copy", store.mapping().is_private_copy())?;
     d.set_item("registered", store.registered())?;
     Ok(d)
 }

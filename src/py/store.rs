@@ -384,34 +384,43 @@ pub fn build(
     Ok(store)
 }
 
-/// Write the archive to a regular file (atomically: temp file + rename).
-pub fn save(py: Python<'_>, store: &Store, path: &Path) -> PyResult<()> {
+/// Write the archive to a regular file, atomically and safely in shared directories
+/// (`segment::save_file`), with permission bits `mode`.
+pub fn save(py: Python<'_>, store: &Store, path: &Path, mode: u32) -> PyResult<()> {
+    if mode & !0o777 != 0 {
+        return Err(Exc::Invalid.err(format!(
+            "mode {mode:#o}: only permission bits (0o000..0o777) can be given"
+        )));
+    }
     let bytes = store.reader.bytes();
-    let dir = path
-        .parent()
-        .filter(|p| !p.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let file_name = path
-        .file_name()
-        .ok_or_else(|| Exc::Invalid.err(format!("{}: not a file path", path.display())))?;
-    let tmp = dir.join(format!(
-        ".{}.tmp-{}",
-        file_name.to_string_lossy(),
-        std::process::id()
-    ));
-    let res = py.detach(|| -> std::io::Result<()> {
-        segment::preflight(dir, bytes.len() as u64).map_err(std::io::Error::other)?;
-        std::fs::write(&tmp, bytes)?;
-        std::fs::rename(&tmp, path)
-    });
-    res.map_err(|e| {
-        let _ = std::fs::remove_file(&tmp);
-        match e.into_inner() {
-            Some(inner) => match inner.downcast::<segment::SegmentError>() {
-                Ok(seg) => segment_err(*seg),
-                Err(other) => Exc::Io.err(format!("saving to {}: {other}", path.display())),
-            },
-            None => Exc::Io.err(format!("saving to {}", path.display())),
+    py.detach(|| segment::save_file(bytes, path, mode))
+        .map_err(save_err)
+}
+
+/// A failed save as the exception of its OS error, with `errno`, `strerror` and `filename`
+/// set (`except PermissionError` / `FileNotFoundError` work; ENOSPC is
+/// OutOfSharedMemoryError with the sizes).
+fn save_err(e: segment::SaveError) -> PyErr {
+    let msg = e.to_string();
+    let errno = e.source.raw_os_error();
+    let filename = e.path.display().to_string();
+    let exc = match e.source.kind() {
+        std::io::ErrorKind::NotFound => Exc::NotFound,
+        std::io::ErrorKind::PermissionDenied => Exc::Permission,
+        std::io::ErrorKind::StorageFull => {
+            return match e
+                .source
+                .into_inner()
+                .map(|i| i.downcast::<segment::SegmentError>())
+            {
+                Some(Ok(seg)) => segment_err(*seg),
+                _ => Exc::OutOfMemory.err(msg),
+            };
         }
-    })
+        _ => Exc::Io,
+    };
+    match errno {
+        Some(n) => exc.os_err(n, msg, filename),
+        None => exc.err(msg),
+    }
 }

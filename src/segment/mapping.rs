@@ -37,22 +37,104 @@ pub struct Mapping {
     name: String,
     /// Set in the creating process: (path, pid) of the name it owns.
     owner: Mutex<Option<(PathBuf, u32)>>,
+    /// Mapped from a private sealed copy, not the file (see `Mapping::from_file`).
+    private_copy: bool,
+}
+
+/// "a FIFO (named pipe) owned by uid 1001" and so on, for error messages.
+pub(crate) fn describe_file(mode: u32, uid: u32) -> String {
+    let what = match mode & libc::S_IFMT {
+        libc::S_IFREG => "a regular file",
+        libc::S_IFIFO => "a FIFO (named pipe)",
+        libc::S_IFLNK => "a symbolic link",
+        libc::S_IFDIR => "a directory",
+        libc::S_IFSOCK => "a socket",
+        libc::S_IFCHR => "a character device",
+        libc::S_IFBLK => "a block device",
+        _ => "a file of unknown type",
+    };
+    let me = rustix::process::geteuid().as_raw();
+    if uid == me {
+        format!("{what} of yours (uid {uid})")
+    } else {
+        format!("{what} owned by uid {uid}, not by you (uid {me})")
+    }
+}
+
+/// Whether this process may map the file in place: it is ours and nobody else can write
+/// it (docs/security.md, "Files"). Otherwise its bytes could change under a reader after
+/// they were validated (a crash, not an error), or the file could be truncated (SIGBUS):
+/// such a file is read from a private sealed copy.
+fn trusted_in_place(uid: u32, mode: u32) -> bool {
+    uid == rustix::process::geteuid().as_raw() && mode & 0o022 == 0
+}
+
+/// Copy `len` bytes of `file` into an anonymous memory file (memfd) and seal it against
+/// writing, shrinking and growing (`F_SEAL_WRITE|F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL`):
+/// from then on the kernel refuses every change, whoever asks, so validation holds.
+fn sealed_copy(file: &File, len: u64, path: &Path) -> Result<File, SegmentError> {
+    use rustix::fs::{fcntl_add_seals, memfd_create, MemfdFlags, SealFlags};
+    use std::io::{Read, Write};
+    let fd = memfd_create(
+        "shmstore-private-copy",
+        MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+    )
+    .map_err(|e| SegmentError::io(path, e.into()))?;
+    let mut copy = File::from(fd);
+    // Read through the descriptor we checked (never the path again), at most `len` bytes:
+    // a file that another process grows while we copy cannot make us copy forever.
+    let mut buf = vec![0u8; 1 << 20];
+    let mut src = file.take(len);
+    let mut copied = 0u64;
+    loop {
+        let n = match src.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(SegmentError::io(path, e)),
+        };
+        copy.write_all(&buf[..n])
+            .map_err(|e| SegmentError::io(path, e))?;
+        copied += n as u64;
+    }
+    if copied != len {
+        // Truncated while we read it: the copy is short, the header check refuses it.
+        log::warn!(
+            "{} shrank while it was being copied ({copied} of {len} bytes)",
+            path.display()
+        );
+    }
+    fcntl_add_seals(
+        &copy,
+        SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL,
+    )
+    .map_err(|e| SegmentError::io(path, e.into()))?;
+    Ok(copy)
 }
 
 impl Mapping {
     /// Map `path` read-only. `require_owner`: refuse files of another user (segments in
-    /// shared memory); saved archive files may be shared between users.
+    /// shared memory); saved archive files of other users are read from a private copy.
+    /// Never blocks: a FIFO or device planted under the name is refused, not opened for
+    /// reading (`O_NONBLOCK`), and a symlink is not followed (`O_NOFOLLOW`).
     pub fn open(path: &Path, name: &str, require_owner: bool) -> Result<Self, SegmentError> {
         let file = OpenOptions::new()
             .read(true)
             .custom_flags(
-                (rustix::fs::OFlags::CLOEXEC | rustix::fs::OFlags::NOFOLLOW).bits() as i32,
+                (rustix::fs::OFlags::CLOEXEC
+                    | rustix::fs::OFlags::NOFOLLOW
+                    | rustix::fs::OFlags::NONBLOCK)
+                    .bits() as i32,
             )
             .open(path)
             .map_err(|e| match e.kind() {
                 std::io::ErrorKind::NotFound => SegmentError::NotFound {
                     name: name.to_owned(),
                     path: path.to_owned(),
+                },
+                _ if e.raw_os_error() == Some(libc::ELOOP) => SegmentError::NotAFile {
+                    path: path.to_owned(),
+                    what: "a symbolic link (shmstore never follows links to stores)".into(),
                 },
                 _ => SegmentError::io(path, e),
             })?;
@@ -68,6 +150,12 @@ impl Mapping {
     ) -> Result<Self, SegmentError> {
         let meta = file.metadata().map_err(|e| SegmentError::io(path, e))?;
         let me = rustix::process::geteuid().as_raw();
+        if !meta.is_file() {
+            return Err(SegmentError::NotAFile {
+                path: path.to_owned(),
+                what: describe_file(meta.mode(), meta.uid()),
+            });
+        }
         if require_owner && meta.uid() != me {
             return Err(SegmentError::WrongOwner {
                 path: path.to_owned(),
@@ -75,29 +163,51 @@ impl Mapping {
                 me,
             });
         }
-        if !meta.is_file() {
-            return Err(SegmentError::io(
-                path,
-                std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a regular file"),
-            ));
-        }
         if meta.len() == 0 {
             return Err(SegmentError::Empty {
                 path: path.to_owned(),
             });
         }
+        let private_copy = !trusted_in_place(meta.uid(), meta.mode());
+        let mapped = if private_copy {
+            log::info!(
+                "{} is {}{}: reading a private sealed copy ({} bytes of this process's memory)",
+                path.display(),
+                describe_file(meta.mode(), meta.uid()),
+                if meta.mode() & 0o022 != 0 {
+                    ", writable by others"
+                } else {
+                    ""
+                },
+                meta.len()
+            );
+            sealed_copy(&file, meta.len(), path)?
+        } else {
+            file
+        };
         // SAFETY: memmap2 requires that the file is not modified or truncated while mapped.
-        // Segments are sealed before they get their name (mode 0400, written once, never
-        // reopened for writing by shmstore) and belong to this user; a same-user process
-        // that deliberately truncates one can still cause SIGBUS, as with any mmap. The
-        // mapping is PROT_READ, so this process can never write the shared pages.
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| SegmentError::io(path, e))?;
+        // A private copy is sealed (the kernel refuses writes, truncation and growth to
+        // everyone). Otherwise the file is ours and writable by nobody else
+        // (`trusted_in_place`): segments are sealed to 0400 before they get their name and
+        // shmstore never reopens one for writing; saved files are written to a new inode
+        // and renamed into place. Only a process of this same user (or root) that
+        // deliberately rewrites or truncates the file can still break this — the trust
+        // boundary of docs/security.md. The mapping is PROT_READ, so this process can never
+        // write the pages.
+        let mmap = unsafe { Mmap::map(&mapped) }.map_err(|e| SegmentError::io(path, e))?;
         Ok(Mapping {
             mmap,
             path: path.to_owned(),
             name: name.to_owned(),
             owner: Mutex::new(None),
+            private_copy,
         })
+    }
+
+    /// Whether this mapping is of a private sealed copy (another user's file, or one that
+    /// others can write), not of the file itself.
+    pub fn is_private_copy(&self) -> bool {
+        self.private_copy
     }
 
     pub fn path(&self) -> &Path {

@@ -10,7 +10,7 @@ mod writer;
 use std::path::{Path, PathBuf};
 
 pub use mapping::{cleanup_owned, Mapping};
-pub use writer::{free_bytes, preflight, SegmentWriter};
+pub use writer::{free_bytes, preflight, save_file, SaveError, SegmentWriter};
 
 /// Every segment name starts with this, so sweeps and listings can find ours.
 pub const PREFIX: &str = "shmstore-";
@@ -26,8 +26,19 @@ pub enum SegmentError {
         "a segment named {name:?} already exists ({path}); choose another name or attach to it"
     )]
     Exists { name: String, path: PathBuf },
-    #[error("{path} belongs to uid {owner}, not to this user (uid {me}); shmstore only attaches to its own user's segments")]
+    #[error("{path} belongs to uid {owner}, not to you (uid {me}): another user created a file under this store's name, and shmstore only reads its own user's segments; if you expected your own store, use another name or a private SHMSTORE_DIR (a directory only you can write)")]
     WrongOwner { path: PathBuf, owner: u32, me: u32 },
+    /// The name exists but is not ours to use: another user's file, or not a regular file.
+    #[error("cannot create {name:?}: {path} already exists and is {what}; it is not a store of yours, so attaching will not work either: use another name or a private SHMSTORE_DIR (a directory only you can write){fix}")]
+    NameTaken {
+        name: String,
+        path: PathBuf,
+        what: String,
+        fix: &'static str,
+    },
+    /// Something other than a regular file under a store's name (a FIFO, a directory, ...).
+    #[error("{path} is {what}, not a store file: shmstore opens only regular files of its own user (nothing else is read, and nothing waited for)")]
+    NotAFile { path: PathBuf, what: String },
     #[error("not enough space in {dir}: the store needs at least {needed} bytes (with 1 MiB of slack) but only {free} are available to it; {hint}")]
     Full {
         dir: PathBuf,

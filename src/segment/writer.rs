@@ -196,10 +196,7 @@ impl SegmentWriter {
         match std::fs::hard_link(&self.tmp, &final_path) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
-                return Err(SegmentError::Exists {
-                    name: self.name.clone(),
-                    path: final_path,
-                })
+                return Err(taken(&self.name, final_path));
             }
             Err(e) => return Err(SegmentError::io(&final_path, e)),
         }
@@ -225,6 +222,34 @@ fn reopen_same(path: &Path, file: File) -> File {
     match (reopened.metadata(), file.metadata()) {
         (Ok(a), Ok(b)) if (a.dev(), a.ino()) == (b.dev(), b.ino()) => reopened,
         _ => file,
+    }
+}
+
+/// The error for a name that exists: "attach to it" only when it is a store of ours; for
+/// another user's file or a non-regular file, say what is there and what to do instead.
+fn taken(name: &str, path: PathBuf) -> SegmentError {
+    use std::os::unix::fs::MetadataExt;
+    let me = rustix::process::geteuid().as_raw();
+    match std::fs::symlink_metadata(&path) {
+        Ok(m) if m.file_type().is_file() && m.uid() == me => SegmentError::Exists {
+            name: name.to_owned(),
+            path,
+        },
+        Ok(m) => SegmentError::NameTaken {
+            name: name.to_owned(),
+            what: super::mapping::describe_file(m.mode(), m.uid()),
+            fix: if m.uid() == me {
+                " (or remove it: it is yours)"
+            } else {
+                " (or ask its owner or root to remove it)"
+            },
+            path,
+        },
+        // Gone again: still report the name as taken at the time.
+        Err(_) => SegmentError::Exists {
+            name: name.to_owned(),
+            path,
+        },
     }
 }
 
@@ -288,5 +313,259 @@ mod tests {
         assert_eq!(path, dir.path().join("shmstore-w"));
         let shown = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())).unwrap();
         assert_eq!(shown, path);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Saving an archive to a regular file.
+
+/// Temporary files of `save_file` are named `.<file>.shmstore-save-<16 hex>`.
+const SAVE_TAG: &str = ".shmstore-save-";
+/// A leftover temporary file is removed only once it is this old (and unlocked).
+const STALE_AFTER: std::time::Duration = std::time::Duration::from_secs(60);
+/// Most directory entries looked at for leftovers per save.
+const SCAN_LIMIT: usize = 100_000;
+
+/// A failed save: which step, on which path, and the OS error (errno and its text).
+#[derive(Debug, thiserror::Error)]
+#[error("saving to {target}: {step} {path}: {source}")]
+pub struct SaveError {
+    /// The file being saved.
+    pub target: PathBuf,
+    /// What was being done ("cannot create a temporary file in", ...).
+    pub step: &'static str,
+    /// The path the step acted on (the directory, the temporary file or the target).
+    pub path: PathBuf,
+    #[source]
+    pub source: io::Error,
+}
+
+fn is_save_tmp(name: &[u8]) -> bool {
+    let tag = SAVE_TAG.as_bytes();
+    name.len() > 1 + tag.len() + 16
+        && name[0] == b'.'
+        && name[name.len() - 16..].iter().all(u8::is_ascii_hexdigit)
+        && name[..name.len() - 16].ends_with(tag)
+}
+
+/// Write `bytes` to `path` atomically: readers of `path` see the old file or the complete
+/// new one, never a part. Safe in a directory other users can write:
+/// - the data goes to an anonymous file (`O_TMPFILE`) — or, where the filesystem has none,
+///   to a new file of an unguessable name (`O_CREAT|O_EXCL|O_NOFOLLOW`) — so nothing is
+///   ever written through a name someone else planted (a symlink, a FIFO);
+/// - it is given `mode` (exactly: `fchmod`, no umask), fsynced, linked under an unguessable
+///   temporary name (`linkat` never follows or replaces) and renamed over `path` (`rename`
+///   replaces a symlink at `path`, never its target); then the directory is fsynced;
+/// - while it writes, the process holds an `flock` on the file: leftovers of a killed
+///   writer (unlocked, ours, older than a minute, named `.<file>.shmstore-save-<hex>`) are
+///   removed by the next save into the same directory.
+pub fn save_file(bytes: &[u8], path: &Path, mode: u32) -> Result<(), SaveError> {
+    use rustix::fs::{self as fs, AtFlags, FlockOperation, Mode, OFlags, CWD};
+    let err = |step: &'static str, p: &Path, e: io::Error| SaveError {
+        target: path.to_owned(),
+        step,
+        path: p.to_owned(),
+        source: e,
+    };
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let Some(file_name) = path.file_name() else {
+        return Err(err(
+            "not a file path:",
+            path,
+            io::Error::new(io::ErrorKind::InvalidInput, "no file name"),
+        ));
+    };
+    let dirfd = fs::openat(
+        CWD,
+        dir,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| err("cannot open the directory", dir, e.into()))?;
+    remove_stale_tmp(&dirfd, dir);
+    preflight(dir, bytes.len() as u64).map_err(|e| {
+        err(
+            "not enough space in",
+            dir,
+            io::Error::new(io::ErrorKind::StorageFull, e),
+        )
+    })?;
+
+    let suffix = &super::random_name()[super::PREFIX.len()..][..16];
+    let mut tmp_name = std::ffi::OsString::from(".");
+    // Keep the name within NAME_MAX (255) whatever the target's length.
+    let stem = file_name.as_encoded_bytes();
+    let stem = &stem[..stem.len().min(200)];
+    // SAFETY: a prefix of an OsStr's encoded bytes cut at any byte is valid input for
+    // `from_encoded_bytes_unchecked` on Unix, where OsStr is arbitrary bytes.
+    tmp_name.push(unsafe { std::ffi::OsStr::from_encoded_bytes_unchecked(stem) });
+    tmp_name.push(SAVE_TAG);
+    tmp_name.push(suffix);
+    let tmp_path = dir.join(&tmp_name);
+
+    let private = Mode::from_raw_mode(0o600);
+    let (fd, anonymous) = match fs::openat(
+        &dirfd,
+        ".",
+        OFlags::TMPFILE | OFlags::RDWR | OFlags::CLOEXEC,
+        private,
+    ) {
+        Ok(fd) => (fd, true),
+        // No O_TMPFILE on this filesystem (or kernel): a named file nobody can predict.
+        Err(rustix::io::Errno::OPNOTSUPP | rustix::io::Errno::ISDIR | rustix::io::Errno::INVAL) => {
+            let fd = fs::openat(
+                &dirfd,
+                &tmp_name,
+                OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::RDWR | OFlags::CLOEXEC,
+                private,
+            )
+            .map_err(|e| err("cannot create a temporary file in", dir, e.into()))?;
+            (fd, false)
+        }
+        Err(e) => return Err(err("cannot create a temporary file in", dir, e.into())),
+    };
+    // From here on a named temporary file is removed on any error.
+    let named = std::cell::Cell::new(!anonymous);
+    let cleanup = |e: SaveError| {
+        if named.get() {
+            let _ = fs::unlinkat(&dirfd, &tmp_name, AtFlags::empty());
+        }
+        e
+    };
+    let mut file = File::from(fd);
+    let res = (|| {
+        fs::flock(&file, FlockOperation::LockExclusive)
+            .map_err(|e| err("cannot lock the temporary file", &tmp_path, e.into()))?;
+        file.write_all(bytes).map_err(|e| {
+            let e = if e.raw_os_error() == Some(rustix::io::Errno::NOSPC.raw_os_error()) {
+                let free = free_bytes(dir).unwrap_or(0);
+                io::Error::new(
+                    io::ErrorKind::StorageFull,
+                    full_error(dir, bytes.len() as u64, free),
+                )
+            } else {
+                e
+            };
+            err("cannot write", &tmp_path, e)
+        })?;
+        fs::fchmod(&file, Mode::from_raw_mode(mode))
+            .map_err(|e| err("cannot set the mode of", &tmp_path, e.into()))?;
+        fs::fsync(&file).map_err(|e| err("cannot flush", &tmp_path, e.into()))?;
+        if anonymous {
+            // linkat(AT_EMPTY_PATH) needs CAP_DAC_READ_SEARCH; the /proc link does not.
+            let proc_path = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&file));
+            fs::linkat(
+                CWD,
+                proc_path.as_str(),
+                &dirfd,
+                &tmp_name,
+                AtFlags::SYMLINK_FOLLOW,
+            )
+            .map_err(|e| err("cannot name the temporary file", &tmp_path, e.into()))?;
+            named.set(true);
+        }
+        fs::renameat(&dirfd, &tmp_name, &dirfd, file_name)
+            .map_err(|e| err("cannot rename the temporary file to", path, e.into()))?;
+        named.set(false);
+        // The rename is durable once the directory is.
+        fs::fsync(&dirfd).map_err(|e| err("cannot flush the directory", dir, e.into()))?;
+        Ok(())
+    })();
+    res.map_err(cleanup)
+}
+
+/// Remove leftovers of killed `save_file` calls in `dir` (see there); errors are ignored
+/// (a leftover that cannot be checked stays).
+fn remove_stale_tmp(dirfd: &impl std::os::fd::AsFd, dir: &Path) {
+    use rustix::fs::{self as fs, AtFlags, FlockOperation, Mode, OFlags};
+    let Ok(mut entries) = fs::Dir::read_from(dirfd) else {
+        return;
+    };
+    let me = rustix::process::geteuid().as_raw();
+    let now = std::time::SystemTime::now();
+    let mut removed = 0;
+    for entry in (&mut entries).take(SCAN_LIMIT).flatten() {
+        let name = entry.file_name();
+        if !is_save_tmp(name.to_bytes()) {
+            continue;
+        }
+        let Ok(fd) = fs::openat(
+            dirfd,
+            name,
+            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+            Mode::empty(),
+        ) else {
+            continue;
+        };
+        let Ok(st) = fs::fstat(&fd) else { continue };
+        let old = std::time::UNIX_EPOCH + std::time::Duration::from_secs(st.st_mtime.max(0) as u64);
+        let stale = now.duration_since(old).is_ok_and(|age| age >= STALE_AFTER);
+        // Ours, a regular file, old, and no live writer holds its lock.
+        if st.st_uid != me
+            || fs::FileType::from_raw_mode(st.st_mode) != fs::FileType::RegularFile
+            || !stale
+            || fs::flock(&fd, FlockOperation::NonBlockingLockExclusive).is_err()
+        {
+            continue;
+        }
+        // Still the same file under that name (not swapped since it was opened).
+        let same = fs::statat(dirfd, name, AtFlags::SYMLINK_NOFOLLOW)
+            .is_ok_and(|s| s.st_dev == st.st_dev && s.st_ino == st.st_ino);
+        if same && fs::unlinkat(dirfd, name, AtFlags::empty()).is_ok() {
+            removed += 1;
+        }
+    }
+    if removed > 0 {
+        log::info!(
+            "removed {removed} leftover temporary file(s) of interrupted saves in {}",
+            dir.display()
+        );
+    }
+}
+
+#[cfg(test)]
+mod save_tests {
+    use super::*;
+
+    #[test]
+    fn save_tmp_names() {
+        assert!(is_save_tmp(b".a.shmstore.shmstore-save-0123456789abcdef"));
+        assert!(!is_save_tmp(b"a.shmstore.shmstore-save-0123456789abcdef"));
+        assert!(!is_save_tmp(b".a.shmstore.shmstore-save-0123456789abcdeg"));
+        assert!(!is_save_tmp(b".a.shmstore"));
+    }
+
+    #[test]
+    fn save_replaces_a_symlink_not_its_target() {
+        let dir = tempfile::tempdir().unwrap();
+        let victim = dir.path().join("victim");
+        std::fs::write(&victim, b"keep").unwrap();
+        let target = dir.path().join("out.shmstore");
+        std::os::unix::fs::symlink(&victim, &target).unwrap();
+        save_file(b"new", &target, 0o600).unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"keep");
+        let meta = std::fs::symlink_metadata(&target).unwrap();
+        assert!(meta.file_type().is_file());
+        assert_eq!(
+            std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o777,
+            0o600
+        );
+        assert_eq!(std::fs::read(&target).unwrap(), b"new");
+        // Nothing else left in the directory.
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names.len(), 2, "{names:?}");
+    }
+
+    #[test]
+    fn save_errors_keep_the_os_reason() {
+        let e = save_file(b"x", Path::new("/nonexistent-dir/x"), 0o600).unwrap_err();
+        assert_eq!(e.source.raw_os_error(), Some(libc::ENOENT));
+        assert!(e.to_string().contains("No such file or directory"), "{e}");
     }
 }
