@@ -312,5 +312,17 @@ def test_a_symlink_under_a_store_name_is_not_followed(segdir, tmp_path):
         shmstore.Ref.attach(name)
 
 
+def test_open_follows_a_symlink_the_caller_gave_and_checks_its_target(tmp_path):
+    with shmstore.put([1]) as r:
+        r.save(tmp_path / "real.shmstore")
+    (tmp_path / "link.shmstore").symlink_to(tmp_path / "real.shmstore")
+    with shmstore.Ref.open(tmp_path / "link.shmstore") as r:
+        assert r.get() == [1]
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "to-fifo").symlink_to(tmp_path / "fifo")
+    with pytest.raises(shmstore.StoreIOError, match="FIFO"):
+        shmstore.Ref.open(tmp_path / "to-fifo")
+
+
 def test_crafted_hooks_exist():
     assert isinstance(_native._crafted_archive("list-key"), bytes)

@@ -115,17 +115,18 @@ fn sealed_copy(file: &File, len: u64, path: &Path) -> Result<File, SegmentError>
 impl Mapping {
     /// Map `path` read-only. `require_owner`: refuse files of another user (segments in
     /// shared memory); saved archive files of other users are read from a private copy.
-    /// Never blocks: a FIFO or device planted under the name is refused, not opened for
-    /// reading (`O_NONBLOCK`), and a symlink is not followed (`O_NOFOLLOW`).
+    /// Never blocks: a FIFO or device under the name is refused, not waited on
+    /// (`O_NONBLOCK`, then `fstat` of what was opened). A segment name that is a symlink is
+    /// refused (`O_NOFOLLOW`: in a shared directory anyone may plant one); a file path the
+    /// caller gave may be a symlink, since what counts is the file it opens.
     pub fn open(path: &Path, name: &str, require_owner: bool) -> Result<Self, SegmentError> {
+        let mut flags = rustix::fs::OFlags::CLOEXEC | rustix::fs::OFlags::NONBLOCK;
+        if require_owner {
+            flags |= rustix::fs::OFlags::NOFOLLOW;
+        }
         let file = OpenOptions::new()
             .read(true)
-            .custom_flags(
-                (rustix::fs::OFlags::CLOEXEC
-                    | rustix::fs::OFlags::NOFOLLOW
-                    | rustix::fs::OFlags::NONBLOCK)
-                    .bits() as i32,
-            )
+            .custom_flags(flags.bits() as i32)
             .open(path)
             .map_err(|e| match e.kind() {
                 std::io::ErrorKind::NotFound => SegmentError::NotFound {
