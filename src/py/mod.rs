@@ -3,6 +3,7 @@
 mod decode;
 mod encode;
 mod errors;
+mod fetch;
 mod graph;
 mod handles;
 mod logging;
@@ -16,6 +17,8 @@ use pyo3::prelude::*;
 mod _native {
     use super::*;
 
+    #[pymodule_export]
+    use super::fetch::{_cluster_identity, _import_archive};
     #[pymodule_export]
     use super::handles::{
         _cleanup_at_exit, _crafted_archive, _fuzz_case, _rebuild, _rebuild_view, _store_info, put,

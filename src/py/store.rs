@@ -349,7 +349,46 @@ pub fn build(
         .map_err(|e| archive_err(e, &context))?;
     // The writer may have moved to the fallback directory when the first one filled up.
     reg.follow(py, writer.final_path());
-    let (path, file) = py.detach(|| writer.publish()).map_err(segment_err)?;
+    let store = publish(py, writer, reg, name, &context, Sealed::Built)?;
+    log::debug!(
+        "created {} ({total} bytes, {} records)",
+        store.source.name(),
+        store.reader.len()
+    );
+    Ok(store)
+}
+
+/// How a segment is sealed: built in this machine (mode 0400) or a fetched copy of an
+/// archive built elsewhere (0500: the owner-execute bit marks it for `shmstore ls`; nothing
+/// maps a segment executable).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Sealed {
+    Built,
+    Fetched,
+}
+
+impl Sealed {
+    pub fn mode(self) -> u32 {
+        match self {
+            Sealed::Built => 0o400,
+            Sealed::Fetched => 0o500,
+        }
+    }
+}
+
+/// Seal and publish what `writer` holds, map it from the still-open descriptor and make
+/// the `Store` (registered as `reg`).
+fn publish(
+    py: Python<'_>,
+    writer: SegmentWriter,
+    reg: Registration,
+    name: String,
+    context: &str,
+    sealed: Sealed,
+) -> PyResult<Arc<Store>> {
+    let (path, file) = py
+        .detach(|| writer.publish_mode(sealed.mode()))
+        .map_err(segment_err)?;
     let registered = reg.active;
     let opened = py.detach(|| {
         let mapping = Mapping::from_file(file, &path, &name, true).map_err(StoreErr::Segment)?;
@@ -365,7 +404,7 @@ pub fn build(
         Ok(x) => x,
         Err(e) => {
             let _ = std::fs::remove_file(&path);
-            return Err(e.into_py(&context)); // `reg` drops the registration
+            return Err(e.into_py(context)); // `reg` drops the registration
         }
     };
     let store = Arc::new(Store {
@@ -375,12 +414,27 @@ pub fn build(
         py_symbols: PyOnceLock::new(),
         registration: reg,
     });
-    log::debug!(
-        "created {} ({total} bytes, {} records)",
-        store.source.name(),
-        store.reader.len()
-    );
     remember(&store);
+    Ok(store)
+}
+
+/// Make a segment `name` in `dir` from archive bytes produced elsewhere (a copy fetched
+/// from another machine): registered before its first byte exists, written by `feed`
+/// into a private `.part` file (removed on any error), sealed as fetched and published
+/// with `link()` (never over an existing name).
+pub fn import(
+    py: Python<'_>,
+    name: &str,
+    dir: &Path,
+    feed: impl FnOnce(&mut SegmentWriter) -> PyResult<()>,
+) -> PyResult<Arc<Store>> {
+    let name = segment::normalize_name(name).map_err(segment_err)?;
+    let context = format!("store {name:?}");
+    let reg = Registration::new(py, dir.join(&name));
+    let mut writer = SegmentWriter::create(dir, &name, None).map_err(segment_err)?;
+    feed(&mut writer)?;
+    let store = publish(py, writer, reg, name, &context, Sealed::Fetched)?;
+    log::debug!("fetched {} ({} bytes)", store.source.name(), store.nbytes());
     Ok(store)
 }
 

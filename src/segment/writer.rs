@@ -184,11 +184,17 @@ impl SegmentWriter {
     /// Returns the path and the still-open file: map it from this descriptor, so there is no
     /// moment when the segment exists but no process holds or maps it (an orphan sweep
     /// running then would remove it).
-    pub fn publish(mut self) -> Result<(PathBuf, File), SegmentError> {
+    pub fn publish(self) -> Result<(PathBuf, File), SegmentError> {
+        self.publish_mode(0o400)
+    }
+
+    /// `publish` with another read-only seal mode (0400 or 0500: a fetched copy).
+    pub fn publish_mode(mut self, mode: u32) -> Result<(PathBuf, File), SegmentError> {
+        let mode = mode & 0o500;
         let tmp = self.tmp.clone();
         self.flush_buf().map_err(|e| SegmentError::io(&tmp, e))?;
         let file = self.file.take().expect("published twice");
-        file.set_permissions(std::fs::Permissions::from_mode(0o400))
+        file.set_permissions(std::fs::Permissions::from_mode(mode))
             .map_err(|e| SegmentError::io(&tmp, e))?;
         let final_path = self.final_path();
         // link() fails with EEXIST instead of replacing, so two creators of one name cannot

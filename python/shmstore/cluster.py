@@ -1,0 +1,456 @@
+"""One copy per machine past one machine: store handles that fetch themselves.
+
+A handle pickles by name, which means nothing on another machine. :func:`share` wraps a store
+in a :class:`NodeRef`: its name, kind, size, content digest (xxh3-128 of the sealed archive)
+and *sources* for its bytes, in order: a saved archive on a shared file system
+(:class:`FileSource`), the engine (e.g. ``shmstore.dask``'s chunks held by Dask workers), or
+any object with a ``chunks()`` method. Unpickling a NodeRef *is* resolving it, and gives back
+the store handle itself (a ``SharedList``, ``SharedDict`` or ``Ref``), so code that receives
+it needs no change:
+
+- on the machine that made the store: attach to it by path;
+- elsewhere, if this machine's segment directory already holds a segment of that name with
+  the same header (kind, size, checksum): attach to it;
+- else take this machine's fetch lock (``flock`` on ``.shmstore-fetch-<uid>.lock`` in the
+  segment directory; the kernel releases it if its holder dies), look again (another process
+  may have fetched it meanwhile), fetch the bytes once into a private ``.part`` file, verify
+  the length and the digest, seal and publish the copy under the store's name (``link``,
+  never over an existing name), release the lock. The other processes of the machine wait
+  for the lock (``SHMSTORE_FETCH_TIMEOUT`` seconds at most, default 600, then
+  ``TimeoutError`` naming the lock) and attach.
+
+A fetched copy is registered with this machine's supervisor before its first byte exists,
+exactly like a store built here: it is removed once no process of the machine uses it, after
+any kind of death, and never while one does. It is sealed mode 0500 instead of 0400 (the
+owner-execute bit marks "fetched"; :func:`info` and ``shmstore inspect`` show it).
+
+Every process keeps the handles it resolved (so a worker running task after task does not let
+the copy go between tasks and fetch it again); :func:`release` drops them.
+
+Machine identity (:func:`node_id`): processes that see the same segment directory are one
+machine: boot id + device and inode of the directory, or ``$SHMSTORE_NODE_ID`` when set.
+
+A saved archive on a shared file system can also be *mapped* in place
+(``FileSource(path, mode="map")``): the page cache then holds one copy per machine, with no
+fetch. The default is ``"copy"`` (into the segment directory), because a copy in tmpfs stays
+resident (page-cache pages of an NFS/Lustre file can be evicted and re-read over the network
+in the middle of an epoch), cannot change under the readers if someone rewrites the shared
+file, and is counted and cleaned up by the supervisor like any segment.
+
+>>> import shmstore, shmstore.cluster as sc, pickle
+>>> lst = shmstore.SharedList([{"a": 1}, {"a": 2}])
+>>> ref = sc.share(lst)
+>>> pickle.loads(pickle.dumps(ref))[1]["a"]   # unpickling resolves: here, an attach
+2
+>>> _ = sc.release(); lst.unlink()
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import stat
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional, Protocol, Union, runtime_checkable
+
+import shmstore
+from shmstore import _native
+
+__all__ = [
+    "FileSource",
+    "NodeRef",
+    "Source",
+    "info",
+    "node_id",
+    "release",
+    "resolve",
+    "share",
+    "stats",
+]
+
+log = logging.getLogger("shmstore.cluster")
+
+#: Bytes read from a source at a time.
+CHUNK = 16 << 20
+
+_CLASSES: dict[str, Any] = {
+    "list": shmstore.SharedList,
+    "dict": shmstore.SharedDict,
+    "object": shmstore.Ref,
+}
+_CLASS_NAMES = {"list": "SharedList", "dict": "SharedDict", "object": "Ref"}
+
+
+@runtime_checkable
+class Source(Protocol):
+    """Where a machine can get the archive's bytes: anything picklable with ``chunks()``."""
+
+    def chunks(self) -> Iterable[bytes]:
+        """The archive's bytes, in order, in pieces."""
+
+
+@dataclass(frozen=True)
+class FileSource:
+    """A saved archive (``store.save(path)``) on a file system every machine mounts.
+
+    ``mode="copy"`` (default): copied into this machine's segment directory once.
+    ``mode="map"``: mapped in place (one copy per machine in the page cache; no fetch).
+    """
+
+    path: str
+    mode: str = "copy"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("copy", "map"):
+            raise ValueError(f"FileSource mode must be 'copy' or 'map', not {self.mode!r}")
+
+    def chunks(self) -> Iterator[bytes]:
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise shmstore.InvalidInputError(f"{self.path}: not a regular file")
+            for _ in range(1 << 40):
+                b = f.read(CHUNK)
+                if not b:
+                    return
+                yield b
+
+
+def node_id() -> str:
+    """This machine's identity: ``$SHMSTORE_NODE_ID``, else boot id + device:inode of the
+    segment directory (processes that see the same segment directory share segments).
+
+    >>> node_id() == node_id()
+    True
+    """
+    env = os.environ.get("SHMSTORE_NODE_ID")
+    if env:
+        return env
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "?"
+    d = _segment_dir()
+    try:
+        st = os.stat(d)
+        where = f"{st.st_dev}:{st.st_ino}"
+    except OSError:
+        where = str(d)
+    return f"{boot}/{where}"
+
+
+def _segment_dir() -> Path:
+    return Path(_native._search_dirs()[0])
+
+
+@dataclass(frozen=True)
+class NodeRef:
+    """A store that resolves itself on any machine (see the module docs).
+
+    Pickling a NodeRef and unpickling it gives the store handle, resolved on the machine
+    that unpickles it; :meth:`resolve` does the same without pickling.
+    """
+
+    name: str
+    kind: str
+    nbytes: int
+    checksum: str
+    digest: str
+    sources: tuple[Any, ...] = ()
+    origin_node: str = ""
+    origin_path: str = ""
+
+    def resolve(self, *, timeout: Optional[float] = None) -> Any:
+        """The store on this machine: attached, or fetched once per machine."""
+        return resolve(self, timeout=timeout)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_unpickle, (self._state(),))
+
+    def _state(self) -> tuple[Any, ...]:
+        return (
+            self.name,
+            self.kind,
+            self.nbytes,
+            self.checksum,
+            self.digest,
+            self.sources,
+            self.origin_node,
+            self.origin_path,
+        )
+
+    @classmethod
+    def _from_state(cls, state: tuple[Any, ...]) -> NodeRef:
+        return cls(*state)
+
+
+def _unpickle(state: tuple[Any, ...]) -> Any:
+    return resolve(NodeRef._from_state(state))
+
+
+def share(
+    handle: Any,
+    *,
+    sources: Iterable[Any] = (),
+    path: Union[str, os.PathLike[str], None] = None,
+    mode: str = "copy",
+) -> NodeRef:
+    """A :class:`NodeRef` for ``handle`` (a SharedList, SharedDict or Ref).
+
+    ``path``: also save the archive there (a shared file system) and use it as the first
+    source, with ``mode`` "copy" or "map" (see :class:`FileSource`); an existing file there
+    that is this very archive is reused. ``sources``: more sources, tried in order.
+    """
+    if not isinstance(handle, shmstore.StoreHandle):
+        raise TypeError(f"share() takes a SharedList, SharedDict or Ref, not {type(handle)!r}")
+    ident = _native._cluster_identity(handle, True)
+    srcs: list[Any] = []
+    if path is not None:
+        p = os.path.abspath(os.fspath(path))
+        if not _same_archive_file(p, ident):
+            handle.save(p)
+        srcs.append(FileSource(p, mode))
+    for s in sources:
+        if not isinstance(s, Source):
+            raise TypeError(f"a source needs a chunks() method; got {type(s)!r}")
+        srcs.append(s)
+    ref = NodeRef(
+        name=str(ident["name"]),
+        kind=str(ident["kind"]),
+        nbytes=int(ident["nbytes"]),
+        checksum=str(ident["checksum"]),
+        digest=str(ident["digest"]),
+        sources=tuple(srcs),
+        origin_node=node_id(),
+        origin_path=str(ident["path"]),
+    )
+    with _lock:
+        _held.setdefault(ref.digest, handle)
+    return ref
+
+
+def _same_archive_file(path: str, ident: dict[str, Any]) -> bool:
+    if not os.path.exists(path):
+        return False
+    try:
+        h = _CLASSES[str(ident["kind"])].open(path)
+    except shmstore.ShmStoreError:
+        return False
+    mine = _native._cluster_identity(h, False)
+    same = mine["checksum"] == ident["checksum"] and mine["nbytes"] == ident["nbytes"]
+    h.close()
+    return bool(same)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolving
+
+_lock = threading.Lock()
+_held: dict[str, Any] = {}
+_counts = {"fetched": 0, "attached": 0, "mapped": 0, "origin": 0}
+
+
+def stats() -> dict[str, int]:
+    """How this process resolved NodeRefs: ``fetched`` (it made this machine's copy),
+    ``attached`` (a copy was there), ``mapped`` (a shared file, in place), ``origin``
+    (the machine that built it), ``held`` (handles kept now).
+
+    >>> sorted(stats())
+    ['attached', 'fetched', 'held', 'mapped', 'origin']
+    """
+    with _lock:
+        out = dict(_counts)
+        out["held"] = len(_held)
+    return out
+
+
+def release(ref: Union[NodeRef, str, None] = None) -> int:
+    """Drop the handles this process keeps for ``ref`` (a NodeRef or digest), or all of them.
+    The machine's copy goes once no process there uses it. Returns how many were dropped."""
+    with _lock:
+        if ref is None:
+            n = len(_held)
+            _held.clear()
+            return n
+        digest = ref.digest if isinstance(ref, NodeRef) else ref
+        return 1 if _held.pop(digest, None) is not None else 0
+
+
+def _timeout(given: Optional[float]) -> float:
+    if given is not None:
+        return given
+    try:
+        return float(os.environ.get("SHMSTORE_FETCH_TIMEOUT", "600"))
+    except ValueError:
+        return 600.0
+
+
+def _matches(handle: Any, ref: NodeRef) -> bool:
+    ident = _native._cluster_identity(handle, False)
+    return bool(
+        ident["checksum"] == ref.checksum
+        and ident["nbytes"] == ref.nbytes
+        and ident["kind"] == ref.kind
+    )
+
+
+def _attach_local(ref: NodeRef, d: Path) -> Any:
+    """The copy in ``d`` if there is one (None if not); a different store under that name is
+    an error, never used."""
+    try:
+        h = _CLASSES[ref.kind].attach(ref.name, dir=d)
+    except shmstore.StoreNotFoundError:
+        return None
+    if not _matches(h, ref):
+        h.close()
+        raise shmstore.StoreExistsError(
+            f"{d / ref.name} is another store than the one shared under that name "
+            f"(digest {ref.digest}); remove it (`shmstore rm {ref.name}`) or share under "
+            "another name"
+        )
+    return h
+
+
+def resolve(ref: NodeRef, *, timeout: Optional[float] = None) -> Any:
+    """The store ``ref`` names, on this machine (see the module docs)."""
+    if ref.kind not in _CLASSES:
+        raise shmstore.InvalidInputError(f"unknown store kind {ref.kind!r}")
+    with _lock:
+        h = _held.get(ref.digest)
+    if h is not None and not h.closed:
+        return h
+    how, h = _resolve(ref, _timeout(timeout))
+    with _lock:
+        _counts[how] += 1
+        _held[ref.digest] = h
+    log.debug("%s %s (%s)", how, ref.name, ref.digest)
+    return h
+
+
+def _resolve(ref: NodeRef, timeout: float) -> tuple[str, Any]:
+    if ref.origin_path and ref.origin_node == node_id():
+        try:
+            h = _native._rebuild(_CLASS_NAMES[ref.kind], ref.origin_path, "s")
+            if _matches(h, ref):
+                return "origin", h
+            h.close()
+        except shmstore.StoreNotFoundError:
+            pass
+    for s in ref.sources:
+        if isinstance(s, FileSource) and s.mode == "map":
+            h = _CLASSES[ref.kind].open(s.path)
+            if not _matches(h, ref):
+                h.close()
+                raise shmstore.CorruptStoreError(
+                    f"{s.path} holds another archive than store {ref.name!r} "
+                    f"(digest {ref.digest}); it was rewritten after share()"
+                )
+            return "mapped", h
+    d = _segment_dir()
+    h = _attach_local(ref, d)
+    if h is not None:
+        return "attached", h
+    with _FetchLock(d, timeout):
+        h = _attach_local(ref, d)
+        if h is not None:
+            return "attached", h
+        return "fetched", _fetch(ref, d)
+
+
+def _fetch(ref: NodeRef, d: Path) -> Any:
+    if not ref.sources:
+        raise shmstore.StoreNotFoundError(
+            f"store {ref.name!r} is not on this machine ({node_id()}) and its NodeRef has no "
+            "source to fetch it from: share it with path=<shared file> or a source"
+        )
+    errors = []
+    for s in ref.sources:
+        try:
+            return _native._import_archive(
+                _CLASS_NAMES[ref.kind], ref.name, d, ref.nbytes, ref.digest, s.chunks()
+            )
+        except (OSError, shmstore.ShmStoreError, ValueError) as e:
+            if isinstance(e, shmstore.OutOfSharedMemoryError):
+                raise
+            errors.append(f"{s!r}: {e}")
+            log.warning("fetching %s from %r failed: %s", ref.name, s, e)
+    raise shmstore.StoreNotFoundError(
+        f"could not fetch store {ref.name!r} from any source: " + "; ".join(errors)
+    )
+
+
+class _FetchLock:
+    """This machine's fetch lock: ``flock`` on a file in the segment directory, which must be
+    this user's and not writable by others, or a sticky shared directory such as /dev/shm
+    (then the lock file must be this user's regular file)."""
+
+    def __init__(self, d: Path, timeout: float) -> None:
+        self.dir = d
+        self.timeout = timeout
+        self.fd = -1
+
+    def __enter__(self) -> _FetchLock:
+        uid = os.geteuid()
+        try:
+            st = os.stat(self.dir)
+        except OSError as e:
+            raise shmstore.StoreIOError(f"segment directory {self.dir}: {e}") from e
+        own = st.st_uid == uid and not st.st_mode & 0o022
+        shared_sticky = st.st_uid == 0 and st.st_mode & stat.S_ISVTX
+        if not stat.S_ISDIR(st.st_mode) or not (own or shared_sticky):
+            raise shmstore.StorePermissionError(
+                f"segment directory {self.dir} is neither this user's (and closed to others) "
+                "nor a sticky shared directory like /dev/shm: refusing to fetch into it"
+            )
+        path = self.dir / f".shmstore-fetch-{uid}.lock"
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError as e:
+            raise shmstore.StorePermissionError(f"fetch lock {path}: {e}") from e
+        lst = os.fstat(fd)
+        if not stat.S_ISREG(lst.st_mode) or lst.st_uid != uid or lst.st_mode & 0o077:
+            os.close(fd)
+            raise shmstore.StorePermissionError(
+                f"fetch lock {path} is not this user's private regular file: remove it"
+            )
+        deadline = time.monotonic() + self.timeout
+        wait = 0.001
+        for _ in range(10_000_000):
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    os.close(fd)
+                    raise
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise TimeoutError(
+                    f"another process of this machine held the fetch lock {path} for more "
+                    f"than {self.timeout:g} s (SHMSTORE_FETCH_TIMEOUT); is a fetch stuck?"
+                )
+            time.sleep(wait)
+            wait = min(wait * 2, 0.1)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)  # releases the flock
+        self.fd = -1
+
+
+def info(handle: Any) -> dict[str, Any]:
+    """Name, kind, size, content digest and whether this machine's copy was fetched.
+
+    >>> lst = shmstore.SharedList([1])
+    >>> info(lst)["fetched"], len(info(lst)["digest"])
+    (False, 32)
+    >>> lst.unlink()
+    """
+    return dict(_native._cluster_identity(handle, True))

@@ -1,0 +1,99 @@
+"""The client of the multi-machine Dask test (tests/test_cluster.py), run on the head machine.
+
+argv: scheduler file, number of workers, shared directory, output JSON path. Shares a SharedList
+(by Dask chunks) and an array (by a file in the shared directory), has every worker read them,
+kills one worker that did not fetch (its Nanny restarts it), reads again, writes what it saw
+as JSON, then waits for stdin to close (the test SIGKILLs it with everything else).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+import shmstore
+import shmstore.cluster as sc
+import shmstore.dask
+from distributed import Client
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conftest import make_records
+
+
+def read_all(lst: shmstore.SharedList, ref: shmstore.Ref) -> dict:
+    """What a worker sees: a digest of every record and of the array, and where it runs."""
+    h = hashlib.sha256()
+    for rec in lst:
+        h.update(repr(rec.to_python()).encode())
+    arr = ref.get()
+    h.update(arr.tobytes())
+    return {"node": sc.node_id(), "pid": os.getpid(), "sha": h.hexdigest()}
+
+
+def segment_state() -> dict:
+    """This worker's machine: its node id and its segment directory's shmstore files."""
+    d = shmstore._native._search_dirs()[0]
+    files = {}
+    for n in sorted(os.listdir(d)):
+        if n.startswith("shmstore-"):
+            st = os.stat(os.path.join(d, n))
+            files[n] = [st.st_ino, st.st_mode & 0o777]
+    return {"node": sc.node_id(), "files": files}
+
+
+def pid_stats() -> list:
+    """(pid, shmstore.cluster.stats()) of this process (two Nannies may share a process)."""
+    return [os.getpid(), sc.stats()]
+
+
+def main() -> None:
+    sched_file, n_workers, shared, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    client = Client(scheduler_file=sched_file, timeout="120s")
+    client.wait_for_workers(n_workers, timeout=300)
+    records = make_records(300)
+    lst = shmstore.SharedList(records)
+    arr = shmstore.put(np.arange(100_000, dtype=np.float64))
+    expect = read_all(lst, arr)["sha"]
+    result: dict = {"expect": expect}
+    s1 = shmstore.dask.share(client, lst, chunk=16 << 10)
+    s2 = shmstore.dask.share(client, arr, path=os.path.join(shared, "arr.shm"), scatter=False)
+    result["digests"] = [s1.ref.digest, s2.ref.digest]
+
+    def round_(tag: str) -> None:
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        futs = [client.submit(read_all, lst, arr, workers=[w], pure=False) for w in workers]
+        result[tag + "_reads"] = client.gather(futs)
+        result[tag + "_segments"] = client.run(segment_state)
+        result[tag + "_worker_stats"] = client.run(sc.stats)
+        result[tag + "_nanny_stats"] = client.run(pid_stats, nanny=True)
+
+    round_("first")
+    # Kill (SIGKILL) a worker that attached (did not fetch); its Nanny starts a new one.
+    stats = result["first_worker_stats"]
+    victim = next(w for w, s in sorted(stats.items()) if s["fetched"] == 0)
+    pid = client.run(os.getpid, workers=[victim])[victim]
+    result["killed"] = victim
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 300
+    for _ in range(100_000):  # the victim leaves, then a new worker joins
+        ws = client.scheduler_info(n_workers=-1)["workers"]
+        if victim not in ws and len(ws) == n_workers:
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError("the Nanny did not restart the worker")
+        time.sleep(0.1)
+    round_("second")
+    with open(out + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(out + ".tmp", out)
+    print("done", flush=True)
+    sys.stdin.read()  # hold the stores until the test kills everything
+
+
+if __name__ == "__main__":
+    main()

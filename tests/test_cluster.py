@@ -1,0 +1,327 @@
+"""shmstore.cluster and shmstore.dask: one copy per machine, past one machine.
+
+The multi-machine test runs a Dask scheduler and 2 machines x 2 Nanny workers, each machine in
+its own mount + network namespace (private /dev/shm, veth + bridge addresses that exist only
+there, its own supervisor) when root and unshare allow; otherwise with SHMSTORE_NODE_ID and
+separate segment directories, and says so in its output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import select
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import shmstore
+import shmstore.cluster as sc
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _machines import machines, wait_for
+
+HERE = Path(__file__).parent
+
+
+def _env(tmp_path: Path, name: str) -> dict[str, str]:
+    d = tmp_path / f"shm-{name}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    env = dict(os.environ)
+    env.update(
+        SHMSTORE_DIR=str(d),
+        SHMSTORE_NODE_ID=f"node-{name}-{tmp_path.name}",
+        SHMSTORE_SUPERVISOR_NAME=f"shmstore-supervisor-test-{name}-{tmp_path.name}",
+        SHMSTORE_FALLBACK="0",
+        PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+    )
+    return env
+
+
+_RESOLVE = r"""
+import json, pickle, sys, shmstore.cluster as sc
+h = pickle.loads(open(sys.argv[1], "rb").read())
+print(json.dumps({"len": len(h), "last": h[len(h) - 1].to_python(), "stats": sc.stats(),
+                  "fetched": sc.info(h)["fetched"]}))
+"""
+
+
+def _resolve_in(env: dict[str, str], pkl: Path, n: int = 1) -> list[dict]:
+    """Resolve the pickled NodeRef in n processes of one 'machine' at once."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RESOLVE, str(pkl)], env=env, stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(n)
+    ]
+    out = []
+    for p in procs:
+        stdout, _ = p.communicate(timeout=120)
+        assert p.returncode == 0
+        out.append(json.loads(stdout))
+    return out
+
+
+def test_noderef_fetches_once_per_machine_from_a_shared_file(tmp_path, records):
+    lst = shmstore.SharedList(records)
+    ref = sc.share(lst, path=tmp_path / "shared.shm")
+    pkl = tmp_path / "ref.pkl"
+    pkl.write_bytes(pickle.dumps(ref))
+    assert len(pkl.read_bytes()) < 1024
+    env = _env(tmp_path, "b")
+    # 3 processes of machine b at once, each holding the store until all resolved: exactly
+    # one fetches (under the machine's lock), the others attach to its copy.
+    code = _RESOLVE + "sys.stdin.read()\n"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(pkl)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    try:
+        outs = [json.loads(p.stdout.readline()) for p in procs]  # type: ignore[union-attr]
+        assert {o["len"] for o in outs} == {len(records)}
+        assert all(o["last"] == records[-1] for o in outs)
+        assert sum(o["stats"]["fetched"] for o in outs) == 1
+        assert sum(o["stats"]["attached"] for o in outs) == 2
+        assert all(o["fetched"] for o in outs)  # the copy is marked as fetched
+        segs = [n for n in os.listdir(env["SHMSTORE_DIR"]) if n.startswith("shmstore-")]
+        assert segs == [lst.name]
+    finally:
+        for p in procs:
+            p.communicate(timeout=60)
+    # Nobody uses the copy any more: the machine's supervisor removes it.
+    wait_for(
+        lambda: not [n for n in os.listdir(env["SHMSTORE_DIR"]) if n.startswith("shmstore-")],
+        "machine b's copy to be removed",
+    )
+    assert sc.info(lst)["fetched"] is False
+    sc.release()
+    lst.unlink()
+
+
+def test_noderef_on_its_own_machine_attaches(records):
+    lst = shmstore.SharedList(records)
+    ref = sc.share(lst)
+    sc.release()
+    h = pickle.loads(pickle.dumps(ref))
+    assert h.name == lst.name and h[3] == records[3]
+    assert sc.stats()["origin"] >= 1
+    sc.release()
+    lst.unlink()
+
+
+class _Chunks:
+    """A source that yields given bytes (picklable: a test double of an engine source)."""
+
+    def __init__(self, blob: bytes, cut: int = 1000) -> None:
+        self.blob = blob
+        self.cut = cut
+
+    def chunks(self):
+        for i in range(0, len(self.blob), self.cut):
+            yield self.blob[i : i + self.cut]
+
+
+def _archive_bytes(h) -> bytes:
+    return Path(shmstore._native._store_info(h)["path"]).read_bytes()
+
+
+def test_a_source_with_other_bytes_is_refused_and_leaves_nothing(tmp_path, records):
+    lst = shmstore.SharedList(records)
+    blob = _archive_bytes(lst)
+    bad = bytearray(blob)
+    bad[len(bad) // 2] ^= 1
+    good = sc.share(lst, sources=[_Chunks(bytes(bad)), _Chunks(blob)])
+    only_bad = sc.share(lst, sources=[_Chunks(bytes(bad))])
+    short = sc.share(lst, sources=[_Chunks(blob[:-8])])
+    sc.release()
+    env = _env(tmp_path, "c")
+    code = r"""
+import pickle, sys, shmstore, shmstore.cluster as sc
+for f in sys.argv[1:]:
+    try:
+        h = pickle.loads(open(f, "rb").read())
+        print("ok", h[0]["file_name"], sc.stats()["fetched"])
+        sc.release(); h.close()
+    except shmstore.StoreNotFoundError as e:
+        print("refused", "digest" in str(e) or "bytes" in str(e))
+"""
+    files = []
+    for i, r in enumerate((only_bad, short, good)):
+        f = tmp_path / f"r{i}.pkl"
+        f.write_bytes(pickle.dumps(r))
+        files.append(str(f))
+    out = subprocess.run(
+        [sys.executable, "-c", code, *files], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split("\n")
+    assert lines[0] == "refused True"
+    assert lines[1] == "refused True"
+    assert lines[2] == f"ok {records[0]['file_name']} 1"  # the second source of `good`
+    lock = f".shmstore-fetch-{os.geteuid()}.lock"
+    wait_for(lambda: set(os.listdir(env["SHMSTORE_DIR"])) <= {lock}, "no segment or .part left")
+    lst.unlink()
+
+
+def test_a_different_store_under_the_name_is_never_used(tmp_path, records):
+    lst = shmstore.SharedList(records)
+    ref = sc.share(lst, sources=[_Chunks(_archive_bytes(lst))])
+    sc.release()
+    env = _env(tmp_path, "d")
+    # Another store with the same name already on machine d.
+    code = (
+        "import shmstore, sys, pickle\n"
+        f"other = shmstore.SharedList([1, 2], name={lst.name!r})\n"
+        "try:\n"
+        "    pickle.loads(open(sys.argv[1], 'rb').read())\n"
+        "except shmstore.StoreExistsError as e:\n"
+        "    print('refused', 'another store' in str(e))\n"
+    )
+    f = tmp_path / "r.pkl"
+    f.write_bytes(pickle.dumps(ref))
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(f)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.strip() == "refused True", out.stderr
+    lst.unlink()
+
+
+def test_fetch_lock_refuses_a_directory_others_can_write(tmp_path, records):
+    lst = shmstore.SharedList(records)
+    ref = sc.share(lst, sources=[_Chunks(_archive_bytes(lst))])
+    sc.release()
+    env = _env(tmp_path, "e")
+    os.chmod(env["SHMSTORE_DIR"], 0o777)
+    f = tmp_path / "r.pkl"
+    f.write_bytes(pickle.dumps(ref))
+    code = (
+        "import shmstore, sys, pickle\n"
+        "try:\n"
+        "    pickle.loads(open(sys.argv[1], 'rb').read())\n"
+        "except shmstore.StorePermissionError as e:\n"
+        "    print('refused', 'refusing to fetch' in str(e))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(f)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.stdout.strip() == "refused True", out.stderr
+    lst.unlink()
+
+
+def test_map_mode_maps_the_shared_file_in_place(tmp_path, records):
+    lst = shmstore.SharedList(records)
+    ref = sc.share(lst, path=tmp_path / "s.shm", mode="map")
+    sc.release()
+    env = _env(tmp_path, "f")
+    f = tmp_path / "r.pkl"
+    f.write_bytes(pickle.dumps(ref))
+    (out,) = _resolve_in(env, f)
+    assert out["stats"]["mapped"] == 1 and out["stats"]["fetched"] == 0
+    assert not [n for n in os.listdir(env["SHMSTORE_DIR"]) if n.startswith("shmstore-")]
+    lst.unlink()
+
+
+# ---------------------------------------------------------------------------------------------
+# Dask across machines
+
+
+def _log(logs: Path, name: str) -> Path:
+    return logs / f"{name}.log"
+
+
+def _tails(logs: Path) -> str:
+    return "\n".join(
+        f"--- {f.name}:\n" + f.read_text(errors="replace")[-3000:] for f in sorted(logs.iterdir())
+    )
+
+
+@pytest.mark.slow
+def test_dask_two_machines_one_copy_each(tmp_path, capsys):
+    pytest.importorskip("distributed")
+    dask_bin = Path(sys.executable).parent / "dask"
+    if not dask_bin.exists():
+        pytest.skip("the dask command is not installed")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with machines(["head", "a", "b"], tmp_path) as (ms, mode):
+        with capsys.disabled():
+            print(f"\n[cluster test] machines as: {mode}")
+        head, a, b = ms
+        sched_file = shared / "scheduler.json"
+        head.popen(
+            [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", head.ip,
+             "--port", "0", "--no-dashboard", "--scheduler-file", str(sched_file)],
+            stdout=subprocess.DEVNULL, log=_log(logs, "scheduler"),
+        )  # fmt: skip
+        wait_for(sched_file.exists, "the scheduler to start")
+        for m in (a, b):
+            for i in range(2):  # 2 Nannies per machine, each in its own process
+                m.popen(
+                    [sys.executable, "-m", "distributed.cli.dask_worker", "--scheduler-file",
+                     str(sched_file), "--host", m.ip, "--nworkers", "1", "--nthreads", "1",
+                     "--no-dashboard", "--memory-limit", "0"],
+                    stdout=subprocess.DEVNULL, log=_log(logs, f"worker-{m.name}{i}"),
+                )  # fmt: skip
+        out = tmp_path / "result.json"
+        driver = head.popen(
+            [sys.executable, str(HERE / "_cluster_driver.py"), str(sched_file), "4",
+             str(shared), str(out)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, log=_log(logs, "driver"),
+        )  # fmt: skip
+        assert driver.stdout is not None
+        wait = float(os.environ.get("CLUSTER_TEST_WAIT", 480))
+        ready, _, _ = select.select([driver.stdout], [], [], wait)
+        line = driver.stdout.readline() if ready else b""
+        assert line.strip() == b"done", f"driver failed (exit {driver.poll()}): {_tails(logs)}"
+        res = json.loads(out.read_text())
+        nodes = {m.name: None for m in (a, b)}
+        for tag in ("first", "second"):
+            reads = res[tag + "_reads"]
+            assert len(reads) == 4
+            assert {r["sha"] for r in reads} == {res["expect"]}  # identical records everywhere
+            by_node: dict[str, dict] = {}
+            for seg in res[tag + "_segments"].values():
+                by_node.setdefault(seg["node"], seg["files"])
+                assert by_node[seg["node"]] == seg["files"]  # workers of a machine agree
+            assert len(by_node) == 2  # two machines
+            for files in by_node.values():
+                # exactly one copy of each of the two stores per machine, marked fetched
+                assert len(files) == 2, files
+                assert {mode_ for _, mode_ in files.values()} == {0o500}
+            nodes_seen = sorted(by_node)
+            if tag == "first":
+                first_files = by_node
+            else:
+                # the Nanny restart re-attached: same files (inodes) as before, no refetch
+                assert by_node == first_files
+            # exactly one fetch per machine per store: counted over every process there
+            per_node: dict[str, int] = {}
+            node_of = {w: s["node"] for w, s in res[tag + "_segments"].items()}
+            seen_pids = set()
+            for w, (pid, st) in res[tag + "_nanny_stats"].items():
+                if pid in seen_pids:
+                    continue
+                seen_pids.add(pid)
+                per_node[node_of.get(w, "?")] = per_node.get(node_of.get(w, "?"), 0) + st["fetched"]
+            for w, st in res[tag + "_worker_stats"].items():
+                per_node[node_of[w]] = per_node.get(node_of[w], 0) + st["fetched"]
+            assert per_node == {n: 2 for n in nodes_seen}, per_node
+        assert len(nodes) == 2
+        # SIGKILL everything (scheduler, driver, Nannies, workers) on every machine at once.
+        for m in ms:
+            m.kill_all()
+        for m in ms:
+            wait_for(lambda m=m: not m.segments(), f"machine {m.name}'s segments to go", 60)
+        assert all(not m.segments() for m in ms)
+    shutil.rmtree(shared, ignore_errors=True)
