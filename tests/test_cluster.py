@@ -325,3 +325,141 @@ def test_dask_two_machines_one_copy_each(tmp_path, capsys):
             wait_for(lambda m=m: not m.segments(), f"machine {m.name}'s segments to go", 60)
         assert all(not m.segments() for m in ms)
     shutil.rmtree(shared, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# shared_per_machine across machines (a process group faked with multiprocessing primitives)
+
+
+class _FakeGroup:
+    """A Collective over a Manager dict and barriers: the shape of a torch process group."""
+
+    def __init__(self, rank, world, store, barrier, leader_barrier):
+        self.rank, self.world_size = rank, world
+        self.store, self._bar, self.leader_barrier = store, barrier, leader_barrier
+        self.n = self.nb = 0
+
+    def all_gather_object(self, obj):
+        self.n += 1
+        self.store[(self.n, self.rank)] = obj
+        self._bar.wait(60)
+        out = [self.store[(self.n, r)] for r in range(self.world_size)]
+        self._bar.wait(60)
+        return out
+
+    def leaders(self, ranks):
+        self.ranks = ranks
+
+    def broadcast_bytes(self, data, nbytes):
+        self.nb += 1
+        if data is not None:
+            self.store[("b", self.nb)] = data
+        self.leader_barrier.wait(60)
+        out = self.store[("b", self.nb)]
+        self.leader_barrier.wait(60)
+        assert len(out) == nbytes
+        return out
+
+    def barrier(self):
+        self._bar.wait(60)
+
+
+def _group_rank(rank, world, node, base, store, barrier, leader_barrier, q):
+    os.environ.pop("LOCAL_RANK", None)  # as under torch.multiprocessing.spawn
+    os.environ["SHMSTORE_NODE_ID"] = f"node-{node}-{base.name}"
+    os.environ["SHMSTORE_DIR"] = str(base / f"shm-{node}")
+    os.environ["SHMSTORE_SUPERVISOR_NAME"] = f"shmstore-supervisor-test-{node}-{base.name}"
+    import shmstore.cluster as sc
+    import shmstore.torch as st
+
+    st.GROUP_CHUNK = 5000  # several broadcasts
+    g = _FakeGroup(rank, world, store, barrier, leader_barrier)
+    built = []
+
+    def build():
+        built.append(rank)
+        from conftest import make_records
+
+        return make_records(200)
+
+    h = st.shared_per_machine(build, group=g)
+    q.put((rank, node, h.name, len(h), h[199]["file_name"], built, sc.stats(), sc.info(h)))
+    g.all_gather_object(None)  # hold until every rank has read
+
+
+def test_shared_per_machine_groups_ranks_by_machine_not_local_rank(tmp_path):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    world = 4
+    nodes = ["a", "b", "a", "b"]  # not contiguous blocks, and no LOCAL_RANK anywhere
+    for n in set(nodes):
+        (tmp_path / f"shm-{n}").mkdir(mode=0o700)
+    with ctx.Manager() as mgr:
+        store = mgr.dict()
+        barrier, leader_barrier, q = ctx.Barrier(world), ctx.Barrier(2), ctx.Queue()
+        procs = [
+            ctx.Process(
+                target=_group_rank,
+                args=(r, world, nodes[r], tmp_path, store, barrier, leader_barrier, q),
+            )
+            for r in range(world)
+        ]
+        env_path = os.environ.get("PYTHONPATH", "")
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(HERE), env_path])
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            os.environ["PYTHONPATH"] = env_path
+        reports = sorted(q.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(60)
+    assert [p.exitcode for p in procs] == [0] * world
+    assert len({name for _, _, name, *_ in reports}) == 1  # the same store everywhere
+    assert all(n == 200 and last == "000000000199.jpg" for _, _, _, n, last, *_ in reports)
+    assert [b for *_, b, _, _ in reports] == [[0], [], [], []]  # built once, on rank 0
+    stats = {r: s for r, _, _, _, _, _, s, _ in reports}
+    assert stats[1]["fetched"] == 1 and stats[3]["attached"] == 1  # b: one copy, via rank 1
+    assert stats[2]["origin"] == 1  # a: rank 2 attached to rank 0's store
+    fetched = {node: i["fetched"] for _, node, *_, i in reports}
+    assert fetched == {"a": False, "b": True}
+
+
+def _spawned_rank(rank, world, init_file, base, q):
+    import torch.distributed as dist
+
+    os.environ.pop("LOCAL_RANK", None)  # torch.multiprocessing.spawn sets none
+    os.environ["SHMSTORE_DIR"] = str(base)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        import shmstore.torch as st
+
+        h = st.shared_per_machine(lambda: [{"i": i} for i in range(100)])
+        q.put((rank, h.name, h[99]["i"]))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_spawned_torch_ranks_without_local_rank_build_one_store(tmp_path):
+    """Under torch.multiprocessing.spawn nothing sets LOCAL_RANK: every rank used to believe
+    it was local rank 0 and build its own store. Ranks are grouped by machine now."""
+    pytest.importorskip("torch", reason="torch is not installed (too big for CI)")
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    seg = tmp_path / "shm"
+    seg.mkdir(mode=0o700)
+    procs = [
+        ctx.Process(target=_spawned_rank, args=(r, 2, tmp_path / "pg", seg, q)) for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    reports = sorted(q.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert len({name for _, name, _ in reports}) == 1
+    assert [v for *_, v in reports] == [99, 99]

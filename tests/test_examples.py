@@ -17,6 +17,7 @@ pytestmark = pytest.mark.usefixtures("no_leftover_segments")
 SCRIPTS = {
     "joblib_slices.py": (["--mib", "16"], ["joblib"]),
     "dataloader_ddp.py": (["--n", "2000"], []),
+    "ddp_multinode.py": (["--n", "3000"], []),
     "docstore.py": (["--docs", "3000", "--ranks", "3"], []),
     "xgboost_joblib.py": (["--rows", "8000"], ["joblib", "xgboost"]),
 }

@@ -219,8 +219,11 @@ def share(
         if not isinstance(s, Source):
             raise TypeError(f"a source needs a chunks() method; got {type(s)!r}")
         srcs.append(s)
+    name = str(ident["name"])
+    if name == str(ident["path"]):  # opened from a saved file: copies get a segment name
+        name = f"shmstore-{ident['digest']}"
     ref = NodeRef(
-        name=str(ident["name"]),
+        name=name,
         kind=str(ident["kind"]),
         nbytes=int(ident["nbytes"]),
         checksum=str(ident["checksum"]),
@@ -334,8 +337,9 @@ def resolve(ref: NodeRef, *, timeout: Optional[float] = None) -> Any:
 
 def _resolve(ref: NodeRef, timeout: float) -> tuple[str, Any]:
     if ref.origin_path and ref.origin_node == node_id():
+        flag = "s" if os.path.basename(ref.origin_path) == ref.name else ""  # segment or file
         try:
-            h = _native._rebuild(_CLASS_NAMES[ref.kind], ref.origin_path, "s")
+            h = _native._rebuild(_CLASS_NAMES[ref.kind], ref.origin_path, flag)
             if _matches(h, ref):
                 return "origin", h
             h.close()

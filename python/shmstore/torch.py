@@ -6,37 +6,41 @@ DataLoader workers start (fork, spawn or forkserver), the dataset travels by nam
 about 200 bytes) and every worker reads the same pages: no copy-on-read
 (pytorch/pytorch#13246), whatever the start method.
 
-One copy per machine under DistributedDataParallel::
+One copy per machine under DistributedDataParallel, on one machine or many::
 
     import shmstore.torch as st
 
     def build():
-        return shmstore.SharedList(load_records())      # runs on local rank 0 only
+        return shmstore.SharedList(load_records())      # runs on global rank 0 only
 
-    lst = st.shared_per_machine(build)                   # every local rank: the same store
+    lst = st.shared_per_machine(build)                   # every rank: its machine's copy
     ds = st.SharedListDataset(lst, transform=to_tensor)
 
-Local rank 0 builds the store (or opens a saved archive), and only its *name* is broadcast; the
-other local ranks attach to it. The broadcast is a callable you may pass; by default it uses
-``torch.distributed`` when torch is importable and the process group is initialised (an
-``all_gather_object`` of (machine, local rank, name), so that each machine's ranks take their
-own machine's copy), and :func:`file_broadcast` gives a file-based rendezvous for tests and
-launchers without torch.
+With ``torch.distributed`` initialised, the ranks are grouped by machine identity (the ranks
+that see the same segment directory, :func:`shmstore.cluster.node_id`), not by ``LOCAL_RANK``:
+global rank 0 builds the store (or opens a saved archive), each other machine's lowest rank
+receives the archive through the process group (chunked broadcasts among the machines'
+leaders, verified against its digest) into that machine's shared memory, and every other rank
+attaches. Without torch, a ``broadcast`` callable (e.g. :func:`file_broadcast`) passes the
+name between the local ranks of one machine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Union
 
 import shmstore
 
 __all__ = [
+    "Collective",
     "SharedListDataset",
+    "TorchCollective",
     "file_broadcast",
     "shared_per_machine",
     "torch_broadcast",
@@ -203,46 +207,208 @@ def _from_payload(payload: Payload) -> Any:
     return cls.open(where) if how == "file" else cls.attach(name, dir=where)
 
 
+class Collective(Protocol):
+    """What :func:`shared_per_machine` needs of a process group (``torch.distributed`` by
+    default: :class:`TorchCollective`); tests and other launchers may pass their own."""
+
+    rank: int
+    world_size: int
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order."""
+
+    def leaders(self, ranks: list[int]) -> None:
+        """Make the sub-group of ``ranks`` (called by every rank, as a collective)."""
+
+    def broadcast_bytes(self, data: Optional[bytes], nbytes: int) -> bytes:
+        """In the leaders' sub-group: global rank 0 sends ``data``; the others get ``nbytes``."""
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+
+
+class TorchCollective:
+    """:class:`Collective` over ``torch.distributed`` (any backend; gloo moves the bytes)."""
+
+    def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self._sub: Any = None
+        self._root = 0
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        self._dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def leaders(self, ranks: list[int]) -> None:
+        self._sub = self._dist.new_group(ranks)
+        self._root = ranks[0]
+
+    def broadcast_bytes(self, data: Optional[bytes], nbytes: int) -> bytes:
+        import torch
+
+        if data is not None:
+            t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        else:
+            t = torch.empty(nbytes, dtype=torch.uint8)
+        self._dist.broadcast(t, src=self._root, group=self._sub)
+        return data if data is not None else t.numpy().tobytes()
+
+    def barrier(self) -> None:
+        self._dist.barrier(group=self.group)
+
+
+#: Bytes per broadcast when a machine's leader receives its copy through the process group.
+GROUP_CHUNK = 64 << 20
+
+
+class _GroupSource:
+    """The archive's bytes as broadcasts in the leaders' group (the receiving side)."""
+
+    def __init__(self, coll: Collective, nbytes: int) -> None:
+        self.coll = coll
+        self.nbytes = nbytes
+        self.left = nbytes
+
+    def chunks(self) -> Iterator[bytes]:
+        while self.left > 0:
+            n = min(GROUP_CHUNK, self.left)
+            self.left -= n
+            yield self.coll.broadcast_bytes(None, n)
+
+    def drain(self) -> None:
+        """Take the broadcasts not consumed (the copy was already there): the sender's
+        collectives must all be matched."""
+        for _ in self.chunks():
+            pass
+
+
+def _torch_collective() -> Optional[Collective]:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return TorchCollective()
+
+
+def _make(
+    build: Callable[[], Union[shmstore.StoreHandle, Iterable[Any]]],
+    archive: Union[str, os.PathLike[str], None],
+) -> Any:
+    if archive is not None and os.path.exists(archive):
+        kind = shmstore._native._store_info(os.fspath(archive))["kind"]
+        return _KINDS[str(kind)].open(archive)
+    made: Any = build()
+    handle = made if isinstance(made, tuple(_KINDS.values())) else shmstore.SharedList(made)
+    if archive is not None:
+        handle.save(archive)
+    return handle
+
+
+def _per_machine(
+    build: Callable[[], Union[shmstore.StoreHandle, Iterable[Any]]],
+    archive: Union[str, os.PathLike[str], None],
+    coll: Collective,
+) -> Any:
+    """Group the ranks by machine identity (:func:`shmstore.cluster.node_id`), build on global
+    rank 0, send one copy to each other machine's leader (its lowest rank) through the group,
+    let every other rank attach."""
+    from shmstore import cluster
+
+    me = coll.rank
+    nodes = coll.all_gather_object(cluster.node_id())
+    machines: dict[str, list[int]] = {}
+    for r, node in enumerate(nodes):
+        machines.setdefault(node, []).append(r)
+    leaders = sorted(min(rs) for rs in machines.values())
+    handle: Any = None
+    state: Any = None
+    if me == 0:
+        handle = _make(build, archive)
+        state = cluster.share(handle)._state()
+    state = coll.all_gather_object(state)[0]
+    ref = cluster.NodeRef._from_state(state)
+    if len(leaders) > 1:
+        coll.leaders(leaders)
+        if me == 0:
+            with open(ref.origin_path, "rb", buffering=0) as f:
+                for _ in range(ref.nbytes // GROUP_CHUNK + 1):
+                    b = f.read(GROUP_CHUNK)
+                    if not b:
+                        break
+                    coll.broadcast_bytes(b, len(b))
+        elif me in leaders:
+            src = _GroupSource(coll, ref.nbytes)
+            try:
+                handle = cluster.resolve(dataclasses.replace(ref, sources=(src,)))
+            finally:
+                src.drain()
+    coll.barrier()  # every machine's copy exists
+    if handle is None:
+        handle = cluster.resolve(ref)
+    return handle
+
+
 def shared_per_machine(
     build: Callable[[], Union[shmstore.StoreHandle, Iterable[Any]]],
     *,
     archive: Union[str, os.PathLike[str], None] = None,
     local_rank: Optional[int] = None,
     broadcast: Optional[Broadcast] = None,
+    group: Any = None,
 ) -> Any:
-    """One store per machine: local rank 0 makes it, the other local ranks attach by name.
+    """One store per machine, for every rank of a job (one machine or many).
 
-    - ``build()`` runs on local rank 0 only; it returns a SharedList, SharedDict or Ref, or an
-      iterable of records (made into a SharedList).
-    - ``archive``: a saved archive (``store.save(path)``). If the file exists, local rank 0
-      opens it instead of building, and every rank maps the same file (shared through the page
-      cache); if it does not, local rank 0 builds the store and saves it there for next time.
-    - ``local_rank``: defaults to ``$LOCAL_RANK`` (torchrun), or the MPI/Slurm equivalents, or 0.
-    - ``broadcast``: how the name travels (see :func:`torch_broadcast`, :func:`file_broadcast`);
-      by default ``torch.distributed`` when it is initialised. Only the name is broadcast.
+    With ``torch.distributed`` initialised (or a :class:`Collective` passed as ``group``):
+
+    - ranks are grouped by machine identity (:func:`shmstore.cluster.node_id`: the ranks that
+      see the same segment directory), never by ``$LOCAL_RANK`` or rank blocks, so
+      ``torch.multiprocessing.spawn`` (which sets no LOCAL_RANK) and uneven placements work;
+    - ``build()`` runs on global rank 0 only; it returns a SharedList, SharedDict or Ref, or an
+      iterable of records (made into a SharedList);
+    - each other machine's lowest rank receives the archive through the process group
+      (broadcasts of ``GROUP_CHUNK`` bytes among the machines' leaders; gloo carries CPU
+      tensors) into its machine's shared memory, verified against the digest; every other rank
+      attaches. One build, one copy per machine.
+
+    ``archive``: a saved archive (``store.save(path)``). If the file exists, rank 0 opens it
+    instead of building; if it does not, rank 0 builds and saves it there for next time.
+
+    ``group``: a torch ProcessGroup to use instead of the default one, or a
+    :class:`Collective`. It is a collective: every rank of the group must call this.
+
+    Without torch.distributed, pass ``broadcast`` (e.g. :func:`file_broadcast`) and
+    ``local_rank`` (default ``$LOCAL_RANK``, or the MPI/Slurm equivalents, or 0): local rank 0
+    makes the store and only its name is broadcast; one machine only.
 
     Returns the handle (SharedList, SharedDict or Ref). Keep it for as long as the ranks read:
-    on local rank 0 it is the creating handle, and the segment is removed when the last process
-    using it is gone (``docs/lifecycle.md``).
+    a machine's copy is removed when the last process using it there is gone
+    (``docs/lifecycle.md``).
     """
-    rank = _local_rank() if local_rank is None else local_rank
     if broadcast is None:
-        broadcast = torch_broadcast()
-    if broadcast is None:
+        coll: Optional[Collective]
+        if group is not None and hasattr(group, "all_gather_object"):
+            coll = group
+        elif group is not None:
+            coll = TorchCollective(group)
+        else:
+            coll = _torch_collective()
+        if coll is not None:
+            return _per_machine(build, archive, coll)
         raise RuntimeError(
             "shared_per_machine needs a broadcast: initialise torch.distributed, or pass "
             "broadcast=shmstore.torch.file_broadcast(path) (or your own callable)"
         )
+    rank = _local_rank() if local_rank is None else local_rank
     if rank != 0:
         return _from_payload(broadcast(None))
-    handle: Any
-    if archive is not None and os.path.exists(archive):
-        kind = shmstore._native._store_info(os.fspath(archive))["kind"]
-        handle = _KINDS[str(kind)].open(archive)
-    else:
-        made = build()
-        handle = made if isinstance(made, tuple(_KINDS.values())) else shmstore.SharedList(made)
-        if archive is not None:
-            handle.save(archive)
+    handle = _make(build, archive)
     broadcast(_payload(handle))
     return handle
