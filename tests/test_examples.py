@@ -18,6 +18,7 @@ SCRIPTS = {
     "joblib_slices.py": (["--mib", "16"], ["joblib"]),
     "dataloader_ddp.py": (["--n", "2000"], []),
     "ddp_multinode.py": (["--n", "3000"], []),
+    "dask_cluster.py": (["--n", "3000"], ["distributed", "joblib"]),
     "docstore.py": (["--docs", "3000", "--ranks", "3"], []),
     "xgboost_joblib.py": (["--rows", "8000"], ["joblib", "xgboost"]),
 }
