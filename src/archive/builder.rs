@@ -70,24 +70,6 @@ impl<W: Write + Seek> Builder<W> {
         })
     }
 
-    pub fn kind(&self) -> Kind {
-        self.kind
-    }
-
-    /// Records finished so far.
-    pub fn len(&self) -> u64 {
-        self.count
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.count == 0
-    }
-
-    /// Bytes written so far.
-    pub fn position(&self) -> u64 {
-        self.pos
-    }
-
     fn write_raw(&mut self, bytes: &[u8]) -> io::Result<()> {
         self.out.write_all(bytes)?;
         if self.span_start.is_some() {
@@ -318,8 +300,8 @@ impl KeyTable {
         if self.slots.is_empty() {
             return None;
         }
-        let mask = self.slots.len() - 1;
-        let mut i = hash as usize & mask;
+        let cap = self.slots.len();
+        let mut i = table::home(hash, cap as u64) as usize;
         loop {
             let (h, e) = self.slots[i];
             if e == 0 {
@@ -328,7 +310,7 @@ impl KeyTable {
             if h == hash && eq(e - 1) {
                 return Some(e - 1);
             }
-            i = (i + 1) & mask;
+            i = table::next(i, cap);
         }
     }
 
@@ -345,10 +327,10 @@ impl KeyTable {
     }
 
     fn insert_slot(&mut self, hash: u64, e1: u32) {
-        let mask = self.slots.len() - 1;
-        let mut i = hash as usize & mask;
+        let cap = self.slots.len();
+        let mut i = table::home(hash, cap as u64) as usize;
         while self.slots[i].1 != 0 {
-            i = (i + 1) & mask;
+            i = table::next(i, cap);
         }
         self.slots[i] = (hash, e1);
         self.len += 1;
@@ -367,7 +349,7 @@ impl KeyTable {
         for &(h, e1) in self.slots.iter().filter(|s| s.1 != 0) {
             let mut i = table::home(h, cap as u64) as usize;
             while used[i] {
-                i = if i + 1 == cap { 0 } else { i + 1 };
+                i = table::next(i, cap);
             }
             used[i] = true;
             let e = e1 - 1;

@@ -5,7 +5,7 @@ use xxhash_rust::xxh3::Xxh3Default;
 use super::ArchiveError;
 
 pub const MAGIC: [u8; 8] = *b"SHMSTOR\0";
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 pub const HEADER_LEN: usize = 128;
 /// Record spans start on this boundary.
 pub const SPAN_ALIGN: u64 = 8;
@@ -100,7 +100,7 @@ impl Header {
                 bytes.len()
             ));
         }
-        if bytes[0..8] == *b"SHMSTOR\x01" {
+        if bytes[0..8] == UNSEALED_MAGIC {
             return Err(ArchiveError::Unsealed);
         }
         if bytes[0..8] != MAGIC {

@@ -188,20 +188,6 @@ impl Key<'_> {
             }
         }
     }
-
-    /// Owned copy (detached from the archive).
-    pub fn into_owned(self) -> Key<'static> {
-        match self {
-            Key::None => Key::None,
-            Key::Bool(b) => Key::Bool(b),
-            Key::Int(i) => Key::Int(i),
-            Key::BigInt(b) => Key::BigInt(Cow::Owned(b.into_owned())),
-            Key::Float(f) => Key::Float(f),
-            Key::Str(s) => Key::Str(Cow::Owned(s.into_owned())),
-            Key::Bytes(b) => Key::Bytes(Cow::Owned(b.into_owned())),
-            Key::Tuple(t) => Key::Tuple(t.into_iter().map(Key::into_owned).collect()),
-        }
-    }
 }
 
 /// Decode one key from the front of `bytes`; returns the key and the rest.

@@ -123,10 +123,6 @@ impl<B: AsRef<[u8]>> Reader<B> {
         self.header.count
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.header.count == 0
-    }
-
     pub fn bytes(&self) -> &[u8] {
         self.backing.as_ref()
     }
@@ -355,7 +351,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
                     return Ok(Some(e));
                 }
             }
-            i = if i + 1 == cap { 0 } else { i + 1 };
+            i = table::next(i as usize, cap as usize) as u64;
         }
         Ok(None)
     }
@@ -444,10 +440,10 @@ impl<B: AsRef<[u8]>> Reader<B> {
             return Ok(None);
         }
         let cap = index.len();
-        if !cap.is_power_of_two() {
-            return corrupt("dict index size is not a power of two");
+        if cap != table::record_index_capacity(items.len() / 2) {
+            return corrupt("dict index size does not match its entries");
         }
-        let mut i = hash as usize & (cap - 1);
+        let mut i = table::home(hash, cap as u64) as usize;
         for _ in 0..cap {
             let e = index[i].to_native() as usize;
             if e == 0 {
@@ -459,7 +455,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
             if matches(k)? {
                 return Ok(Some(e - 1));
             }
-            i = (i + 1) & (cap - 1);
+            i = table::next(i, cap);
         }
         Ok(None)
     }

@@ -1,6 +1,11 @@
-//! The on-disk hash table of dict archives (docs/format.md, "The dict table"): its size, where
-//! a hash starts probing, and the 16-byte slot layout. The builder writes slots and the reader
-//! probes them through this module only.
+//! The hash tables of the format (docs/format.md, "The dict table"), and the one rule for
+//! where a hash starts probing ([`home`]), shared by both:
+//! - the table of a dict archive (a `SharedDict`): its size and 16-byte slots;
+//! - the index inside a stored dict of more than `DICT_INDEX_MIN` entries
+//!   (`Value::IndexedDict`): `entry + 1` per slot.
+//!
+//! Both probe linearly from `home`, wrapping, for at most their capacity. The builder writes
+//! them and the reader probes them through this module only.
 
 /// Bytes per slot.
 pub const SLOT: usize = 16;
@@ -18,6 +23,37 @@ pub fn capacity(count: u64) -> u64 {
 #[inline]
 pub fn home(hash: u64, cap: u64) -> u64 {
     ((hash as u128 * cap as u128) >> 64) as u64
+}
+
+/// The slot after `i` in a table of `cap` slots (wrapping).
+#[inline]
+pub fn next(i: usize, cap: usize) -> usize {
+    if i + 1 == cap {
+        0
+    } else {
+        i + 1
+    }
+}
+
+/// Slots in the index of a stored dict with `entries` entries: a power of two >= 2 entries
+/// (load <= 0.5: every probe of this index compares a key, so chains are kept short).
+pub fn record_index_capacity(entries: usize) -> usize {
+    (entries * 2).next_power_of_two()
+}
+
+/// The index of a stored dict: `entry + 1` (0 = empty) for each entry of `hashes` (the
+/// stable key hashes, in entry order), placed by linear probing from [`home`].
+pub fn record_index(hashes: &[u64]) -> Vec<u32> {
+    let cap = record_index_capacity(hashes.len());
+    let mut slots = vec![0u32; cap];
+    for (e, &h) in hashes.iter().enumerate() {
+        let mut i = home(h, cap as u64) as usize;
+        while slots[i] != 0 {
+            i = next(i, cap);
+        }
+        slots[i] = e as u32 + 1;
+    }
+    slots
 }
 
 /// One slot: `tag u32` (low 32 bits of the key hash), `entry + 1 u32` (0 = empty), and two
@@ -79,5 +115,70 @@ impl Slot {
     #[inline]
     pub fn end_hint(&self) -> Option<usize> {
         (self.end64 != 0).then(|| self.end64 as usize * 64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn home_is_in_range_and_uses_the_high_bits() {
+        for cap in [1u64, 7, 8, 1000, 1 << 20] {
+            for h in [
+                0u64,
+                1,
+                u64::MAX,
+                0x8000_0000_0000_0000,
+                0xdead_beef_0bad_f00d,
+            ] {
+                assert!(home(h, cap) < cap);
+            }
+        }
+        assert_eq!(home(u64::MAX, 16), 15);
+        assert_eq!(home(0x8000_0000_0000_0000, 16), 8);
+        assert_eq!(home(0xffff_ffff, 16), 0); // low bits alone never move the home slot
+    }
+
+    #[test]
+    fn capacities() {
+        assert_eq!(capacity(0), 8);
+        assert_eq!(capacity(100), 134);
+        assert_eq!(record_index_capacity(9), 32);
+        assert_eq!(record_index_capacity(16), 32);
+        assert_eq!(record_index_capacity(17), 64);
+    }
+
+    /// Where a probe for `h` ends in `index`: the entry, or None at an empty slot.
+    fn probe(index: &[u32], h: u64, mut eq: impl FnMut(usize) -> bool) -> Option<usize> {
+        let mut i = home(h, index.len() as u64) as usize;
+        for _ in 0..index.len() {
+            let e = index[i] as usize;
+            if e == 0 {
+                return None;
+            }
+            if eq(e - 1) {
+                return Some(e - 1);
+            }
+            i = next(i, index.len());
+        }
+        None
+    }
+
+    #[test]
+    fn record_index_places_every_entry_on_its_probe_path() {
+        // Colliding homes (equal high bits) included: they chain, wrapping at the end.
+        let mut hashes: Vec<u64> = (0..40u64)
+            .map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15))
+            .collect();
+        hashes.extend([u64::MAX, u64::MAX - 1, u64::MAX - 2]);
+        let index = record_index(&hashes);
+        assert_eq!(index.len(), record_index_capacity(hashes.len()));
+        assert_eq!(index.iter().filter(|&&e| e != 0).count(), hashes.len());
+        for (e, &h) in hashes.iter().enumerate() {
+            assert_eq!(probe(&index, h, |x| x == e), Some(e));
+        }
+        // An absent hash stops at an empty slot (load <= 0.5 leaves some).
+        assert_eq!(probe(&index, 12345, |_| false), None);
     }
 }

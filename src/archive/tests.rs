@@ -306,3 +306,58 @@ fn other_versions_are_refused() {
         "{msg}"
     );
 }
+
+/// A stored dict of more than `DICT_INDEX_MIN` entries carries an index (table.rs) that the
+/// reader probes with the same home-slot rule: every key is found, absent keys are not.
+#[test]
+fn record_index_lookup() {
+    use super::value::{dict_has_index, DICT_INDEX_MIN};
+    for n in [DICT_INDEX_MIN + 1, 40, 1000] {
+        assert!(dict_has_index(n));
+        let keys: Vec<Key<'_>> = (0..n)
+            .map(|i| match i % 3 {
+                0 => Key::Str(format!("field-{i}").into()),
+                1 => Key::Int(i as i64 * 7919),
+                _ => Key::Tuple(vec![Key::Int(i as i64), Key::None]),
+            })
+            .collect();
+        let mut items = Vec::new();
+        for (i, k) in keys.iter().enumerate() {
+            items.push(match k {
+                Key::Str(s) => Value::Str(s.to_string()),
+                Key::Int(v) => Value::Int(*v),
+                _ => Value::Tuple(vec![Value::Int(i as i64), Value::None]),
+            });
+            items.push(Value::Int(i as i64));
+        }
+        let hashes: Vec<u64> = keys.iter().map(Key::stable_hash).collect();
+        let mut b = Builder::new(Cursor::new(Vec::new()), Kind::List, 1).unwrap();
+        b.finish_record(&Value::dict(items, &hashes)).unwrap();
+        let bytes = b.finish(0).unwrap().0.into_inner();
+        let r = Reader::open(&bytes[..]).unwrap();
+        let ArchivedValue::IndexedDict(d) = r.get(r.root(0).unwrap()) else {
+            panic!("a dict of {n} entries has an index")
+        };
+        let (items, index) = (d.items.as_slice(), d.index.as_slice());
+        assert_eq!(index.len(), table::record_index_capacity(n));
+        for (i, k) in keys.iter().enumerate() {
+            assert_eq!(r.dict_find(items, index, k).unwrap(), Some(i), "{k:?}");
+            if let Key::Str(s) = k {
+                assert_eq!(r.dict_find_str(items, index, s).unwrap(), Some(i));
+            }
+        }
+        assert_eq!(r.dict_find_str(items, index, "absent").unwrap(), None);
+        assert_eq!(r.dict_find(items, index, &Key::Int(-1)).unwrap(), None);
+        // Python equality: 7919.0 finds the int key 7919.
+        assert_eq!(
+            r.dict_find(items, index, &Key::Float(7919.0)).unwrap(),
+            Some(1)
+        );
+    }
+    // Small dicts have no index and are scanned.
+    assert!(!dict_has_index(DICT_INDEX_MIN));
+    assert!(matches!(
+        Value::dict(vec![Value::Str("a".into()), Value::None], &[]),
+        Value::Dict(_)
+    ));
+}

@@ -62,7 +62,7 @@ pub enum Value {
 }
 
 /// Entries as in [`Value::Dict`], plus an open-addressing table of `entry + 1` (0 = empty)
-/// over the stable key hash; its size is a power of two.
+/// over the stable key hash (`table::record_index`).
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 #[rkyv(serialize_bounds(
     __S: rkyv::ser::Writer + rkyv::ser::Allocator,
@@ -91,6 +91,25 @@ pub const MAX_VALUE_DEPTH: usize = MAX_DEPTH + MAX_KEY_DEPTH;
 /// vector) and two below the deepest one (an array's box and its shape). Validation stops
 /// there, so its recursion is bounded by this, not by the bytes.
 pub const MAX_SUBTREE_DEPTH: usize = 1 + 2 * MAX_VALUE_DEPTH + 2;
+
+/// Whether a dict of `entries` entries is stored with an index (then [`Value::dict`] needs
+/// the stable hash of every key).
+pub fn dict_has_index(entries: usize) -> bool {
+    entries > DICT_INDEX_MIN
+}
+
+impl Value {
+    /// A stored dict from its interleaved `items` (`k0, v0, k1, v1, ...`) and, when
+    /// [`dict_has_index`], the stable hash of each key (`hashes` is ignored otherwise).
+    pub fn dict(items: Vec<Value>, hashes: &[u64]) -> Value {
+        if dict_has_index(items.len() / 2) {
+            let index = super::table::record_index(hashes);
+            Value::IndexedDict(Box::new(IndexedDict { items, index }))
+        } else {
+            Value::Dict(items)
+        }
+    }
+}
 
 /// Item size in bytes of an array-interface typestr, if shmstore stores that dtype.
 ///

@@ -13,8 +13,9 @@ use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyDict;
 use xxhash_rust::xxh3::Xxh3Default;
 
-use super::errors::Exc;
-use super::handles::{_rebuild, StoreHandle};
+use super::errors::Error;
+use super::handles::StoreHandle;
+use super::pickle::_rebuild;
 use super::store::{self, Store};
 
 /// xxh3-128 of every byte of the archive, as 32 hex digits.
@@ -54,7 +55,7 @@ fn digest_of(py: Python<'_>, store: &Store) -> u128 {
 /// attach compares) and the content digest (xxh3-128 of the whole archive, computed once
 /// per process with the GIL released; what a fetched copy is verified against).
 #[pyfunction]
-pub fn _cluster_identity<'py>(
+pub(crate) fn _cluster_identity<'py>(
     py: Python<'py>,
     handle: &Bound<'py, StoreHandle>,
     with_digest: bool,
@@ -82,7 +83,7 @@ pub fn _cluster_identity<'py>(
 /// it as a fetched copy and publish it. Returns the handle (of class `cls`). On any error
 /// (a source failing midway, a wrong length or digest, no room) nothing is left behind.
 #[pyfunction]
-pub fn _import_archive<'py>(
+pub(crate) fn _import_archive<'py>(
     py: Python<'py>,
     cls: &str,
     name: &str,
@@ -94,45 +95,53 @@ pub fn _import_archive<'py>(
     let want = u128::from_str_radix(digest, 16)
         .ok()
         .filter(|_| digest.len() == 32)
-        .ok_or_else(|| Exc::Invalid.err(format!("{digest:?} is not a 32-hex-digit digest")))?;
+        .ok_or_else(|| Error::Invalid {
+            at: format!("digest {digest:?}"),
+            what: "not 32 hex digits".into(),
+        })?;
     let origin = format!("fetching store {name:?}");
+    let corrupt = |what: String| -> PyErr {
+        Error::Corrupt {
+            at: origin.clone(),
+            what,
+        }
+        .into()
+    };
     let store = store::import(py, name, &dir, |writer| {
         let mut hasher = Xxh3Default::new();
         let mut got: u64 = 0;
         for chunk in chunks.try_iter()? {
-            let chunk: PyBackedBytes = chunk?.extract().map_err(|_| {
-                Exc::Invalid.err(format!("{origin}: a source yielded something not bytes"))
+            let chunk: PyBackedBytes = chunk?.extract().map_err(|_| Error::Invalid {
+                at: origin.clone(),
+                what: "a source yielded something not bytes".into(),
             })?;
             got = got
                 .checked_add(chunk.len() as u64)
                 .filter(|g| *g <= nbytes)
                 .ok_or_else(|| {
-                    Exc::Corrupt.err(format!(
-                        "{origin}: the source sent more than the {nbytes} bytes of the archive"
+                    corrupt(format!(
+                        "the source sent more than the {nbytes} bytes of the archive"
                     ))
                 })?;
             py.detach(|| {
                 hasher.update(&chunk);
                 writer.write_all(&chunk)
             })
-            .map_err(|e| match e.into_inner() {
-                Some(inner) => match inner.downcast::<crate::segment::SegmentError>() {
-                    Ok(seg) => super::errors::segment_err(*seg),
-                    Err(other) => Exc::Io.err(format!("{origin}: {other}")),
-                },
-                None => Exc::Io.err(format!("{origin}: write failed")),
+            .map_err(|e| Error::Archive {
+                at: origin.clone(),
+                err: e.into(),
             })?;
         }
         if got != nbytes {
-            return Err(Exc::Corrupt.err(format!(
-                "{origin}: the source sent {got} bytes, the archive has {nbytes}"
+            return Err(corrupt(format!(
+                "the source sent {got} bytes, the archive has {nbytes}"
             )));
         }
         let have = hasher.digest128();
         if have != want {
-            return Err(Exc::Corrupt.err(format!(
-                "{origin}: the bytes fetched have digest {} but the store's is {digest}; \
-                 the source holds another version of the archive",
+            return Err(corrupt(format!(
+                "the bytes fetched have digest {} but the store's is {digest}; the source \
+                 holds another version of the archive",
                 hex128(have)
             )));
         }

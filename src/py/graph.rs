@@ -7,11 +7,11 @@
 
 use std::ffi::{c_int, c_void};
 
-use pyo3::exceptions::PyValueError;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
+use super::errors::Error;
 use crate::graph::{unreachable, AddrIndex};
 
 /// `visitproc` for `tp_traverse`: remember each referent's address.
@@ -40,16 +40,21 @@ fn gc_unreachable(objects: &Bound<'_, PyList>) -> PyResult<Vec<usize>> {
         .and_then(|f| f.call0()?.extract::<bool>())
         .unwrap_or(true);
     if !gil_enabled {
-        return Err(PyValueError::new_err(
+        return Err(Error::Usage(
             "gc_unreachable needs the GIL: on a free-threaded interpreter use the pure-Python \
-             analysis (shmstore.leaks falls back to it automatically)",
-        ));
+             analysis (shmstore.leaks falls back to it automatically)"
+                .into(),
+        )
+        .into());
     }
     let total = objects.len();
     if total == 0 {
-        return Err(PyValueError::new_err(
-            "gc_unreachable expects the candidates followed by a calibration probe; got an empty list",
-        ));
+        return Err(Error::Usage(
+            "gc_unreachable expects the candidates followed by a calibration probe; got an \
+             empty list"
+                .into(),
+        )
+        .into());
     }
     // Why no `py.detach()` here: the refcounts and the edges must be one consistent snapshot,
     // and the caller relies on no other thread running between them (it also raises the
@@ -105,7 +110,7 @@ fn gc_unreachable(objects: &Bound<'_, PyList>) -> PyResult<Vec<usize>> {
 }
 
 /// Add this file's functions to `shmstore._native`.
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gc_unreachable, m)?)?;
     Ok(())
 }

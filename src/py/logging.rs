@@ -15,7 +15,7 @@ pub(crate) fn public_target(target: &str) -> &'static str {
                 .strip_prefix(prefix)
                 .is_some_and(|rest| rest.starts_with("::"))
     };
-    if under("shmstore::supervisor") || under("shmstore::py::supervise") {
+    if under("shmstore::supervisor") || under("shmstore::py::admin") {
         "shmstore::supervisor"
     } else if under("shmstore::graph") || under("shmstore::py::graph") || under("shmstore::leaks") {
         "shmstore::leaks"

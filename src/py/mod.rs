@@ -1,15 +1,32 @@
-//! pyo3 binding layer: a thin adapter over `archive` and `segment`.
+//! pyo3 binding layer (feature `python`): a thin adapter over `archive`, `segment` and
+//! `supervisor`. One file per Python class; what they share lives once:
+//!
+//! - `errors`: the exception hierarchy and the one `From<Error> for PyErr`;
+//! - `store`: one mapped archive (`Store`), the attach cache, building and saving;
+//! - `protocol`: the Sequence/Mapping behaviour of handles and views;
+//! - `keys`: dict keys between Python and the archive; `write`: Python -> archive values;
+//! - `read/`: archive values -> Python (`ListView`, `DictView`, `ArrayOwner`);
+//! - `handles/`: `StoreHandle`, `SharedList`, `SharedDict`, `Ref` + `put`;
+//! - `fetch`: a store's content digest, and importing one fetched from another machine;
+//! - `pickle`: unpickling handles and views; `admin`: supervisor entry points, sweep,
+//!   listing, store facts; `graph`: the leaks engine's snapshot; `logging`: Rust log
+//!   records -> Python loggers.
+//!
+//! Dependencies point one way: errors <- store, keys <- protocol <- read <- write <- handles
+//! <- pickle, admin.
 
-mod decode;
-mod encode;
+mod admin;
 mod errors;
 mod fetch;
 mod graph;
 mod handles;
+mod keys;
 mod logging;
+mod pickle;
+mod protocol;
+mod read;
 mod store;
-mod supervise;
-mod views;
+mod write;
 
 use pyo3::prelude::*;
 
@@ -18,18 +35,18 @@ mod _native {
     use super::*;
 
     #[pymodule_export]
+    use super::admin::{
+        _cleanup_at_exit, _crafted_archive, _fuzz_case, _search_dirs, _segment_users, _store_info,
+        _supervisor_main, supervisor_info, sweep,
+    };
+    #[pymodule_export]
     use super::fetch::{_cluster_identity, _import_archive};
     #[pymodule_export]
-    use super::handles::{
-        _cleanup_at_exit, _crafted_archive, _fuzz_case, _rebuild, _rebuild_view, _store_info, put,
-        KeyIter, RecordIter, Ref, SharedDict, SharedList, StoreHandle,
-    };
+    use super::handles::{put, KeyIter, RecordIter, Ref, SharedDict, SharedList, StoreHandle};
     #[pymodule_export]
-    use super::supervise::{
-        _search_dirs, _segment_users, _supervisor_main, supervisor_info, sweep,
-    };
+    use super::pickle::{_rebuild, _rebuild_view};
     #[pymodule_export]
-    use super::views::{ArrayOwner, DictIter, DictView, ListIter, ListView};
+    use super::read::{ArrayOwner, DictIter, DictView, ListIter, ListView};
 
     #[pymodule_init]
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -37,7 +54,7 @@ mod _native {
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
         errors::register(m)?;
         graph::register(m)?;
-        supervise::configure(m.py())?;
+        admin::configure(m.py())?;
         Ok(())
     }
 }

@@ -10,17 +10,17 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyString;
 
-use super::errors::{archive_err, segment_err, Exc};
-use crate::archive::{Builder, Kind, Reader};
+use super::errors::Error;
+use crate::archive::{ArchiveError, Builder, Kind, Reader};
 use crate::segment::{self, Mapping, SegmentWriter};
 use crate::supervisor;
 
 /// One mapped archive. Views, arrays and handles hold an `Arc<Store>`; the mapping lives
-/// until the last of them is gone (invariant 3).
-pub struct Store {
-    pub reader: Reader<Mapping>,
+/// until the last of them is gone (docs/invariants.md, 3).
+pub(crate) struct Store {
+    pub(crate) reader: Reader<Mapping>,
     /// Where it came from: a segment name (shared memory) or a saved file.
-    pub source: Source,
+    pub(crate) source: Source,
     /// (device, inode) of the mapped file, to notice a name that now means another store.
     ident: (u64, u64),
     /// Python str objects for the symbol table (dict keys), made once per process.
@@ -81,68 +81,102 @@ fn register(py: Python<'_>, path: &Path) -> bool {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Source {
+pub(crate) enum Source {
     Segment { name: String, path: PathBuf },
     File { path: PathBuf },
 }
 
+/// What a pickle of a handle or view carries: (path, "s" for a segment or "" for a saved
+/// file, record, position). A segment's name is its file name, so it is not repeated.
+pub(crate) type PickleArgs = (String, String, u64, u64);
+
 impl Source {
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         match self {
             Source::Segment { path, .. } | Source::File { path } => path,
         }
     }
-    pub fn name(&self) -> String {
+
+    pub(crate) fn name(&self) -> String {
         match self {
             Source::Segment { name, .. } => name.clone(),
             Source::File { path } => path.display().to_string(),
         }
     }
+
+    /// The source a pickle's (path, flag) names (the inverse of [`Store::pickle_args`]).
+    pub(crate) fn from_pickle(path: PathBuf, flag: &str) -> Source {
+        match (
+            flag,
+            path.file_name().and_then(|n| n.to_str()).map(str::to_owned),
+        ) {
+            ("s", Some(name)) => Source::Segment { name, path },
+            _ => Source::File { path },
+        }
+    }
 }
 
 impl Store {
-    pub fn mapping(&self) -> &Mapping {
+    pub(crate) fn mapping(&self) -> &Mapping {
         self.reader.backing()
     }
 
     /// "store 'shmstore-…'" for error messages.
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         format!("store {:?}", self.source.name())
     }
 
-    pub fn kind(&self) -> Kind {
+    /// Turns an archive error about this store into an [`Error`] naming it.
+    pub(crate) fn archive_err(&self) -> impl Fn(ArchiveError) -> Error + '_ {
+        move |err| Error::Archive {
+            at: self.describe(),
+            err,
+        }
+    }
+
+    pub(crate) fn kind(&self) -> Kind {
         self.reader.kind()
     }
 
     /// Whether the supervisor knows this process uses the store.
-    pub fn registered(&self) -> bool {
+    pub(crate) fn registered(&self) -> bool {
         self.registration.active
     }
 
-    pub fn nbytes(&self) -> usize {
+    pub(crate) fn nbytes(&self) -> usize {
         self.reader.bytes().len()
     }
 
+    /// The pickle payload of something at (`rec`, `pos`) in this store.
+    pub(crate) fn pickle_args(&self, rec: u64, pos: u64) -> PickleArgs {
+        match &self.source {
+            Source::Segment { path, .. } => (path.display().to_string(), "s".into(), rec, pos),
+            Source::File { path } => (path.display().to_string(), String::new(), rec, pos),
+        }
+    }
+
     /// The Python str for symbol `id` (shared, immutable, private to this process).
-    pub fn py_symbol<'py>(&self, py: Python<'py>, id: u32) -> PyResult<Bound<'py, PyString>> {
-        self.py_symbols(py)?
-            .get(id as usize)
-            .map(|s| s.bind(py).clone())
-            .ok_or_else(|| {
-                Exc::Corrupt.err(format!("{}: symbol {id} out of range", self.describe()))
-            })
+    pub(crate) fn py_symbol<'py>(
+        &self,
+        py: Python<'py>,
+        id: u32,
+    ) -> PyResult<Bound<'py, PyString>> {
+        match self.py_symbols(py)?.get(id as usize) {
+            Some(s) => Ok(s.bind(py).clone()),
+            None => Err(self.archive_err()(ArchiveError::Corrupt(format!(
+                "symbol {id} out of range"
+            )))
+            .into()),
+        }
     }
 
     /// All symbols as interned Python strs, made on first use. Interned: a key literal in
     /// user code is the very same object, so lookups can match by identity first.
-    pub fn py_symbols(&self, py: Python<'_>) -> PyResult<&[Py<PyString>]> {
+    pub(crate) fn py_symbols(&self, py: Python<'_>) -> PyResult<&[Py<PyString>]> {
         let syms = self.py_symbols.get_or_try_init(py, || {
             (0..self.reader.symbol_count() as u32)
                 .map(|i| {
-                    let s = self
-                        .reader
-                        .symbol(i)
-                        .map_err(|e| archive_err(e, &self.describe()))?;
+                    let s = self.reader.symbol(i).map_err(self.archive_err())?;
                     Ok::<_, PyErr>(PyString::intern(py, s).unbind())
                 })
                 .collect::<PyResult<Vec<_>>>()
@@ -211,7 +245,7 @@ fn open_store(py: Python<'_>, source: Source) -> PyResult<Arc<Store>> {
             registration,
         }),
         // `registration` drops here: DROP sent.
-        Err(e) => return Err(e.into_py(&format!("store {name:?}"))),
+        Err(e) => return Err(e.into_error(&format!("store {name:?}")).into()),
     };
     log::debug!(
         "attached {} ({} bytes)",
@@ -228,18 +262,21 @@ enum StoreErr {
 }
 
 impl StoreErr {
-    fn into_py(self, context: &str) -> PyErr {
+    fn into_error(self, at: &str) -> Error {
         match self {
-            StoreErr::Segment(e) => segment_err(e),
-            StoreErr::Archive(e) => archive_err(e, context),
+            StoreErr::Segment(e) => Error::Segment(e),
+            StoreErr::Archive(err) => Error::Archive {
+                at: at.to_owned(),
+                err,
+            },
         }
     }
 }
 
 /// Attach to the segment `name` in `dir`, or in the segment directory and then the
 /// fallback directory.
-pub fn attach(py: Python<'_>, name: &str, dir: Option<&Path>) -> PyResult<Arc<Store>> {
-    let name = segment::normalize_name(name).map_err(segment_err)?;
+pub(crate) fn attach(py: Python<'_>, name: &str, dir: Option<&Path>) -> PyResult<Arc<Store>> {
+    let name = segment::normalize_name(name).map_err(Error::from)?;
     let dirs = match dir {
         Some(d) => vec![d.to_owned()],
         None => segment::search_dirs(),
@@ -257,7 +294,7 @@ pub fn attach(py: Python<'_>, name: &str, dir: Option<&Path>) -> PyResult<Arc<St
 fn placement(dir: Option<PathBuf>, size_hint: Option<u64>) -> PyResult<(PathBuf, Option<PathBuf>)> {
     if let Some(d) = dir {
         if let Some(n) = size_hint {
-            segment::preflight(&d, n).map_err(segment_err)?;
+            segment::preflight(&d, n).map_err(Error::from)?;
         }
         return Ok((d, None));
     }
@@ -279,47 +316,52 @@ fn placement(dir: Option<PathBuf>, size_hint: Option<u64>) -> PyResult<(PathBuf,
                 );
                 Ok((fb, None))
             }
-            _ => Err(segment_err(e)),
+            _ => Err(Error::from(e).into()),
         },
     }
 }
 
-/// Attach by full path (what pickles carry): a segment if the file name has our prefix and
-/// the file is in a segment directory, else a saved archive file.
-pub fn attach_source(py: Python<'_>, source: Source) -> PyResult<Arc<Store>> {
+/// Attach by source (what pickles carry: a segment's path, or a saved archive file).
+pub(crate) fn attach_source(py: Python<'_>, source: Source) -> PyResult<Arc<Store>> {
     open_store(py, source)
 }
 
 /// Map a saved archive file.
-pub fn open_file(py: Python<'_>, path: &Path) -> PyResult<Arc<Store>> {
-    let abs =
-        std::path::absolute(path).map_err(|e| Exc::Io.err(format!("{}: {e}", path.display())))?;
+pub(crate) fn open_file(py: Python<'_>, path: &Path) -> PyResult<Arc<Store>> {
+    let abs = std::path::absolute(path).map_err(|err| Error::Io {
+        at: path.display().to_string(),
+        err,
+    })?;
     open_store(py, Source::File { path: abs })
 }
 
+/// The handle class for a kind of store.
+pub(crate) fn class_of(kind: Kind) -> &'static str {
+    match kind {
+        Kind::List => "SharedList",
+        Kind::Dict => "SharedDict",
+        Kind::Object => "Ref",
+    }
+}
+
 /// Check that `store` holds `want`, else a clear error naming the right class.
-pub fn expect_kind(store: &Store, want: Kind) -> PyResult<()> {
+pub(crate) fn expect_kind(store: &Store, want: Kind) -> PyResult<()> {
     let have = store.kind();
     if have == want {
         return Ok(());
     }
-    let class = |k: Kind| match k {
-        Kind::List => "SharedList",
-        Kind::Dict => "SharedDict",
-        Kind::Object => "Ref",
-    };
-    Err(Exc::Invalid.err(format!(
-        "{} holds a {} (use {}), not a {}",
-        store.describe(),
-        have.name(),
-        class(have),
-        want.name()
-    )))
+    Err(Error::WrongKind {
+        store: store.describe(),
+        have: have.name(),
+        class: class_of(have),
+        want: want.name(),
+    }
+    .into())
 }
 
 /// Build a new store: `feed` writes the records into the builder; on any error (including
 /// a Python exception raised by the input iterator) the partial segment is removed.
-pub fn build(
+pub(crate) fn build(
     py: Python<'_>,
     kind: Kind,
     name: Option<&str>,
@@ -328,25 +370,26 @@ pub fn build(
     feed: impl FnOnce(&mut Builder<SegmentWriter>) -> PyResult<()>,
 ) -> PyResult<Arc<Store>> {
     let name = match name {
-        Some(n) => segment::normalize_name(n).map_err(segment_err)?,
+        Some(n) => segment::normalize_name(n).map_err(Error::from)?,
         None => segment::random_name(),
     };
     let (dir, fallback) = placement(dir, size_hint)?;
     let context = format!("store {name:?}");
-    // Invariant 5: the supervisor knows the segment before anything of it exists, so the
-    // death of this process at any point (even mid-build) is noticed and cleaned up.
+    let archive_err = |err| Error::Archive {
+        at: context.clone(),
+        err,
+    };
+    // The supervisor knows the segment before anything of it exists (docs/invariants.md, 5),
+    // so the death of this process at any point (even mid-build) is noticed and cleaned up.
     let mut reg = Registration::new(py, dir.join(&name));
-    let writer = SegmentWriter::create(&dir, &name, fallback.as_deref()).map_err(segment_err)?;
-    let mut builder =
-        Builder::new(writer, kind, std::process::id()).map_err(|e| archive_err(e, &context))?;
+    let writer = SegmentWriter::create(&dir, &name, fallback.as_deref()).map_err(Error::from)?;
+    let mut builder = Builder::new(writer, kind, std::process::id()).map_err(archive_err)?;
     feed(&mut builder)?;
     let now_ms = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0);
-    let (writer, total) = builder
-        .finish(now_ms)
-        .map_err(|e| archive_err(e, &context))?;
+    let (writer, total) = builder.finish(now_ms).map_err(archive_err)?;
     // The writer may have moved to the fallback directory when the first one filled up.
     reg.follow(py, writer.final_path());
     let store = publish(py, writer, reg, name, &context, Sealed::Built)?;
@@ -362,13 +405,13 @@ pub fn build(
 /// archive built elsewhere (0500: the owner-execute bit marks it for `shmstore ls`; nothing
 /// maps a segment executable).
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Sealed {
+pub(crate) enum Sealed {
     Built,
     Fetched,
 }
 
 impl Sealed {
-    pub fn mode(self) -> u32 {
+    fn mode(self) -> u32 {
         match self {
             Sealed::Built => 0o400,
             Sealed::Fetched => 0o500,
@@ -388,10 +431,10 @@ fn publish(
 ) -> PyResult<Arc<Store>> {
     let (path, file) = py
         .detach(|| writer.publish_mode(sealed.mode()))
-        .map_err(segment_err)?;
+        .map_err(Error::from)?;
     let registered = reg.active;
     let opened = py.detach(|| {
-        let mapping = Mapping::from_file(file, &path, &name, true).map_err(StoreErr::Segment)?;
+        let mapping = Mapping::from_file(file, &path, true).map_err(StoreErr::Segment)?;
         if !registered {
             // No supervisor: this process owns the name and removes it when done.
             mapping.take_ownership();
@@ -404,7 +447,7 @@ fn publish(
         Ok(x) => x,
         Err(e) => {
             let _ = std::fs::remove_file(&path);
-            return Err(e.into_py(context)); // `reg` drops the registration
+            return Err(e.into_error(context).into()); // `reg` drops the registration
         }
     };
     let store = Arc::new(Store {
@@ -422,16 +465,16 @@ fn publish(
 /// from another machine): registered before its first byte exists, written by `feed`
 /// into a private `.part` file (removed on any error), sealed as fetched and published
 /// with `link()` (never over an existing name).
-pub fn import(
+pub(crate) fn import(
     py: Python<'_>,
     name: &str,
     dir: &Path,
     feed: impl FnOnce(&mut SegmentWriter) -> PyResult<()>,
 ) -> PyResult<Arc<Store>> {
-    let name = segment::normalize_name(name).map_err(segment_err)?;
+    let name = segment::normalize_name(name).map_err(Error::from)?;
     let context = format!("store {name:?}");
     let reg = Registration::new(py, dir.join(&name));
-    let mut writer = SegmentWriter::create(dir, &name, None).map_err(segment_err)?;
+    let mut writer = SegmentWriter::create(dir, &name, None).map_err(Error::from)?;
     feed(&mut writer)?;
     let store = publish(py, writer, reg, name, &context, Sealed::Fetched)?;
     log::debug!("fetched {} ({} bytes)", store.source.name(), store.nbytes());
@@ -440,41 +483,16 @@ pub fn import(
 
 /// Write the archive to a regular file, atomically and safely in shared directories
 /// (`segment::save_file`), with permission bits `mode`.
-pub fn save(py: Python<'_>, store: &Store, path: &Path, mode: u32) -> PyResult<()> {
+pub(crate) fn save(py: Python<'_>, store: &Store, path: &Path, mode: u32) -> PyResult<()> {
     if mode & !0o777 != 0 {
-        return Err(Exc::Invalid.err(format!(
-            "mode {mode:#o}: only permission bits (0o000..0o777) can be given"
-        )));
+        return Err(Error::Invalid {
+            at: format!("mode {mode:#o}"),
+            what: "only permission bits (0o000..0o777) can be given".into(),
+        }
+        .into());
     }
     let bytes = store.reader.bytes();
     py.detach(|| segment::save_file(bytes, path, mode))
-        .map_err(save_err)
-}
-
-/// A failed save as the exception of its OS error, with `errno`, `strerror` and `filename`
-/// set (`except PermissionError` / `FileNotFoundError` work; ENOSPC is
-/// OutOfSharedMemoryError with the sizes).
-fn save_err(e: segment::SaveError) -> PyErr {
-    let msg = e.to_string();
-    let errno = e.source.raw_os_error();
-    let filename = e.path.display().to_string();
-    let exc = match e.source.kind() {
-        std::io::ErrorKind::NotFound => Exc::NotFound,
-        std::io::ErrorKind::PermissionDenied => Exc::Permission,
-        std::io::ErrorKind::StorageFull => {
-            return match e
-                .source
-                .into_inner()
-                .map(|i| i.downcast::<segment::SegmentError>())
-            {
-                Some(Ok(seg)) => segment_err(*seg),
-                _ => Exc::OutOfMemory.err(msg),
-            };
-        }
-        _ => Exc::Io,
-    };
-    match errno {
-        Some(n) => exc.os_err(n, msg, filename),
-        None => exc.err(msg),
-    }
+        .map_err(Error::Save)?;
+    Ok(())
 }

@@ -34,7 +34,6 @@ pub fn cleanup_owned() -> usize {
 pub struct Mapping {
     mmap: Mmap,
     path: PathBuf,
-    name: String,
     /// Set in the creating process: (path, pid) of the name it owns.
     owner: Mutex<Option<(PathBuf, u32)>>,
     /// Mapped from a private sealed copy, not the file (see `Mapping::from_file`).
@@ -139,16 +138,11 @@ impl Mapping {
                 },
                 _ => SegmentError::io(path, e),
             })?;
-        Self::from_file(file, path, name, require_owner)
+        Self::from_file(file, path, require_owner)
     }
 
     /// Map an already open segment file (e.g. the one just written by this process).
-    pub fn from_file(
-        file: File,
-        path: &Path,
-        name: &str,
-        require_owner: bool,
-    ) -> Result<Self, SegmentError> {
+    pub fn from_file(file: File, path: &Path, require_owner: bool) -> Result<Self, SegmentError> {
         let meta = file.metadata().map_err(|e| SegmentError::io(path, e))?;
         let me = rustix::process::geteuid().as_raw();
         if !meta.is_file() {
@@ -199,7 +193,6 @@ impl Mapping {
         Ok(Mapping {
             mmap,
             path: path.to_owned(),
-            name: name.to_owned(),
             owner: Mutex::new(None),
             private_copy,
         })
@@ -209,14 +202,6 @@ impl Mapping {
     /// others can write), not of the file itself.
     pub fn is_private_copy(&self) -> bool {
         self.private_copy
-    }
-
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
-    pub fn name(&self) -> &str {
-        &self.name
     }
 
     /// Mark this process as the owner of the name: dropping the mapping unlinks it.

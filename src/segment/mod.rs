@@ -10,7 +10,7 @@ mod writer;
 use std::path::{Path, PathBuf};
 
 pub use mapping::{cleanup_owned, Mapping};
-pub use writer::{free_bytes, preflight, save_file, SaveError, SegmentWriter};
+pub use writer::{preflight, save_file, SaveError, SegmentWriter};
 
 /// Every segment name starts with this, so sweeps and listings can find ours.
 pub const PREFIX: &str = "shmstore-";

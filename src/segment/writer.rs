@@ -95,11 +95,6 @@ impl SegmentWriter {
         Ok((tmp, file))
     }
 
-    /// The directory the segment is being written to (changes after a fallback).
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
     /// Move what was written to the fallback directory and continue there.
     fn spill(&mut self, need: u64) -> io::Result<bool> {
         let Some(fallback) = self.fallback.take() else {
@@ -180,15 +175,10 @@ impl SegmentWriter {
         Ok(())
     }
 
-    /// Seal (mode 0400) and publish under the final name; fails if the name is taken.
-    /// Returns the path and the still-open file: map it from this descriptor, so there is no
-    /// moment when the segment exists but no process holds or maps it (an orphan sweep
-    /// running then would remove it).
-    pub fn publish(self) -> Result<(PathBuf, File), SegmentError> {
-        self.publish_mode(0o400)
-    }
-
-    /// `publish` with another read-only seal mode (0400 or 0500: a fetched copy).
+    /// Seal (`mode`: 0400, or 0500 for a fetched copy) and publish under the final name;
+    /// fails if the name is taken. Returns the path and the still-open file: map it from
+    /// this descriptor, so there is no moment when the segment exists but no process holds or
+    /// maps it (an orphan sweep running then would remove it).
     pub fn publish_mode(mut self, mode: u32) -> Result<(PathBuf, File), SegmentError> {
         let mode = mode & 0o500;
         let tmp = self.tmp.clone();
@@ -315,7 +305,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut w = SegmentWriter::create(dir.path(), "shmstore-w", None).unwrap();
         w.write_all(b"sealed").unwrap();
-        let (path, file) = w.publish().unwrap();
+        let (path, file) = w.publish_mode(0o400).unwrap();
         assert_eq!(path, dir.path().join("shmstore-w"));
         let shown = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())).unwrap();
         assert_eq!(shown, path);

@@ -1,33 +1,36 @@
-//! Archive values -> Python: lazy (views for containers) or deep (`to_python`).
-//! Every Python object made here lives in this process's private heap.
+//! Reading: archive values -> Python, lazily (views over containers, zero-copy arrays) or
+//! deeply (`to_python`). Every Python object made here lives in this process's private heap.
+//!
+//! A view holds an `Arc<Store>` and a validated `Node` — Rust data only, no Python
+//! references — so it is untracked by the cyclic GC and can never be part of a cycle.
+
+mod array;
+mod dict_view;
+mod list_view;
+
+pub(crate) use array::ArrayOwner;
+pub(crate) use dict_view::{DictIter, DictView};
+pub(crate) use list_view::{ListIter, ListView};
 
 use std::sync::Arc;
 
 use pyo3::prelude::*;
+use pyo3::pyclass::CompareOp;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyBytes, PyComplex, PyDict, PyFloat, PyList, PyString, PyTuple};
 use pyo3::IntoPyObjectExt;
 
-use super::errors::{archive_err, Exc};
-use super::store::Store;
-use super::views::{new_untracked, ArrayOwner, DictView, ListView};
+use super::errors::Error;
+use super::keys::bigint;
+use super::protocol::new_untracked;
+use super::store::{PickleArgs, Store};
 use crate::archive::value::MAX_VALUE_DEPTH;
-use crate::archive::{ArchiveError, ArchivedValue, Key, Node};
+use crate::archive::{ArchiveError, ArchivedValue, Node};
 
 static NP_ASARRAY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
-fn bigint<'py>(py: Python<'py>, bytes: &[u8]) -> PyResult<Bound<'py, PyAny>> {
-    let kwargs = PyDict::new(py);
-    kwargs.set_item("signed", true)?;
-    py.get_type::<pyo3::types::PyInt>().call_method(
-        "from_bytes",
-        (PyBytes::new(py, bytes), "little"),
-        Some(&kwargs),
-    )
-}
-
 /// The value at `v` (inside `parent`'s record). `deep`: containers become plain objects.
-pub fn value<'py>(
+pub(crate) fn value<'py>(
     py: Python<'py>,
     store: &Arc<Store>,
     parent: Node,
@@ -49,12 +52,17 @@ fn value_at<'py>(
     deep: bool,
     depth: usize,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let err = |e| archive_err(e, &store.describe());
-    if depth > MAX_VALUE_DEPTH {
-        return Err(err(ArchiveError::Corrupt(format!(
-            "record {}: values nested deeper than {MAX_VALUE_DEPTH} levels",
+    let corrupt = |what: String| -> PyErr {
+        store.archive_err()(ArchiveError::Corrupt(format!(
+            "record {}: {what}",
             parent.record()
-        ))));
+        )))
+        .into()
+    };
+    if depth > MAX_VALUE_DEPTH {
+        return Err(corrupt(format!(
+            "values nested deeper than {MAX_VALUE_DEPTH} levels"
+        )));
     }
     Ok(match v {
         ArchivedValue::None => py.None().into_bound(py),
@@ -68,9 +76,14 @@ fn value_at<'py>(
         ArchivedValue::Str(s) => PyString::new(py, s.as_str()).into_any(),
         ArchivedValue::Sym(id) => store.py_symbol(py, id.to_native())?.into_any(),
         ArchivedValue::Bytes(b) => PyBytes::new(py, b.as_slice()).into_any(),
-        ArchivedValue::BytesExt(ext) => {
-            PyBytes::new(py, store.reader.payload(parent, ext).map_err(err)?).into_any()
-        }
+        ArchivedValue::BytesExt(ext) => PyBytes::new(
+            py,
+            store
+                .reader
+                .payload(parent, ext)
+                .map_err(store.archive_err())?,
+        )
+        .into_any(),
         ArchivedValue::List(items) | ArchivedValue::Tuple(items) => {
             let node = store.reader.child(parent, v);
             let is_tuple = matches!(v, ArchivedValue::Tuple(_));
@@ -94,16 +107,16 @@ fn value_at<'py>(
             }
             let (items, _) = dict_parts(v);
             if items.len() % 2 != 0 {
-                return Err(err(ArchiveError::Corrupt(format!(
-                    "record {}: a dict with a key but no value",
-                    parent.record()
-                ))));
+                return Err(corrupt("a dict with a key but no value".into()));
             }
             let d = PyDict::new(py);
             for kv in items.chunks_exact(2) {
                 // Checked like a view's keys: a list in key position is a corrupt record
                 // (CorruptStoreError), not the TypeError `set_item` would raise.
-                store.reader.value_key(&kv[0]).map_err(err)?;
+                store
+                    .reader
+                    .value_key(&kv[0])
+                    .map_err(store.archive_err())?;
                 d.set_item(
                     value_at(py, store, node, &kv[0], true, depth + 1)?,
                     value_at(py, store, node, &kv[1], true, depth + 1)?,
@@ -112,12 +125,15 @@ fn value_at<'py>(
             d.into_any()
         }
         ArchivedValue::Array(meta) => {
-            let a = store.reader.array(parent, meta).map_err(err)?;
+            let a = store
+                .reader
+                .array(parent, meta)
+                .map_err(store.archive_err())?;
             let owner = ArrayOwner::new(store.clone(), a.typestr, a.shape, a.offset);
             let owner = new_untracked(py, owner)?;
             let asarray = NP_ASARRAY.get_or_try_init(py, || {
                 let np = py.import("numpy").map_err(|e| {
-                    Exc::Base.err(format!(
+                    Error::Missing(format!(
                         "numpy is needed to read the arrays of this store: {e}"
                     ))
                 })?;
@@ -126,42 +142,16 @@ fn value_at<'py>(
             // The metadata passed the reader's checks (dtype allowlist, numpy's size and
             // dimension limits), so numpy should accept it; if a numpy still refuses, the
             // array is unreadable here, which is reported as such.
-            asarray.bind(py).call1((owner,)).map_err(|e| {
-                err(ArchiveError::Corrupt(format!(
-                    "record {}: numpy cannot represent the stored array ({e})",
-                    parent.record()
-                )))
-            })?
+            asarray
+                .bind(py)
+                .call1((owner,))
+                .map_err(|e| corrupt(format!("numpy cannot represent the stored array ({e})")))?
         }
     })
 }
 
-/// A key stored inside a record, checked to be of a key type: corrupted bytes can make
-/// any value sit in a key position, and that must be CorruptStoreError, not a TypeError.
-pub fn dict_key<'py>(
-    py: Python<'py>,
-    store: &Arc<Store>,
-    node: Node,
-    k: &ArchivedValue,
-) -> PyResult<Bound<'py, PyAny>> {
-    store
-        .reader
-        .value_key(k)
-        .map_err(|e| archive_err(e, &store.describe()))?;
-    value(py, store, node, k, true)
-}
-
-/// Interleaved items and index of an archived dict (empty for anything else).
-pub fn dict_parts(v: &ArchivedValue) -> (&[ArchivedValue], &[rkyv::Archived<u32>]) {
-    match v {
-        ArchivedValue::Dict(items) => (items.as_slice(), &[]),
-        ArchivedValue::IndexedDict(d) => (d.items.as_slice(), d.index.as_slice()),
-        _ => (&[], &[]),
-    }
-}
-
 /// The value of a node (a record root or a view's position).
-pub fn node_value<'py>(
+pub(crate) fn node_value<'py>(
     py: Python<'py>,
     store: &Arc<Store>,
     node: Node,
@@ -172,23 +162,51 @@ pub fn node_value<'py>(
     value(py, store, node, v, deep)
 }
 
-/// A dict key (from a dict archive's key table) as a Python object.
-pub fn key<'py>(py: Python<'py>, k: &Key<'_>) -> PyResult<Bound<'py, PyAny>> {
-    Ok(match k {
-        Key::None => py.None().into_bound(py),
-        Key::Bool(b) => PyBool::new(py, *b).to_owned().into_any(),
-        Key::Int(i) => i.into_bound_py_any(py)?,
-        Key::BigInt(b) => bigint(py, b)?,
-        Key::Float(f) => PyFloat::new(py, *f).into_any(),
-        Key::Str(s) => PyString::new(py, s).into_any(),
-        Key::Bytes(b) => PyBytes::new(py, b).into_any(),
-        Key::Tuple(items) => PyTuple::new(
-            py,
-            items
-                .iter()
-                .map(|it| key(py, it))
-                .collect::<PyResult<Vec<_>>>()?,
-        )?
-        .into_any(),
-    })
+/// A key stored inside a record, checked to be of a key type: corrupted bytes can make
+/// any value sit in a key position, and that must be CorruptStoreError, not a TypeError.
+pub(crate) fn dict_key<'py>(
+    py: Python<'py>,
+    store: &Arc<Store>,
+    node: Node,
+    k: &ArchivedValue,
+) -> PyResult<Bound<'py, PyAny>> {
+    store.reader.value_key(k).map_err(store.archive_err())?;
+    value(py, store, node, k, true)
+}
+
+/// Interleaved items and index of an archived dict (empty for anything else).
+pub(crate) fn dict_parts(v: &ArchivedValue) -> (&[ArchivedValue], &[rkyv::Archived<u32>]) {
+    match v {
+        ArchivedValue::Dict(items) => (items.as_slice(), &[]),
+        ArchivedValue::IndexedDict(d) => (d.items.as_slice(), d.index.as_slice()),
+        _ => (&[], &[]),
+    }
+}
+
+pub(crate) fn is_view(obj: &Bound<'_, PyAny>) -> bool {
+    obj.is_instance_of::<ListView>() || obj.is_instance_of::<DictView>()
+}
+
+/// Views compare as the plain objects they hold (and a view on the other side too).
+fn compare_plain<'py>(
+    mine: Bound<'py, PyAny>,
+    other: &Bound<'py, PyAny>,
+    op: CompareOp,
+) -> PyResult<Py<PyAny>> {
+    let theirs = if is_view(other) {
+        other.call_method0("to_python")?
+    } else {
+        other.clone()
+    };
+    Ok(mine.rich_compare(theirs, op)?.unbind())
+}
+
+/// Pickle a view by (store, record, position); `_rebuild_view` (src/py/pickle.rs) undoes it.
+fn reduce_view<'py>(
+    py: Python<'py>,
+    store: &Store,
+    node: Node,
+) -> PyResult<(Bound<'py, PyAny>, PickleArgs)> {
+    let rebuild = py.import("shmstore._native")?.getattr("_rebuild_view")?;
+    Ok((rebuild, store.pickle_args(node.record() as u64, node.pos())))
 }

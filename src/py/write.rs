@@ -1,25 +1,26 @@
-//! Python objects -> archive values (GIL held). Errors carry the path of the offending
-//! value, e.g. `records[12]['annotations'][3]['mask']: cannot store <class 'Foo'>`.
+//! Writing: Python objects -> archive values (GIL held), record by record into a
+//! `Builder`. Errors carry the path of the offending value, e.g.
+//! `records[12]['annotations'][3]['mask']: cannot store <class 'Foo'>`, and keep their type
+//! (a full /dev/shm is OutOfSharedMemoryError whatever the value being written).
 
 use std::borrow::Cow;
 use std::io::{Seek, Write};
 
 use pyo3::exceptions::PyUnicodeEncodeError;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 use pyo3::types::{
     PyBool, PyByteArray, PyBytes, PyComplex, PyDict, PyFloat, PyInt, PyList, PyMemoryView,
-    PyString, PyTuple, PyType,
+    PyString, PyTuple,
 };
 
-use super::errors::{archive_err, Exc};
-use crate::archive::value::IndexedDict;
-use crate::archive::value::DICT_INDEX_MIN;
-use crate::archive::{ArrayMeta, Builder, Key, Value};
+use super::errors::Error;
+use super::keys::{bigint_bytes, numpy, py_key};
+use super::read::is_view;
+use crate::archive::value::dict_has_index;
+use crate::archive::{ArchiveError, ArrayMeta, Builder, Key, Value};
 
 /// Containers nested deeper than this are refused: readers enforce the same limit.
-pub use crate::archive::value::MAX_DEPTH;
-use crate::archive::value::MAX_KEY_DEPTH;
+use crate::archive::value::MAX_DEPTH;
 /// `bytes` longer than this are stored out of line (no temporary copy, 64-bit length).
 const BYTES_OUT_OF_LINE: usize = 64 * 1024;
 /// Array payloads larger than this are copied with the GIL released.
@@ -36,48 +37,13 @@ enum Seg<'py> {
     Key(Bound<'py, PyAny>),
 }
 
-/// numpy's types, if numpy is imported (an ndarray cannot exist otherwise).
-struct Numpy {
-    ndarray: Py<PyType>,
-    generic: Py<PyType>,
-}
-
-static NUMPY: PyOnceLock<Numpy> = PyOnceLock::new();
-
-/// numpy's types once numpy has been imported by someone; `None` before (not cached, so a
-/// later `import numpy` is seen).
-fn numpy(py: Python<'_>) -> Option<&'static Numpy> {
-    NUMPY
-        .get_or_try_init(py, || {
-            let modules = py
-                .import("sys")
-                .and_then(|s| s.getattr("modules"))
-                .map_err(drop)?;
-            let module = modules.get_item("numpy").map_err(drop)?;
-            let ty = |n: &str| -> Result<Py<PyType>, ()> {
-                Ok(module
-                    .getattr(n)
-                    .map_err(drop)?
-                    .cast_into::<PyType>()
-                    .map_err(drop)?
-                    .unbind())
-            };
-            Ok::<_, ()>(Numpy {
-                ndarray: ty("ndarray")?,
-                generic: ty("generic")?,
-            })
-        })
-        .ok()
-}
-
 /// Encodes the records of one store.
-pub struct Encoder<'b, 'py, W: Write + Seek> {
-    pub builder: &'b mut Builder<W>,
+pub(crate) struct Encoder<'b, 'py, W: Write + Seek> {
+    builder: &'b mut Builder<W>,
     root: String,
     path: Vec<Seg<'py>>,
     /// Containers on the current path, to refuse self-referencing input.
     active: Vec<usize>,
-    context: String,
 }
 
 fn key_repr(key: &Bound<'_, PyAny>) -> String {
@@ -87,13 +53,13 @@ fn key_repr(key: &Bound<'_, PyAny>) -> String {
 }
 
 impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
-    pub fn new(builder: &'b mut Builder<W>, root: &str, context: String) -> Self {
+    /// `root` names the input in error paths (`records`, `mapping`, `obj`).
+    pub(crate) fn new(builder: &'b mut Builder<W>, root: &str) -> Self {
         Encoder {
             builder,
             root: root.to_owned(),
             path: Vec::new(),
             active: Vec::new(),
-            context,
         }
     }
 
@@ -112,18 +78,45 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
     fn unsupported(&self, obj: &Bound<'_, PyAny>, what: &str) -> PyErr {
         let ty = obj.get_type();
         let tname = ty.repr().map(|r| r.to_string()).unwrap_or_default();
-        Exc::Unsupported.err(format!(
-            "{}: cannot store {tname}{what}; {SUPPORTED}",
-            self.where_()
-        ))
+        Error::Unsupported {
+            at: self.where_(),
+            what: format!("cannot store {tname}{what}; {SUPPORTED}"),
+        }
+        .into()
     }
 
-    /// Encode one top-level record; `label` is its position (index or key repr).
-    pub fn record(
+    /// An archive error while writing the value at the current path: the path is added
+    /// to the message, the error keeps its class.
+    fn archive_err(&self, err: ArchiveError) -> PyErr {
+        Error::Archive {
+            at: self.where_(),
+            err,
+        }
+        .into()
+    }
+
+    /// Encode `obj` and write it as the next record; `label` is its position (index or key).
+    pub(crate) fn write_record(
         &mut self,
         obj: &Bound<'py, PyAny>,
         label: Option<Seg0<'_, 'py>>,
-    ) -> PyResult<Value> {
+    ) -> PyResult<()> {
+        let v = self.record(obj, label)?;
+        self.builder
+            .finish_record(&v)
+            .map_err(|e| self.archive_err(e))
+    }
+
+    /// Dict stores: register the key of the next record (fails on a duplicate key, with the
+    /// path of the key, `at`).
+    pub(crate) fn add_key(&mut self, key: &Key<'_>, at: String) -> PyResult<()> {
+        self.builder
+            .add_key(key)
+            .map_err(|err| Error::Archive { at, err }.into())
+    }
+
+    /// Encode one top-level record; `label` is its position (index or key repr).
+    fn record(&mut self, obj: &Bound<'py, PyAny>, label: Option<Seg0<'_, 'py>>) -> PyResult<Value> {
         self.path.clear();
         self.active.clear();
         match label {
@@ -134,23 +127,25 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
         self.value(obj, 0)
     }
 
-    pub fn error_at(&self, msg: &str) -> PyErr {
-        Exc::Invalid.err(format!("{}: {msg}", self.where_()))
+    fn error_at(&self, msg: &str) -> PyErr {
+        Error::Invalid {
+            at: self.where_(),
+            what: msg.to_owned(),
+        }
+        .into()
     }
 
     fn enter(&mut self, obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<()> {
         if depth >= MAX_DEPTH {
-            return Err(Exc::Invalid.err(format!(
-                "{}: nested deeper than {MAX_DEPTH} levels; flatten the data",
-                self.where_()
+            return Err(self.error_at(&format!(
+                "nested deeper than {MAX_DEPTH} levels; flatten the data"
             )));
         }
         let id = obj.as_ptr() as usize;
         if self.active.contains(&id) {
-            return Err(Exc::Invalid.err(format!(
-                "{}: the value contains itself (a reference cycle); shmstore stores trees, not graphs",
-                self.where_()
-            )));
+            return Err(self.error_at(
+                "the value contains itself (a reference cycle); shmstore stores trees, not graphs",
+            ));
         }
         self.active.push(id);
         Ok(())
@@ -237,7 +232,7 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
                 return self.value(&item, depth);
             }
         }
-        if super::views::is_view(obj) {
+        if is_view(obj) {
             let plain = obj.call_method0("to_python")?;
             return self.value(&plain, depth);
         }
@@ -247,10 +242,11 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
     fn str_of<'a>(&self, s: &'a Bound<'_, PyString>) -> PyResult<Cow<'a, str>> {
         s.to_str().map(Cow::Borrowed).map_err(|e| {
             if e.is_instance_of::<PyUnicodeEncodeError>(s.py()) {
-                Exc::Unsupported.err(format!(
-                    "{}: cannot store a str with lone surrogates (not valid UTF-8)",
-                    self.where_()
-                ))
+                Error::Unsupported {
+                    at: self.where_(),
+                    what: "cannot store a str with lone surrogates (not valid UTF-8)".into(),
+                }
+                .into()
             } else {
                 e
             }
@@ -262,7 +258,7 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
             let ext = self
                 .builder
                 .write_payload(b)
-                .map_err(|e| archive_err(e, &self.context))?;
+                .map_err(|e| self.archive_err(e))?;
             return Ok(Value::BytesExt(Box::new(ext)));
         }
         Ok(Value::Bytes(b.to_vec()))
@@ -270,7 +266,7 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
 
     fn dict(&mut self, d: &Bound<'py, PyDict>, depth: usize) -> PyResult<Value> {
         let n = d.len();
-        let indexed = n > DICT_INDEX_MIN;
+        let indexed = dict_has_index(n);
         let mut items = Vec::with_capacity(2 * n);
         let mut hashes = Vec::with_capacity(if indexed { n } else { 0 });
         for (k, v) in d.iter() {
@@ -286,14 +282,7 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
         if items.len() != 2 * n {
             return Err(self.error_at("dict changed size while it was being stored"));
         }
-        Ok(if indexed {
-            Value::IndexedDict(Box::new(IndexedDict {
-                items,
-                index: build_index(&hashes),
-            }))
-        } else {
-            Value::Dict(items)
-        })
+        Ok(Value::dict(items, &hashes))
     }
 
     /// A dict key as a stored value (str keys interned), and its stable hash if `hash`.
@@ -368,7 +357,7 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
         } else {
             write()
         }
-        .map_err(|e| archive_err(e, &self.context))?;
+        .map_err(|e| self.archive_err(e))?;
         drop(buf);
         Ok(Value::Array(Box::new(ArrayMeta {
             typestr,
@@ -379,7 +368,7 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
 }
 
 /// A top-level record label.
-pub enum Seg0<'a, 'py> {
+pub(crate) enum Seg0<'a, 'py> {
     Index(usize),
     Key(&'a Bound<'py, PyAny>),
 }
@@ -389,67 +378,6 @@ fn int_value(i: &Bound<'_, PyInt>) -> PyResult<Value> {
         return Ok(Value::Int(v));
     }
     Ok(Value::BigInt(bigint_bytes(i)?))
-}
-
-fn bigint_bytes(i: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
-    let bits: usize = i.call_method0("bit_length")?.extract()?;
-    let n = bits / 8 + 1;
-    let kwargs = pyo3::types::PyDict::new(i.py());
-    kwargs.set_item("signed", true)?;
-    let b = i.call_method("to_bytes", (n, "little"), Some(&kwargs))?;
-    Ok(b.cast::<PyBytes>()?.as_bytes().to_vec())
-}
-
-/// A Python object as a dict key; `None` if its type cannot be a stored key.
-pub fn py_key(k: &Bound<'_, PyAny>) -> PyResult<Option<Key<'static>>> {
-    py_key_depth(k, 0)
-}
-
-fn py_key_depth(k: &Bound<'_, PyAny>, depth: usize) -> PyResult<Option<Key<'static>>> {
-    if k.is_none() {
-        return Ok(Some(Key::None));
-    }
-    if let Ok(b) = k.cast_exact::<PyBool>() {
-        return Ok(Some(Key::Bool(b.is_true())));
-    }
-    if let Ok(s) = k.cast::<PyString>() {
-        return Ok(s.to_str().ok().map(|s| Key::Str(Cow::Owned(s.to_owned()))));
-    }
-    if let Ok(i) = k.cast::<PyInt>() {
-        return Ok(Some(match i.extract::<i64>() {
-            Ok(v) => Key::Int(v),
-            Err(_) => Key::BigInt(Cow::Owned(bigint_bytes(i)?)),
-        }));
-    }
-    if let Ok(f) = k.cast::<PyFloat>() {
-        return Ok(Some(Key::Float(f.value())));
-    }
-    if let Ok(b) = k.cast::<PyBytes>() {
-        return Ok(Some(Key::Bytes(Cow::Owned(b.as_bytes().to_vec()))));
-    }
-    if let Ok(t) = k.cast::<PyTuple>() {
-        if depth >= MAX_KEY_DEPTH {
-            return Ok(None);
-        }
-        let mut items = Vec::with_capacity(t.len());
-        for it in t.iter() {
-            match py_key_depth(&it, depth + 1)? {
-                Some(key) => items.push(key),
-                None => return Ok(None),
-            }
-        }
-        return Ok(Some(Key::Tuple(items)));
-    }
-    // numpy integer/float scalars used as keys: via their Python value.
-    if let Some(np) = numpy(k.py()) {
-        if k.is_instance(np.generic.bind(k.py()))? {
-            let item = k.call_method0("item")?;
-            if !item.is_instance(np.generic.bind(k.py()))? {
-                return py_key_depth(&item, depth);
-            }
-        }
-    }
-    Ok(None)
 }
 
 fn key_value(k: &Key<'_>) -> Value {
@@ -463,18 +391,4 @@ fn key_value(k: &Key<'_>) -> Value {
         Key::Bytes(b) => Value::Bytes(b.to_vec()),
         Key::Tuple(t) => Value::Tuple(t.iter().map(key_value).collect()),
     }
-}
-
-/// Open-addressing table of `entry + 1` (0 = empty), capacity a power of two >= 2n.
-fn build_index(hashes: &[u64]) -> Vec<u32> {
-    let cap = (hashes.len() * 2).next_power_of_two();
-    let mut slots = vec![0u32; cap];
-    for (e, &h) in hashes.iter().enumerate() {
-        let mut i = h as usize & (cap - 1);
-        while slots[i] != 0 {
-            i = (i + 1) & (cap - 1);
-        }
-        slots[i] = e as u32 + 1;
-    }
-    slots
 }

@@ -1,19 +1,22 @@
-//! Python entry points of the supervisor: how clients start it, its main function, and the
-//! orphan sweep / listing used by the CLI.
+//! Administration: how clients start the supervisor and its main function, the orphan
+//! sweep, store facts and segment listing for the CLI and integrations, and the cleanup run
+//! at interpreter exit.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
-use super::errors::Exc;
+use super::errors::Error;
+use super::handles::StoreHandle;
+use super::store::{self, Store};
 use crate::segment;
 use crate::supervisor::{self, client, server, sweep as sw};
 
 /// Tell the client how to start a supervisor: this interpreter, importing this package
 /// from where it is installed (so it works from a venv, an editable install or PYTHONPATH).
-pub fn configure(py: Python<'_>) -> PyResult<()> {
+pub(crate) fn configure(py: Python<'_>) -> PyResult<()> {
     let exe: PathBuf = py.import("sys")?.getattr("executable")?.extract()?;
     let pkg_file: PathBuf = py.import("shmstore")?.getattr("__file__")?.extract()?;
     let root = pkg_file
@@ -39,8 +42,12 @@ fn sweep_dirs() -> Vec<PathBuf> {
 /// Run the supervisor (called in a fresh interpreter by `client::spawn_supervisor`):
 /// detach, then serve until no client is left.
 #[pyfunction]
-pub fn _supervisor_main(py: Python<'_>) -> PyResult<()> {
-    if !supervisor::daemonize().map_err(|e| Exc::Io.err(format!("daemonize: {e}")))? {
+pub(crate) fn _supervisor_main(py: Python<'_>) -> PyResult<()> {
+    let daemonized = supervisor::daemonize().map_err(|err| Error::Io {
+        at: "daemonize".into(),
+        err,
+    })?;
+    if !daemonized {
         return Ok(()); // the intermediate process: exit so the client's wait returns
     }
     let grace = std::env::var("SHMSTORE_SUPERVISOR_GRACE")
@@ -65,7 +72,7 @@ pub fn _supervisor_main(py: Python<'_>) -> PyResult<()> {
 /// Returns one dict per file: path, size, removed, users (pids).
 #[pyfunction]
 #[pyo3(signature = (dry_run=false, dirs=None))]
-pub fn sweep<'py>(
+pub(crate) fn sweep<'py>(
     py: Python<'py>,
     dry_run: bool,
     dirs: Option<Vec<PathBuf>>,
@@ -92,7 +99,7 @@ pub fn sweep<'py>(
 /// The running supervisor (pid, log path, and the segments it tracks with the pids using
 /// them), or None when none is running. Never starts one.
 #[pyfunction]
-pub fn supervisor_info(py: Python<'_>) -> PyResult<Option<Bound<'_, PyDict>>> {
+pub(crate) fn supervisor_info(py: Python<'_>) -> PyResult<Option<Bound<'_, PyDict>>> {
     let (pid, segs) = py.detach(|| (client::supervisor_pid(), client::list()));
     let (Some(pid), Some(segs)) = (pid, segs) else {
         return Ok(None);
@@ -111,17 +118,80 @@ pub fn supervisor_info(py: Python<'_>) -> PyResult<Option<Bound<'_, PyDict>>> {
 /// The directories segments are looked up in, in order: `$SHMSTORE_DIR` (else /dev/shm),
 /// then the disk fallback unless `SHMSTORE_FALLBACK=0`. The one place that rule lives.
 #[pyfunction]
-pub fn _search_dirs() -> Vec<PathBuf> {
+pub(crate) fn _search_dirs() -> Vec<PathBuf> {
     segment::search_dirs()
 }
 
 /// For each path, the pids of other processes that map it or hold it open (ground truth
 /// from /proc, matched by device and inode, as the supervisor does).
 #[pyfunction]
-pub fn _segment_users(
+pub(crate) fn _segment_users(
     py: Python<'_>,
     paths: Vec<PathBuf>,
 ) -> std::collections::HashMap<PathBuf, Vec<u32>> {
     let set = paths.into_iter().collect();
     py.detach(|| sw::holders(&set))
+}
+
+/// Unlink every store this process created and still owns (run at interpreter exit).
+#[pyfunction]
+pub(crate) fn _cleanup_at_exit() -> usize {
+    crate::segment::cleanup_owned()
+}
+
+/// Header facts of a store: by handle, or by segment name / file path (for the CLI).
+#[pyfunction]
+pub(crate) fn _store_info<'py>(
+    py: Python<'py>,
+    target: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let store: std::sync::Arc<Store> = if let Ok(h) = target.cast::<StoreHandle>() {
+        h.get().store()?
+    } else {
+        let s: PathBuf = target.extract()?;
+        let text = s.to_string_lossy().to_string();
+        if text.contains('/') {
+            store::open_file(py, &s)?
+        } else {
+            store::attach(py, &text, None)?
+        }
+    };
+    let h = store.reader.header();
+    let d = PyDict::new(py);
+    d.set_item("name", store.source.name())?;
+    d.set_item("path", store.source.path().display().to_string())?;
+    d.set_item("kind", h.kind.name())?;
+    d.set_item("count", h.count)?;
+    d.set_item("nbytes", h.total_len)?;
+    d.set_item(
+        "records_nbytes",
+        h.index_off - crate::archive::header::HEADER_LEN as u64,
+    )?;
+    d.set_item("metadata_nbytes", h.total_len - h.index_off)?;
+    d.set_item("symbols", store.reader.symbol_count())?;
+    d.set_item("created_unix_ms", h.created_unix_ms)?;
+    d.set_item("creator_pid", h.creator_pid)?;
+    d.set_item("owned_here", store.mapping().is_owner())?;
+    d.set_item("private_copy", store.mapping().is_private_copy())?;
+    d.set_item("registered", store.registered())?;
+    Ok(d)
+}
+
+/// Testing hook: fuzz case `seed` (src/archive/fuzz.rs) as (kind, archive bytes): an
+/// archive with valid checksums and arbitrary structure, for tests/test_fuzz.py.
+#[pyfunction]
+pub(crate) fn _fuzz_case(py: Python<'_>, seed: u64) -> (&'static str, Bound<'_, PyBytes>) {
+    let bytes = py.detach(|| crate::archive::fuzz::case(seed));
+    (
+        crate::archive::fuzz::kind_of(seed).name(),
+        PyBytes::new(py, &bytes),
+    )
+}
+
+/// Testing hook: the hostile archive `name` (src/archive/fuzz.rs, `CRAFTED`), as bytes.
+#[pyfunction]
+pub(crate) fn _crafted_archive<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyBytes>> {
+    let (_, bytes) = crate::archive::fuzz::crafted(name)
+        .ok_or_else(|| Error::Usage(format!("no archive {name:?}")))?;
+    Ok(PyBytes::new(py, &bytes))
 }

@@ -1,0 +1,251 @@
+//! The store handles users create and attach: `SharedList`, `SharedDict`, `Ref` (made by
+//! `put`), one file each. They share [`StoreHandle`], the base class for what every store
+//! has (name, path, kind, nbytes, close, unlink, save, verify, context manager, pickling by
+//! name). Their Sequence/Mapping methods forward to `protocol` over the store's records.
+
+mod object_ref;
+mod shared_dict;
+mod shared_list;
+
+pub(crate) use object_ref::{put, Ref};
+pub(crate) use shared_dict::{KeyIter, SharedDict};
+pub(crate) use shared_list::{RecordIter, SharedList};
+
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock, RwLockReadGuard};
+
+use pyo3::impl_::pyclass::PyClassBaseType;
+use pyo3::prelude::*;
+use pyo3::PyClass;
+use pyo3::PyClassInitializer;
+
+use super::errors::Error;
+use super::protocol::new_untracked;
+use super::store::{self, Source, Store};
+use crate::archive::Kind;
+
+/// What every store handle has. Holds only `Arc<Store>` (no Python references).
+#[pyclass(name = "StoreHandle", module = "shmstore", frozen, weakref, subclass)]
+pub(crate) struct StoreHandle {
+    inner: RwLock<Option<Arc<Store>>>,
+    /// Cached for messages and `path` after close.
+    name: String,
+    path: PathBuf,
+    kind: Kind,
+    /// This handle created the store (its `with` block unlinks it at exit).
+    created: bool,
+}
+
+/// The store of an open handle, borrowed under its lock (no reference-count traffic on the
+/// hot paths).
+pub(crate) struct Open<'a>(RwLockReadGuard<'a, Option<Arc<Store>>>);
+
+impl std::ops::Deref for Open<'_> {
+    type Target = Arc<Store>;
+
+    fn deref(&self) -> &Arc<Store> {
+        // `StoreHandle::open` only makes an `Open` from a guard holding a store.
+        self.0.as_ref().expect("checked open")
+    }
+}
+
+impl StoreHandle {
+    fn new(store: Arc<Store>, created: bool) -> Self {
+        StoreHandle {
+            name: store.source.name(),
+            path: store.source.path().to_owned(),
+            kind: store.kind(),
+            inner: RwLock::new(Some(store)),
+            created,
+        }
+    }
+
+    /// The store, or StoreClosedError.
+    pub(crate) fn open(&self) -> PyResult<Open<'_>> {
+        let guard = self.inner.read().unwrap_or_else(|p| p.into_inner());
+        if guard.is_none() {
+            return Err(Error::Closed {
+                name: self.name.clone(),
+            }
+            .into());
+        }
+        Ok(Open(guard))
+    }
+
+    /// A reference of its own to the store (for iterators), or StoreClosedError.
+    pub(crate) fn store(&self) -> PyResult<Arc<Store>> {
+        Ok(Arc::clone(&*self.open()?))
+    }
+}
+
+/// A new, untracked handle of class `T` over `store`.
+fn new_handle<T>(
+    py: Python<'_>,
+    store: Arc<Store>,
+    created: bool,
+    value: T,
+) -> PyResult<Bound<'_, T>>
+where
+    T: PyClass<BaseType = StoreHandle>,
+    StoreHandle: PyClassBaseType<Initializer = PyClassInitializer<StoreHandle>>,
+{
+    new_untracked(
+        py,
+        PyClassInitializer::from(StoreHandle::new(store, created)).add_subclass(value),
+    )
+}
+
+/// The store of a subclass instance's base handle, borrowed.
+fn open_of<'a, T: PyClass<BaseType = StoreHandle>>(slf: &'a Bound<'_, T>) -> PyResult<Open<'a>> {
+    slf.as_super().get().open()
+}
+
+/// How a handle class method finds its store.
+enum Find {
+    Attach(String, Option<PathBuf>),
+    File(PathBuf),
+}
+
+/// Attach (or open a saved file) and check the store holds `kind`.
+fn find(py: Python<'_>, kind: Kind, how: Find) -> PyResult<Arc<Store>> {
+    let store = match how {
+        Find::Attach(name, dir) => store::attach(py, &name, dir.as_deref())?,
+        Find::File(path) => store::open_file(py, &path)?,
+    };
+    store::expect_kind(&store, kind)?;
+    Ok(store)
+}
+
+/// `Name(name='…', len=…, nbytes=…)`, or `Name(name='…', closed)`.
+fn repr(class: &str, h: &StoreHandle, len: bool) -> String {
+    match h.open() {
+        Ok(s) if len => format!(
+            "{class}(name='{}', len={}, nbytes={})",
+            h.name,
+            s.reader.len(),
+            s.nbytes()
+        ),
+        Ok(s) => format!("{class}(name='{}', nbytes={})", h.name, s.nbytes()),
+        Err(_) => format!("{class}(name='{}', closed)", h.name),
+    }
+}
+
+#[pymethods]
+impl StoreHandle {
+    /// The store's name (`shmstore-…`), or the file path for a store opened from a file.
+    #[getter]
+    fn name(&self) -> String {
+        self.name.clone()
+    }
+
+    /// The file behind the store: the segment in /dev/shm (or `SHMSTORE_DIR`, or the disk
+    /// fallback), or the saved archive file.
+    #[getter]
+    fn path(&self) -> PathBuf {
+        self.path.clone()
+    }
+
+    /// What the store holds: `"list"`, `"dict"` or `"object"`.
+    #[getter]
+    fn kind(&self) -> &'static str {
+        self.kind.name()
+    }
+
+    /// Size of the archive in bytes.
+    #[getter]
+    fn nbytes(&self) -> PyResult<usize> {
+        Ok(self.open()?.nbytes())
+    }
+
+    /// Whether `close()` was called on this handle.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_none()
+    }
+
+    /// Drop this handle's reference to the mapping. Views and arrays already handed out
+    /// keep working; calling methods on this handle raises StoreClosedError.
+    fn close(&self) {
+        self.inner.write().unwrap_or_else(|p| p.into_inner()).take();
+    }
+
+    /// Remove the store's name now: nobody can attach any more; every existing mapping,
+    /// here or in other processes, keeps working until dropped.
+    fn unlink(&self, py: Python<'_>) -> PyResult<()> {
+        let store = self.store()?;
+        if let Source::File { path } = &store.source {
+            return Err(Error::Invalid {
+                at: path.display().to_string(),
+                what: "was opened from a file; delete the file instead".into(),
+            }
+            .into());
+        }
+        let removed = py
+            .detach(|| store.mapping().unlink())
+            .map_err(Error::from)?;
+        // One line per event: a second unlink (e.g. `with` exiting after an explicit
+        // unlink()) or a name the supervisor already removed logs nothing.
+        if removed {
+            log::debug!("unlinked {}", self.name);
+        }
+        Ok(())
+    }
+
+    /// Write the archive to a regular file; `open(path)` maps it read-only later (processes
+    /// share it through the page cache). The file gets `mode` (default 0o600: only you).
+    #[pyo3(signature = (path, *, mode=0o600))]
+    fn save(&self, py: Python<'_>, path: PathBuf, mode: u32) -> PyResult<()> {
+        store::save(py, &*self.store()?, &path, mode)
+    }
+
+    /// Check every record now (checksums and structure). Reading checks each record on
+    /// first access anyway; this is for verifying a file end to end.
+    fn verify(&self, py: Python<'_>) -> PyResult<()> {
+        let store = self.store()?;
+        py.detach(|| store.reader.validate_all())
+            .map_err(store.archive_err())?;
+        Ok(())
+    }
+
+    fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
+        slf
+    }
+
+    /// Close; a handle that created the store also unlinks it.
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _exc_type: Option<Bound<'_, PyAny>>,
+        _exc: Option<Bound<'_, PyAny>>,
+        _tb: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        if self.created && !self.closed() {
+            self.unlink(py)?;
+        }
+        self.close();
+        Ok(false)
+    }
+
+    /// Pickled by name: `_rebuild` (src/py/pickle.rs) attaches in the other process.
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyAny>, (String, String, String))> {
+        let py = slf.py();
+        let (path, flag, _, _) = slf.get().open()?.pickle_args(0, 0);
+        let cls: String = slf.get_type().name()?.to_string();
+        let rebuild = py.import("shmstore._native")?.getattr("_rebuild")?;
+        Ok((rebuild, (cls, path, flag)))
+    }
+}
+
+/// A handle of the class that fits `store`'s kind (unpickling).
+pub(crate) fn handle_for(py: Python<'_>, store: Arc<Store>) -> PyResult<Bound<'_, PyAny>> {
+    Ok(match store.kind() {
+        Kind::List => new_handle(py, store, false, SharedList)?.into_any(),
+        Kind::Dict => new_handle(py, store, false, SharedDict)?.into_any(),
+        Kind::Object => new_handle(py, store, false, Ref)?.into_any(),
+    })
+}

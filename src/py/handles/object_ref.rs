@@ -1,0 +1,82 @@
+//! `Ref` and `put`: one object shared by name.
+
+use std::path::PathBuf;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyType};
+
+use super::{find, new_handle, repr, Find, StoreHandle};
+use crate::archive::Kind;
+use crate::py::protocol::Seq;
+use crate::py::store;
+use crate::py::write::Encoder;
+
+/// One object (e.g. a numpy array) shared by name; made by `shmstore.put`.
+///
+/// >>> ref = shmstore.put(np.arange(3))
+/// >>> ref.get()
+/// array([0, 1, 2])
+#[pyclass(name = "Ref", module = "shmstore", frozen, extends = StoreHandle)]
+pub(crate) struct Ref;
+
+#[pymethods]
+impl Ref {
+    /// Attach to an object shared with `put(obj, name=...)`.
+    #[classmethod]
+    #[pyo3(signature = (name, *, dir=None))]
+    fn attach<'py>(
+        _cls: &Bound<'py, PyType>,
+        py: Python<'py>,
+        name: &str,
+        dir: Option<PathBuf>,
+    ) -> PyResult<Bound<'py, Ref>> {
+        let store = find(py, Kind::Object, Find::Attach(name.into(), dir))?;
+        new_handle(py, store, false, Ref)
+    }
+
+    /// Map an object saved with `save(path)`.
+    #[classmethod]
+    fn open<'py>(
+        _cls: &Bound<'py, PyType>,
+        py: Python<'py>,
+        path: PathBuf,
+    ) -> PyResult<Bound<'py, Ref>> {
+        let store = find(py, Kind::Object, Find::File(path))?;
+        new_handle(py, store, false, Ref)
+    }
+
+    /// The shared object: a read-only view, a read-only numpy array, or a scalar.
+    fn get<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        // An object store is a store of one record.
+        Seq::Records(&slf.as_super().get().store()?).item(slf.py(), 0, false)
+    }
+
+    fn __repr__(slf: &Bound<'_, Self>) -> String {
+        repr("Ref", slf.as_super().get(), false)
+    }
+}
+
+/// Share one object by name.
+#[pyfunction]
+#[pyo3(signature = (obj, *, name=None, dir=None))]
+pub(crate) fn put<'py>(
+    py: Python<'py>,
+    obj: &Bound<'py, PyAny>,
+    name: Option<&str>,
+    dir: Option<PathBuf>,
+) -> PyResult<Bound<'py, Ref>> {
+    // Known-size input (an array, bytes): check the room before writing anything.
+    let size_hint = obj
+        .getattr("nbytes")
+        .and_then(|n| n.extract::<u64>())
+        .ok()
+        .or_else(|| {
+            obj.cast::<PyBytes>()
+                .ok()
+                .map(|b| b.as_bytes().len() as u64)
+        });
+    let store = store::build(py, Kind::Object, name, dir, size_hint, |builder| {
+        Encoder::new(builder, "obj").write_record(obj, None)
+    })?;
+    new_handle(py, store, true, Ref)
+}

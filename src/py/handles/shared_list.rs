@@ -1,0 +1,117 @@
+//! `SharedList`: a list of records in shared memory.
+
+use std::path::PathBuf;
+
+use pyo3::prelude::*;
+use pyo3::types::PyType;
+
+use super::{find, new_handle, open_of, repr, Find, StoreHandle};
+use crate::archive::Kind;
+use crate::py::protocol::{iterator, next_item, Seq};
+use crate::py::store;
+use crate::py::write::{Encoder, Seg0};
+
+/// A list of records in shared memory.
+///
+/// >>> lst = shmstore.SharedList([{"a": 1}, {"a": 2}])
+/// >>> lst[1]["a"]
+/// 2
+#[pyclass(name = "SharedList", module = "shmstore", frozen, extends = StoreHandle)]
+pub(crate) struct SharedList;
+
+iterator!(RecordIter, "SharedListIterator", next_item);
+
+#[pymethods]
+impl SharedList {
+    #[new]
+    #[pyo3(signature = (iterable, *, name=None, dir=None))]
+    fn py_new<'py>(
+        py: Python<'py>,
+        iterable: &Bound<'py, PyAny>,
+        name: Option<&str>,
+        dir: Option<PathBuf>,
+    ) -> PyResult<Bound<'py, SharedList>> {
+        let iter = iterable.try_iter()?;
+        let store = store::build(py, Kind::List, name, dir, None, |builder| {
+            let mut enc = Encoder::new(builder, "records");
+            for (i, item) in iter.enumerate() {
+                enc.write_record(&item?, Some(Seg0::Index(i)))?;
+            }
+            Ok(())
+        })?;
+        // Made here (not by pyo3 from an initializer) so it is created untracked too.
+        new_handle(py, store, true, SharedList)
+    }
+
+    /// Attach to an existing SharedList by name (any process of the same user).
+    #[classmethod]
+    #[pyo3(signature = (name, *, dir=None))]
+    fn attach<'py>(
+        _cls: &Bound<'py, PyType>,
+        py: Python<'py>,
+        name: &str,
+        dir: Option<PathBuf>,
+    ) -> PyResult<Bound<'py, SharedList>> {
+        let store = find(py, Kind::List, Find::Attach(name.into(), dir))?;
+        new_handle(py, store, false, SharedList)
+    }
+
+    /// Map a SharedList saved with `save(path)`.
+    #[classmethod]
+    fn open<'py>(
+        _cls: &Bound<'py, PyType>,
+        py: Python<'py>,
+        path: PathBuf,
+    ) -> PyResult<Bound<'py, SharedList>> {
+        let store = find(py, Kind::List, Find::File(path))?;
+        new_handle(py, store, false, SharedList)
+    }
+
+    fn __len__(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(Seq::Records(&*open_of(slf)?).len())
+    }
+
+    fn __getitem__<'py>(
+        slf: &Bound<'py, Self>,
+        index: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        Seq::Records(&*open_of(slf)?).getitem(slf.py(), index)
+    }
+
+    fn __iter__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, RecordIter>> {
+        RecordIter::start(slf.py(), &*open_of(slf)?, None, false)
+    }
+
+    fn __reversed__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, RecordIter>> {
+        RecordIter::start(slf.py(), &*open_of(slf)?, None, true)
+    }
+
+    fn __contains__(slf: &Bound<'_, Self>, value: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Seq::Records(&slf.as_super().get().store()?).contains(slf.py(), value)
+    }
+
+    /// Index of the first record equal to `value` (ValueError if absent).
+    #[pyo3(signature = (value, start=0, stop=None))]
+    fn index(
+        slf: &Bound<'_, Self>,
+        value: &Bound<'_, PyAny>,
+        start: isize,
+        stop: Option<isize>,
+    ) -> PyResult<usize> {
+        Seq::Records(&slf.as_super().get().store()?).index(slf.py(), value, start, stop)
+    }
+
+    /// Number of records equal to `value`.
+    fn count(slf: &Bound<'_, Self>, value: &Bound<'_, PyAny>) -> PyResult<usize> {
+        Seq::Records(&slf.as_super().get().store()?).count(slf.py(), value)
+    }
+
+    /// All records as plain Python objects (a list).
+    fn to_python<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        Seq::Records(&slf.as_super().get().store()?).to_python(slf.py())
+    }
+
+    fn __repr__(slf: &Bound<'_, Self>) -> String {
+        repr("SharedList", slf.as_super().get(), true)
+    }
+}

@@ -1,0 +1,141 @@
+//! Dict keys between Python and the archive (`crate::archive::Key`), the big-int byte form
+//! they share with values, and how numpy is detected (its scalars are keys and values too).
+
+use std::borrow::Cow;
+
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyString, PyTuple, PyType};
+use pyo3::IntoPyObjectExt;
+
+use crate::archive::Key;
+
+use crate::archive::value::MAX_KEY_DEPTH;
+
+/// numpy's types, if numpy is imported (an ndarray cannot exist otherwise).
+pub(crate) struct Numpy {
+    pub(crate) ndarray: Py<PyType>,
+    pub(crate) generic: Py<PyType>,
+}
+
+static NUMPY: PyOnceLock<Numpy> = PyOnceLock::new();
+
+/// numpy's types once numpy has been imported by someone; `None` before (not cached, so a
+/// later `import numpy` is seen).
+pub(crate) fn numpy(py: Python<'_>) -> Option<&'static Numpy> {
+    NUMPY
+        .get_or_try_init(py, || {
+            let modules = py
+                .import("sys")
+                .and_then(|s| s.getattr("modules"))
+                .map_err(drop)?;
+            let module = modules.get_item("numpy").map_err(drop)?;
+            let ty = |n: &str| -> Result<Py<PyType>, ()> {
+                Ok(module
+                    .getattr(n)
+                    .map_err(drop)?
+                    .cast_into::<PyType>()
+                    .map_err(drop)?
+                    .unbind())
+            };
+            Ok::<_, ()>(Numpy {
+                ndarray: ty("ndarray")?,
+                generic: ty("generic")?,
+            })
+        })
+        .ok()
+}
+
+/// An int outside i64 as minimal two's-complement little-endian bytes (the `BigInt` form).
+pub(crate) fn bigint_bytes(i: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+    let bits: usize = i.call_method0("bit_length")?.extract()?;
+    let n = bits / 8 + 1;
+    let kwargs = PyDict::new(i.py());
+    kwargs.set_item("signed", true)?;
+    let b = i.call_method("to_bytes", (n, "little"), Some(&kwargs))?;
+    Ok(b.cast::<PyBytes>()?.as_bytes().to_vec())
+}
+
+/// The Python int of the `BigInt` byte form.
+pub(crate) fn bigint<'py>(py: Python<'py>, bytes: &[u8]) -> PyResult<Bound<'py, PyAny>> {
+    let kwargs = PyDict::new(py);
+    kwargs.set_item("signed", true)?;
+    py.get_type::<PyInt>().call_method(
+        "from_bytes",
+        (PyBytes::new(py, bytes), "little"),
+        Some(&kwargs),
+    )
+}
+
+/// A Python object as a dict key; `None` if its type cannot be a stored key.
+pub(crate) fn py_key(k: &Bound<'_, PyAny>) -> PyResult<Option<Key<'static>>> {
+    py_key_depth(k, 0)
+}
+
+fn py_key_depth(k: &Bound<'_, PyAny>, depth: usize) -> PyResult<Option<Key<'static>>> {
+    if k.is_none() {
+        return Ok(Some(Key::None));
+    }
+    if let Ok(b) = k.cast_exact::<PyBool>() {
+        return Ok(Some(Key::Bool(b.is_true())));
+    }
+    if let Ok(s) = k.cast::<PyString>() {
+        return Ok(s.to_str().ok().map(|s| Key::Str(Cow::Owned(s.to_owned()))));
+    }
+    if let Ok(i) = k.cast::<PyInt>() {
+        return Ok(Some(match i.extract::<i64>() {
+            Ok(v) => Key::Int(v),
+            Err(_) => Key::BigInt(Cow::Owned(bigint_bytes(i)?)),
+        }));
+    }
+    if let Ok(f) = k.cast::<PyFloat>() {
+        return Ok(Some(Key::Float(f.value())));
+    }
+    if let Ok(b) = k.cast::<PyBytes>() {
+        return Ok(Some(Key::Bytes(Cow::Owned(b.as_bytes().to_vec()))));
+    }
+    if let Ok(t) = k.cast::<PyTuple>() {
+        if depth >= MAX_KEY_DEPTH {
+            return Ok(None);
+        }
+        let mut items = Vec::with_capacity(t.len());
+        for it in t.iter() {
+            match py_key_depth(&it, depth + 1)? {
+                Some(key) => items.push(key),
+                None => return Ok(None),
+            }
+        }
+        return Ok(Some(Key::Tuple(items)));
+    }
+    // numpy integer/float scalars used as keys: via their Python value.
+    if let Some(np) = numpy(k.py()) {
+        if k.is_instance(np.generic.bind(k.py()))? {
+            let item = k.call_method0("item")?;
+            if !item.is_instance(np.generic.bind(k.py()))? {
+                return py_key_depth(&item, depth);
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// A key (from a dict archive's key table) as a Python object.
+pub(crate) fn to_python<'py>(py: Python<'py>, k: &Key<'_>) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match k {
+        Key::None => py.None().into_bound(py),
+        Key::Bool(b) => PyBool::new(py, *b).to_owned().into_any(),
+        Key::Int(i) => i.into_bound_py_any(py)?,
+        Key::BigInt(b) => bigint(py, b)?,
+        Key::Float(f) => PyFloat::new(py, *f).into_any(),
+        Key::Str(s) => PyString::new(py, s).into_any(),
+        Key::Bytes(b) => PyBytes::new(py, b).into_any(),
+        Key::Tuple(items) => PyTuple::new(
+            py,
+            items
+                .iter()
+                .map(|it| to_python(py, it))
+                .collect::<PyResult<Vec<_>>>()?,
+        )?
+        .into_any(),
+    })
+}

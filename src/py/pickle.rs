@@ -1,0 +1,69 @@
+//! Unpickling: a handle pickles as (class, path, flag) and a view as (path, flag, record,
+//! position) (`Store::pickle_args`); these functions attach again in the receiving process.
+
+use std::path::PathBuf;
+
+use pyo3::prelude::*;
+
+use super::errors::Error;
+use super::handles::handle_for;
+use super::protocol::new_untracked;
+use super::read::{DictView, ListView};
+use super::store::{self, Source};
+use crate::archive::{ArchivedValue, Kind};
+
+/// Unpickle a handle: attach by path (segment or file).
+#[pyfunction]
+pub(crate) fn _rebuild<'py>(
+    py: Python<'py>,
+    cls: &str,
+    path: PathBuf,
+    kind_flag: String,
+) -> PyResult<Bound<'py, PyAny>> {
+    let kind = match cls {
+        "SharedList" => Kind::List,
+        "SharedDict" => Kind::Dict,
+        "Ref" => Kind::Object,
+        other => {
+            return Err(Error::Invalid {
+                at: "unpickling".into(),
+                what: format!("unknown store class {other:?}"),
+            }
+            .into())
+        }
+    };
+    let store = store::attach_source(py, Source::from_pickle(path, &kind_flag))?;
+    store::expect_kind(&store, kind)?;
+    handle_for(py, store)
+}
+
+/// Unpickle a view: attach, then validate the position as a subtree of its record.
+#[pyfunction]
+pub(crate) fn _rebuild_view<'py>(
+    py: Python<'py>,
+    path: PathBuf,
+    kind_flag: String,
+    rec: u64,
+    pos: u64,
+) -> PyResult<Bound<'py, PyAny>> {
+    let store = store::attach_source(py, Source::from_pickle(path, &kind_flag))?;
+    let node = store
+        .reader
+        .node_checked(rec, pos)
+        .map_err(store.archive_err())?;
+    Ok(match store.reader.get(node) {
+        ArchivedValue::List(_) | ArchivedValue::Tuple(_) => {
+            new_untracked(py, ListView::new(store, node))?.into_any()
+        }
+        ArchivedValue::Dict(_) | ArchivedValue::IndexedDict(_) => {
+            new_untracked(py, DictView::new(store, node))?.into_any()
+        }
+        _ => {
+            return Err(Error::Corrupt {
+                at: store.describe(),
+                what: "pickled view does not point at a list or dict".into(),
+            }
+            .into())
+        }
+    })
+}

@@ -1,0 +1,572 @@
+//! The Sequence and Mapping behaviour, once, for handles and views alike.
+//!
+//! A `SharedList` is the sequence of its store's records and a `ListView` the sequence of a
+//! stored list's items; a `SharedDict` maps its store's keys and a `DictView` a stored
+//! dict's. [`Seq`] and [`Map`] name such a sequence or mapping (borrowed, so the hot paths
+//! `lst[i]` and `d[key]` take no reference count), and the functions below implement the
+//! Python protocol on top of them: indexing (ints, numpy integers, anything with
+//! `__index__`, slices), `in`, `index`, `count`, `get`, iteration, `repr`. The pyclasses in
+//! `handles/` and `read/` only forward to them.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use pyo3::exceptions::PyOverflowError;
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyInt, PyList, PySlice, PyString, PyTuple};
+use pyo3::PyClass;
+
+use super::errors::Error;
+use super::keys::{self, py_key};
+use super::read;
+use super::store::Store;
+use crate::archive::{ArchivedValue, Key, Node};
+
+/// Create a pyclass instance and take it out of the cyclic GC: it holds no Python
+/// references, so no cycle can pass through it (what CPython does for atomic tuples).
+pub(crate) fn new_untracked<T: PyClass>(
+    py: Python<'_>,
+    value: impl Into<pyo3::PyClassInitializer<T>>,
+) -> PyResult<Bound<'_, T>> {
+    let obj = Bound::new(py, value)?;
+    // SAFETY: `obj` is a live, freshly created object of a GC type; untracking is always
+    // allowed (the collector only skips it) and our types hold no PyObject references that
+    // a traversal would need to see. Dealloc untracks again, which is a no-op.
+    unsafe { ffi::PyObject_GC_UnTrack(obj.as_ptr().cast()) };
+    Ok(obj)
+}
+
+/// A sequence: the records of a list store, or the items of a stored list or tuple.
+#[derive(Clone, Copy)]
+pub(crate) enum Seq<'a> {
+    Records(&'a Arc<Store>),
+    Items(&'a Arc<Store>, Node),
+}
+
+impl<'a> Seq<'a> {
+    /// The Python class name, for messages.
+    fn what(self) -> &'static str {
+        match self {
+            Seq::Records(_) => "SharedList",
+            Seq::Items(..) => "ListView",
+        }
+    }
+
+    /// The stored items of a list or tuple node, and whether it is a tuple.
+    fn items(store: &'a Store, node: Node) -> (&'a [ArchivedValue], bool) {
+        match store.reader.get(node) {
+            ArchivedValue::List(items) => (items.as_slice(), false),
+            ArchivedValue::Tuple(items) => (items.as_slice(), true),
+            _ => (&[], false),
+        }
+    }
+
+    pub(crate) fn len(self) -> usize {
+        match self {
+            Seq::Records(store) => store.reader.len() as usize,
+            Seq::Items(store, node) => Self::items(store, node).0.len(),
+        }
+    }
+
+    /// Item `i` (< len): a scalar, or a view of a container. `deep`: containers as plain
+    /// Python objects.
+    pub(crate) fn item<'py>(
+        self,
+        py: Python<'py>,
+        i: usize,
+        deep: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        match self {
+            Seq::Records(store) => {
+                let node = store.reader.root(i as u64).map_err(store.archive_err())?;
+                read::node_value(py, store, node, deep)
+            }
+            Seq::Items(store, node) => {
+                read::value(py, store, node, &Self::items(store, node).0[i], deep)
+            }
+        }
+    }
+
+    /// A slice comes back as a list (a tuple for a stored tuple).
+    fn collect<'py>(
+        self,
+        py: Python<'py>,
+        items: Vec<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let is_tuple = match self {
+            Seq::Records(_) => false,
+            Seq::Items(store, node) => Self::items(store, node).1,
+        };
+        Ok(if is_tuple {
+            PyTuple::new(py, items)?.into_any()
+        } else {
+            PyList::new(py, items)?.into_any()
+        })
+    }
+
+    /// `seq[index]`: an int (or anything with `__index__`, e.g. numpy integers; negative
+    /// counts from the end) or a slice.
+    pub(crate) fn getitem<'py>(
+        self,
+        py: Python<'py>,
+        index: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let len = self.len();
+        if index.is_instance_of::<PyInt>() || !index.is_instance_of::<PySlice>() {
+            let i = match index.extract::<isize>() {
+                Ok(i) => i,
+                Err(e) if e.is_instance_of::<PyOverflowError>(py) => {
+                    return Err(self.out_of_range(index, None))
+                }
+                Err(_) => {
+                    return Err(Error::IndexType {
+                        what: self.what(),
+                        got: type_name(index),
+                    }
+                    .into())
+                }
+            };
+            let j = if i < 0 {
+                i.checked_add(len as isize)
+            } else {
+                Some(i)
+            };
+            return match j {
+                Some(j) if j >= 0 && (j as usize) < len => self.item(py, j as usize, false),
+                _ => Err(self.out_of_range(index, Some(len))),
+            };
+        }
+        let slice = index.cast::<PySlice>()?;
+        let ind = slice.indices(len as isize)?;
+        let mut out = Vec::with_capacity(ind.slicelength);
+        let mut i = ind.start;
+        for _ in 0..ind.slicelength {
+            out.push(self.item(py, i as usize, false)?);
+            i += ind.step;
+        }
+        self.collect(py, out)
+    }
+
+    fn out_of_range(self, index: &Bound<'_, PyAny>, len: Option<usize>) -> PyErr {
+        Error::IndexRange {
+            what: self.what(),
+            index: index.str().map(|s| s.to_string()).unwrap_or_default(),
+            len,
+        }
+        .into()
+    }
+
+    /// `value in seq`: exceptions raised by `__eq__` propagate, as for a list.
+    pub(crate) fn contains(self, py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.position(py, value, 0, None)?.is_some())
+    }
+
+    /// The first `i` in `start..stop` (clamped like `list.index`) with `seq[i] == value`.
+    fn position(
+        self,
+        py: Python<'_>,
+        value: &Bound<'_, PyAny>,
+        start: isize,
+        stop: Option<isize>,
+    ) -> PyResult<Option<usize>> {
+        let len = self.len() as isize;
+        let clamp = |i: isize| if i < 0 { (i + len).max(0) } else { i.min(len) } as usize;
+        for i in clamp(start)..clamp(stop.unwrap_or(len)) {
+            if self.item(py, i, false)?.eq(value)? {
+                return Ok(Some(i));
+            }
+        }
+        Ok(None)
+    }
+
+    /// `seq.index(value, start, stop)`: ValueError when absent.
+    pub(crate) fn index(
+        self,
+        py: Python<'_>,
+        value: &Bound<'_, PyAny>,
+        start: isize,
+        stop: Option<isize>,
+    ) -> PyResult<usize> {
+        self.position(py, value, start, stop)?
+            .ok_or_else(|| Error::NotInSequence { what: self.what() }.into())
+    }
+
+    /// `seq.count(value)`.
+    pub(crate) fn count(self, py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let mut n = 0;
+        for i in 0..self.len() {
+            n += self.item(py, i, false)?.eq(value)? as usize;
+        }
+        Ok(n)
+    }
+
+    /// Plain Python objects: a list (a tuple for a stored tuple); arrays inside stay
+    /// read-only zero-copy numpy arrays.
+    pub(crate) fn to_python<'py>(self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        match self {
+            Seq::Items(store, node) => read::node_value(py, store, node, true),
+            Seq::Records(_) => {
+                let out = (0..self.len())
+                    .map(|i| self.item(py, i, true))
+                    .collect::<PyResult<Vec<_>>>()?;
+                Ok(PyList::new(py, out)?.into_any())
+            }
+        }
+    }
+
+    /// The items' reprs, shortened (`[1, 2, ...]`).
+    pub(crate) fn repr_items(self, py: Python<'_>) -> PyResult<String> {
+        truncated_repr((0..self.len()).map(|i| Ok(self.item(py, i, false)?.repr()?.to_string())))
+    }
+}
+
+/// A mapping: the entries of a dict store, or of a stored dict.
+#[derive(Clone, Copy)]
+pub(crate) enum Map<'a> {
+    Entries(&'a Arc<Store>),
+    Dict(&'a Arc<Store>, Node),
+}
+
+impl<'a> Map<'a> {
+    /// Interleaved `k0, v0, k1, v1, ...` and the hash index of a stored dict.
+    fn parts(store: &'a Store, node: Node) -> (&'a [ArchivedValue], &'a [rkyv::Archived<u32>]) {
+        read::dict_parts(store.reader.get(node))
+    }
+
+    pub(crate) fn len(self) -> usize {
+        match self {
+            Map::Entries(store) => store.reader.len() as usize,
+            Map::Dict(store, node) => Self::parts(store, node).0.len() / 2,
+        }
+    }
+
+    /// Entry number of `key`, or None (keys of types that cannot be stored are simply
+    /// absent; an unhashable key is a TypeError, as for dict).
+    pub(crate) fn find(self, key: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+        match self {
+            Map::Entries(store) => {
+                let k = match key.cast::<PyString>() {
+                    Ok(s) => s
+                        .to_str()
+                        .ok()
+                        .map(|s| Key::Str(std::borrow::Cow::Borrowed(s))),
+                    Err(_) => py_key(key)?,
+                };
+                match k {
+                    Some(k) => Ok(store
+                        .reader
+                        .lookup(&k)
+                        .map_err(store.archive_err())?
+                        .map(|e| e as usize)),
+                    None => unhashable_is_absent(key),
+                }
+            }
+            Map::Dict(store, node) => {
+                let (items, index) = Self::parts(store, node);
+                if let Ok(s) = key.cast::<PyString>() {
+                    // Identity first: key literals in user code are interned, and so are
+                    // the symbols, so the common case compares pointers, not bytes.
+                    if index.is_empty() {
+                        let syms = store.py_symbols(key.py())?;
+                        let kp = key.as_ptr();
+                        for (i, k) in items.iter().step_by(2).enumerate() {
+                            if let ArchivedValue::Sym(id) = k {
+                                if syms.get(id.to_native() as usize).map(|p| p.as_ptr()) == Some(kp)
+                                {
+                                    return Ok(Some(i));
+                                }
+                            }
+                        }
+                    }
+                    if let Ok(s) = s.to_str() {
+                        return Ok(store
+                            .reader
+                            .dict_find_str(items, index, s)
+                            .map_err(store.archive_err())?);
+                    }
+                }
+                match py_key(key)? {
+                    Some(k) => Ok(store
+                        .reader
+                        .dict_find(items, index, &k)
+                        .map_err(store.archive_err())?),
+                    None => unhashable_is_absent(key),
+                }
+            }
+        }
+    }
+
+    /// The value of entry `i` (< len); `deep`: containers as plain Python objects.
+    pub(crate) fn value<'py>(
+        self,
+        py: Python<'py>,
+        i: usize,
+        deep: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        match self {
+            Map::Entries(store) => {
+                let node = store.reader.root(i as u64).map_err(store.archive_err())?;
+                read::node_value(py, store, node, deep)
+            }
+            Map::Dict(store, node) => read::value(
+                py,
+                store,
+                node,
+                &Self::parts(store, node).0[2 * i + 1],
+                deep,
+            ),
+        }
+    }
+
+    /// The key of entry `i` (< len).
+    pub(crate) fn key<'py>(self, py: Python<'py>, i: usize) -> PyResult<Bound<'py, PyAny>> {
+        match self {
+            Map::Entries(store) => {
+                let k = store.reader.key(i as u64).map_err(store.archive_err())?;
+                keys::to_python(py, &k)
+            }
+            Map::Dict(store, node) => {
+                read::dict_key(py, store, node, &Self::parts(store, node).0[2 * i])
+            }
+        }
+    }
+
+    /// `mapping[key]`: KeyError when absent.
+    pub(crate) fn getitem<'py>(
+        self,
+        py: Python<'py>,
+        key: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        match self.find(key)? {
+            Some(i) => self.value(py, i, false),
+            None => Err(Error::MissingKey(key.clone().unbind()).into()),
+        }
+    }
+
+    /// `mapping.get(key, default)`.
+    pub(crate) fn get<'py>(
+        self,
+        py: Python<'py>,
+        key: &Bound<'py, PyAny>,
+        default: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        match self.find(key)? {
+            Some(i) => self.value(py, i, false),
+            None => Ok(default.unwrap_or_else(|| py.None().into_bound(py))),
+        }
+    }
+
+    /// A plain dict (nested values converted too; arrays stay zero-copy).
+    pub(crate) fn to_python<'py>(self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        match self {
+            Map::Dict(store, node) => read::node_value(py, store, node, true),
+            Map::Entries(_) => {
+                let out = PyDict::new(py);
+                for i in 0..self.len() {
+                    out.set_item(self.key(py, i)?, self.value(py, i, true)?)?;
+                }
+                Ok(out.into_any())
+            }
+        }
+    }
+
+    /// The entries' reprs, shortened (`'a': 1, ...`).
+    pub(crate) fn repr_items(self, py: Python<'_>) -> PyResult<String> {
+        truncated_repr((0..self.len()).map(|i| {
+            Ok(format!(
+                "{}: {}",
+                self.key(py, i)?.repr()?,
+                self.value(py, i, false)?.repr()?
+            ))
+        }))
+    }
+}
+
+/// A key that cannot be stored is absent, unless it is unhashable: then TypeError, as dict.
+fn unhashable_is_absent(key: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+    key.hash()?;
+    Ok(None)
+}
+
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_default()
+}
+
+/// Join item reprs with ", ", stopping after 6 items or 120 characters.
+fn truncated_repr(items: impl Iterator<Item = PyResult<String>>) -> PyResult<String> {
+    let mut out = String::new();
+    for (n, item) in items.enumerate() {
+        if n > 0 {
+            out.push_str(", ");
+        }
+        if n >= 6 || out.len() > 120 {
+            out.push_str("...");
+            return Ok(out);
+        }
+        let mut r = item?;
+        if r.len() > 60 {
+            r.truncate(r.char_indices().nth(57).map(|(i, _)| i).unwrap_or(r.len()));
+            r.push_str("...");
+        }
+        out.push_str(&r);
+    }
+    Ok(out)
+}
+
+static ABC: PyOnceLock<(Py<PyAny>, Py<PyAny>, Py<PyAny>)> = PyOnceLock::new();
+
+/// `mapping.keys()`, `.values()`, `.items()`: `collections.abc.KeysView/ValuesView/
+/// ItemsView` over the mapping object (set-like and live, as for any Mapping).
+pub(crate) fn abc_view<'py>(
+    mapping: &Bound<'py, PyAny>,
+    which: AbcView,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = mapping.py();
+    let views = ABC.get_or_try_init(py, || {
+        let abc = py.import("collections.abc")?;
+        Ok::<_, PyErr>((
+            abc.getattr("KeysView")?.unbind(),
+            abc.getattr("ValuesView")?.unbind(),
+            abc.getattr("ItemsView")?.unbind(),
+        ))
+    })?;
+    let cls = match which {
+        AbcView::Keys => &views.0,
+        AbcView::Values => &views.1,
+        AbcView::Items => &views.2,
+    };
+    cls.bind(py).call1((mapping,))
+}
+
+pub(crate) enum AbcView {
+    Keys,
+    Values,
+    Items,
+}
+
+/// Where an iterator is: the next position to yield. A plain load/store, not an atomic
+/// read-modify-write (a locked instruction on every item): iterators are not meant to be
+/// shared between threads, and if one is, the worst case is an item seen twice, never a
+/// bad read.
+pub(crate) struct Cursor {
+    next: AtomicUsize,
+    reverse: bool,
+}
+
+impl Cursor {
+    pub(crate) fn new(reverse: bool) -> Self {
+        Cursor {
+            next: AtomicUsize::new(0),
+            reverse,
+        }
+    }
+
+    /// The position to yield next in a sequence of `len`, or None at the end.
+    pub(crate) fn advance(&self, len: usize) -> Option<usize> {
+        let k = self.next.load(Ordering::Relaxed);
+        if k >= len {
+            self.next.store(len, Ordering::Relaxed);
+            return None;
+        }
+        self.next.store(k + 1, Ordering::Relaxed);
+        Some(if self.reverse { len - 1 - k } else { k })
+    }
+}
+
+/// What an iterator walks: its own reference to the store, plus the node for a view.
+pub(crate) struct Owned {
+    pub(crate) store: Arc<Store>,
+    pub(crate) node: Option<Node>,
+}
+
+impl Owned {
+    pub(crate) fn seq(&self) -> Seq<'_> {
+        match self.node {
+            Some(node) => Seq::Items(&self.store, node),
+            None => Seq::Records(&self.store),
+        }
+    }
+
+    pub(crate) fn map(&self) -> Map<'_> {
+        match self.node {
+            Some(node) => Map::Dict(&self.store, node),
+            None => Map::Entries(&self.store),
+        }
+    }
+}
+
+/// The next item of a sequence iterator.
+pub(crate) fn next_item<'py>(
+    src: &Owned,
+    py: Python<'py>,
+    cur: &Cursor,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let seq = src.seq();
+    cur.advance(seq.len())
+        .map(|i| seq.item(py, i, false))
+        .transpose()
+}
+
+/// The next key of a mapping iterator.
+pub(crate) fn next_key<'py>(
+    src: &Owned,
+    py: Python<'py>,
+    cur: &Cursor,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let map = src.map();
+    cur.advance(map.len()).map(|i| map.key(py, i)).transpose()
+}
+
+/// Define an iterator pyclass named `$pyname` yielding `$next` ([`next_item`] of a [`Seq`]
+/// or [`next_key`] of a [`Map`]). One macro, so every iterator behaves the same.
+macro_rules! iterator {
+    ($ty:ident, $pyname:literal, $next:path) => {
+        #[pyo3::pyclass(name = $pyname, module = "shmstore", frozen)]
+        pub(crate) struct $ty {
+            src: $crate::py::protocol::Owned,
+            cur: $crate::py::protocol::Cursor,
+        }
+
+        impl $ty {
+            /// A new untracked iterator over `store` (a view's `node`), from the end if
+            /// `reverse`.
+            pub(crate) fn start<'py>(
+                py: pyo3::Python<'py>,
+                store: &std::sync::Arc<$crate::py::store::Store>,
+                node: Option<$crate::archive::Node>,
+                reverse: bool,
+            ) -> pyo3::PyResult<pyo3::Bound<'py, Self>> {
+                $crate::py::protocol::new_untracked(
+                    py,
+                    $ty {
+                        src: $crate::py::protocol::Owned {
+                            store: store.clone(),
+                            node,
+                        },
+                        cur: $crate::py::protocol::Cursor::new(reverse),
+                    },
+                )
+            }
+        }
+
+        #[pyo3::pymethods]
+        impl $ty {
+            fn __iter__(slf: pyo3::Bound<'_, Self>) -> pyo3::Bound<'_, Self> {
+                slf
+            }
+
+            fn __next__<'py>(
+                &self,
+                py: pyo3::Python<'py>,
+            ) -> pyo3::PyResult<Option<pyo3::Bound<'py, pyo3::PyAny>>> {
+                $next(&self.src, py, &self.cur)
+            }
+        }
+    };
+}
+pub(crate) use iterator;

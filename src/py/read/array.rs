@@ -1,0 +1,53 @@
+//! `ArrayOwner`: the `.base` of a zero-copy numpy array over a store's pages.
+
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+
+use crate::py::store::Store;
+
+/// Owns the mapping behind a numpy array (the array's `.base`): numpy reads the data
+/// address from `__array_interface__`, marked read-only.
+#[pyclass(name = "ArrayOwner", module = "shmstore", frozen, weakref)]
+pub(crate) struct ArrayOwner {
+    store: Arc<Store>,
+    typestr: String,
+    shape: Vec<usize>,
+    offset: usize,
+}
+
+impl ArrayOwner {
+    pub(crate) fn new(store: Arc<Store>, typestr: &str, shape: Vec<usize>, offset: usize) -> Self {
+        ArrayOwner {
+            store,
+            typestr: typestr.to_owned(),
+            shape,
+            offset,
+        }
+    }
+}
+
+#[pymethods]
+impl ArrayOwner {
+    #[getter]
+    fn __array_interface__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        let addr = self.store.reader.bytes().as_ptr() as usize + self.offset;
+        d.set_item("version", 3)?;
+        d.set_item("typestr", &self.typestr)?;
+        d.set_item("shape", PyTuple::new(py, &self.shape)?)?;
+        // (address, read_only=True): numpy marks the array non-writeable, and the pages
+        // are mapped PROT_READ anyway.
+        d.set_item("data", (addr, true))?;
+        Ok(d)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "<shmstore.ArrayOwner {} of {}>",
+            self.typestr,
+            self.store.describe()
+        )
+    }
+}

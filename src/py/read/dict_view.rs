@@ -1,0 +1,98 @@
+//! `DictView`: a stored dict as a read-only `collections.abc.Mapping`.
+
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+use pyo3::pyclass::CompareOp;
+
+use super::{compare_plain, reduce_view};
+use crate::archive::Node;
+use crate::py::protocol::{abc_view, iterator, next_key, AbcView, Map};
+use crate::py::store::{PickleArgs, Store};
+
+/// A stored dict: a read-only `collections.abc.Mapping`.
+#[pyclass(name = "DictView", module = "shmstore", frozen, weakref, mapping)]
+pub(crate) struct DictView {
+    store: Arc<Store>,
+    node: Node,
+}
+
+iterator!(DictIter, "DictViewIterator", next_key);
+
+impl DictView {
+    pub(crate) fn new(store: Arc<Store>, node: Node) -> Self {
+        DictView { store, node }
+    }
+
+    fn map(&self) -> Map<'_> {
+        Map::Dict(&self.store, self.node)
+    }
+}
+
+#[pymethods]
+impl DictView {
+    fn __len__(&self) -> usize {
+        self.map().len()
+    }
+
+    fn __getitem__<'py>(
+        &self,
+        py: Python<'py>,
+        key: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.map().getitem(py, key)
+    }
+
+    /// `view[key]` if present, else `default`.
+    #[pyo3(signature = (key, default=None))]
+    fn get<'py>(
+        &self,
+        py: Python<'py>,
+        key: &Bound<'py, PyAny>,
+        default: Option<Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.map().get(py, key, default)
+    }
+
+    fn __contains__(&self, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.map().find(key)?.is_some())
+    }
+
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, DictIter>> {
+        DictIter::start(py, &self.store, Some(self.node), false)
+    }
+
+    fn keys<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        abc_view(slf.as_any(), AbcView::Keys)
+    }
+
+    fn values<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        abc_view(slf.as_any(), AbcView::Values)
+    }
+
+    fn items<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        abc_view(slf.as_any(), AbcView::Items)
+    }
+
+    /// A plain dict equal to the stored one (nested values converted too).
+    fn to_python<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.map().to_python(py)
+    }
+
+    fn __richcmp__<'py>(
+        &self,
+        py: Python<'py>,
+        other: &Bound<'py, PyAny>,
+        op: CompareOp,
+    ) -> PyResult<Py<PyAny>> {
+        compare_plain(self.to_python(py)?, other, op)
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        Ok(format!("DictView({{{}}})", self.map().repr_items(py)?))
+    }
+
+    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, PickleArgs)> {
+        reduce_view(py, &self.store, self.node)
+    }
+}

@@ -1,0 +1,115 @@
+//! `ListView`: a stored list or tuple as a read-only `collections.abc.Sequence`.
+
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+use pyo3::pyclass::CompareOp;
+
+use super::{compare_plain, reduce_view};
+use crate::archive::{ArchivedValue, Node};
+use crate::py::errors::Error;
+use crate::py::protocol::{iterator, next_item, Seq};
+use crate::py::store::{PickleArgs, Store};
+
+/// A stored list or tuple: a read-only `collections.abc.Sequence`.
+#[pyclass(name = "ListView", module = "shmstore", frozen, weakref, sequence)]
+pub(crate) struct ListView {
+    store: Arc<Store>,
+    node: Node,
+}
+
+iterator!(ListIter, "ListViewIterator", next_item);
+
+impl ListView {
+    pub(crate) fn new(store: Arc<Store>, node: Node) -> Self {
+        ListView { store, node }
+    }
+
+    fn seq(&self) -> Seq<'_> {
+        Seq::Items(&self.store, self.node)
+    }
+}
+
+#[pymethods]
+impl ListView {
+    fn __len__(&self) -> usize {
+        self.seq().len()
+    }
+
+    fn __getitem__<'py>(
+        &self,
+        py: Python<'py>,
+        index: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        self.seq().getitem(py, index)
+    }
+
+    fn __iter__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, ListIter>> {
+        ListIter::start(py, &self.store, Some(self.node), false)
+    }
+
+    fn __reversed__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, ListIter>> {
+        ListIter::start(py, &self.store, Some(self.node), true)
+    }
+
+    fn __contains__(&self, py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<bool> {
+        self.seq().contains(py, value)
+    }
+
+    /// Index of the first item equal to `value` (ValueError if absent).
+    #[pyo3(signature = (value, start=0, stop=None))]
+    fn index(
+        &self,
+        py: Python<'_>,
+        value: &Bound<'_, PyAny>,
+        start: isize,
+        stop: Option<isize>,
+    ) -> PyResult<usize> {
+        self.seq().index(py, value, start, stop)
+    }
+
+    /// Number of items equal to `value`.
+    fn count(&self, py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<usize> {
+        self.seq().count(py, value)
+    }
+
+    /// Plain Python objects equal to the stored value (a list, or a tuple for a tuple).
+    /// Arrays inside stay read-only zero-copy numpy arrays.
+    fn to_python<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.seq().to_python(py)
+    }
+
+    fn __richcmp__<'py>(
+        &self,
+        py: Python<'py>,
+        other: &Bound<'py, PyAny>,
+        op: CompareOp,
+    ) -> PyResult<Py<PyAny>> {
+        compare_plain(self.to_python(py)?, other, op)
+    }
+
+    fn __hash__(&self, py: Python<'_>) -> PyResult<isize> {
+        if matches!(self.store.reader.get(self.node), ArchivedValue::Tuple(_)) {
+            return self.to_python(py)?.hash();
+        }
+        Err(Error::Unhashable {
+            what: "'ListView' (a stored list)",
+        }
+        .into())
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let inner = self.seq().repr_items(py)?;
+        Ok(match self.store.reader.get(self.node) {
+            ArchivedValue::Tuple(items) => format!(
+                "ListView(({inner}{}))",
+                if items.len() == 1 { "," } else { "" }
+            ),
+            _ => format!("ListView([{inner}])"),
+        })
+    }
+
+    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, PickleArgs)> {
+        reduce_view(py, &self.store, self.node)
+    }
+}
