@@ -784,8 +784,26 @@ def _sizes(msg: str) -> tuple[int, int]:
         lambda: shmstore.SharedList(b"x" * 100_000 for _ in range(80)),
         lambda: shmstore.SharedDict((str(i), np.ones(1 << 20)) for i in range(8)),
         lambda: shmstore.put([b"y" * 200_000 for _ in range(40)]),
+        # Small values: written with the record's bytes, not as out-of-line payloads.
+        lambda: shmstore.SharedList({"a": i, "b": "x" * 40} for i in range(100_000)),
+        lambda: shmstore.SharedDict((str(i), {"v": i, "w": "y" * 40}) for i in range(100_000)),
+        lambda: shmstore.SharedDict({str(i): i for i in range(200_000)}),
+        lambda: shmstore.put([{"a": i} for i in range(300_000)]),
+        lambda: shmstore.put(list(range(1_000_000))),
     ],
-    ids=["put_array", "put_bytes", "list_arrays", "list_bytes", "dict_arrays", "put_list"],
+    ids=[
+        "put_array",
+        "put_bytes",
+        "list_arrays",
+        "list_bytes",
+        "dict_arrays",
+        "put_list",
+        "list_small_dicts",
+        "dict_small_dicts",
+        "dict_small_ints",
+        "put_list_small_dicts",
+        "put_list_small_ints",
+    ],
 )
 def test_out_of_shared_memory(small_tmpfs, build):
     with pytest.raises(shmstore.OutOfSharedMemoryError) as e:

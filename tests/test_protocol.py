@@ -1,0 +1,153 @@
+"""Handles and views share one Sequence/Mapping behaviour: a `SharedList` behaves like the
+`ListView` of the same list, a `SharedDict` like the `DictView` of the same dict, method by
+method (property tests), including numpy integer indexes, `in` on a closed store and
+exceptions raised by the user's `__eq__`."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+import shmstore
+from hypothesis import given
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.usefixtures("no_leftover_segments")
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False),
+    st.text(max_size=8),
+    st.binary(max_size=8),
+)
+keys = st.one_of(st.text(max_size=6), st.integers(-50, 50), st.binary(max_size=4))
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=4), inner, max_size=4)),
+    max_leaves=8,
+)
+
+
+def plain(x: Any) -> Any:
+    """Views inside results as plain objects, for comparing."""
+    if isinstance(x, (shmstore.ListView, shmstore.DictView)):
+        return x.to_python()
+    if isinstance(x, list):
+        return [plain(v) for v in x]
+    if isinstance(x, tuple):
+        return tuple(plain(v) for v in x)
+    return x
+
+
+def outcome(f: Callable[[], Any]) -> tuple[str, Any]:
+    """("ok", plain result) or ("raises", exception class): what a call does."""
+    try:
+        return ("ok", plain(f()))
+    except Exception as e:
+        return ("raises", type(e))
+
+
+def same(handle: Any, view: Any, call: Callable[[Any], Any]) -> None:
+    assert outcome(lambda: call(handle)) == outcome(lambda: call(view))
+
+
+indexes = st.one_of(
+    st.integers(-12, 12),
+    st.integers(-12, 12).map(np.int64),
+    st.integers(-12, 12).map(np.int32),
+    st.integers(2**63, 2**80),
+    st.just(1.0),
+    st.just("0"),
+    st.builds(slice, st.none() | st.integers(-12, 12), st.none() | st.integers(-12, 12), st.sampled_from([None, 1, 2, -1, -3])),
+)
+
+
+@given(records=st.lists(values, max_size=10), probe=values, index=indexes, start=st.integers(-12, 12))
+def test_shared_list_behaves_like_its_list_view(records, probe, index, start):
+    with shmstore.SharedList(records) as lst, shmstore.put(records) as ref:
+        view = ref.get()
+        assert isinstance(view, shmstore.ListView)
+        same(lst, view, len)
+        same(lst, view, lambda s: s[index])
+        same(lst, view, lambda s: probe in s)
+        same(lst, view, lambda s: s.index(probe))
+        same(lst, view, lambda s: s.index(probe, start))
+        same(lst, view, lambda s: s.count(probe))
+        same(lst, view, lambda s: list(s))
+        same(lst, view, lambda s: list(reversed(s)))
+        same(lst, view, lambda s: s.to_python())
+        if records:
+            same(lst, view, lambda s: s[len(records) - 1] in s)
+
+
+@given(mapping=st.dictionaries(keys, values, max_size=12), probe=st.one_of(keys, st.just([1]), st.just(1.5)))
+def test_shared_dict_behaves_like_its_dict_view(mapping, probe):
+    with shmstore.SharedDict(mapping) as d, shmstore.put(mapping) as ref:
+        view = ref.get()
+        assert isinstance(view, shmstore.DictView)
+        same(d, view, len)
+        same(d, view, lambda m: m[probe])
+        same(d, view, lambda m: m.get(probe, "default"))
+        same(d, view, lambda m: probe in m)
+        same(d, view, lambda m: sorted(map(repr, m)))
+        same(d, view, lambda m: sorted(map(repr, m.keys())))
+        same(d, view, lambda m: sorted(repr(plain(v)) for v in m.values()))
+        same(d, view, lambda m: sorted(repr((k, plain(v))) for k, v in m.items()))
+        same(d, view, lambda m: m.to_python())
+        same(d, view, lambda m: m == mapping)
+        for k in mapping:
+            same(d, view, lambda m: m[k])
+
+
+# --- the bugs the shared protocol fixed, one test each ---------------------------------------
+
+
+@pytest.mark.parametrize("index", [np.int64(1), np.int32(-1), np.uint8(1), np.intp(0)])
+def test_numpy_integer_indexes_work_on_handles_and_views(index):
+    records = [[10, 20], [30, 40]]
+    with shmstore.SharedList(records) as lst:
+        assert plain(lst[index]) == records[int(index)]
+        assert lst[0][index] == records[0][int(index)]
+
+
+def test_contains_on_a_closed_list_raises_store_closed():
+    lst = shmstore.SharedList([1, 2, 3])
+    lst.unlink()
+    lst.close()
+    with pytest.raises(shmstore.StoreClosedError):
+        1 in lst  # noqa: B015
+    with pytest.raises(shmstore.StoreClosedError):
+        lst.index(1)
+
+
+def test_contains_on_a_closed_dict_raises_store_closed():
+    d = shmstore.SharedDict({"a": 1})
+    d.unlink()
+    d.close()
+    with pytest.raises(shmstore.StoreClosedError):
+        "a" in d  # noqa: B015
+
+
+class Boom(Exception):
+    pass
+
+
+class EqRaises:
+    def __eq__(self, other: object) -> bool:
+        raise Boom("from __eq__")
+
+    __hash__ = object.__hash__
+
+
+@pytest.mark.parametrize("op", ["in", "index", "count"])
+def test_user_eq_exceptions_propagate(op):
+    with shmstore.SharedList([1, 2]) as lst, shmstore.put([1, 2]) as ref:
+        for seq in (lst, ref.get()):
+            with pytest.raises(Boom):
+                if op == "in":
+                    EqRaises() in seq  # noqa: B015
+                else:
+                    getattr(seq, op)(EqRaises())
