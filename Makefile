@@ -7,7 +7,7 @@ PYTHON ?= python3
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 
-.PHONY: help venv build test test-rust test-python test-torch fuzz demo bench lint format clean
+.PHONY: help venv build test test-rust test-python test-torch fuzz demo bench lint doctest format clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -57,18 +57,26 @@ demo: build ## memory: plain list vs pickle buffer vs shmstore, fork/spawn/forks
 bench: build ## all acceptance benchmarks; results go to benchmarks/results/
 	$(PY) benchmarks/run_all.py
 
-lint: build ## rustfmt, clippy, ruff, mypy stubtest of the hand-kept _native.pyi
+PY_SOURCES := python tests benchmarks examples
+
+lint: build ## everything CI checks besides the tests (also run by pre-commit)
 	cargo fmt --check
 	cargo clippy --all-targets -q -- -D warnings
 	cargo clippy --all-targets --features python -q -- -D warnings
-	$(VENV)/bin/ruff check python tests benchmarks
-	$(VENV)/bin/ruff format --check python tests benchmarks
+	.ci/check-exceptions
+	$(VENV)/bin/ruff check $(PY_SOURCES)
+	$(VENV)/bin/ruff format --check $(PY_SOURCES)
+	$(PY) -m mypy --strict python
 	$(PY) -m mypy.stubtest shmstore._native
+	$(MAKE) --no-print-directory doctest
+
+doctest: build ## run the examples in the docstrings
+	$(PY) -m pytest -q -p no:cacheprovider --doctest-modules python/shmstore
 
 format: venv ## format Rust and Python
 	cargo fmt
-	$(VENV)/bin/ruff format python tests benchmarks
-	$(VENV)/bin/ruff check --fix python tests benchmarks
+	$(VENV)/bin/ruff format $(PY_SOURCES)
+	$(VENV)/bin/ruff check --fix $(PY_SOURCES)
 
 clean: ## remove build products and the venv
 	cargo clean

@@ -26,7 +26,9 @@ scalars = st.one_of(
 keys = st.one_of(st.text(max_size=6), st.integers(-50, 50), st.binary(max_size=4))
 values = st.recursive(
     scalars,
-    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=4), inner, max_size=4)),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=4), inner, max_size=4)
+    ),
     max_leaves=8,
 )
 
@@ -61,11 +63,18 @@ indexes = st.one_of(
     st.integers(2**63, 2**80),
     st.just(1.0),
     st.just("0"),
-    st.builds(slice, st.none() | st.integers(-12, 12), st.none() | st.integers(-12, 12), st.sampled_from([None, 1, 2, -1, -3])),
+    st.builds(
+        slice,
+        st.none() | st.integers(-12, 12),
+        st.none() | st.integers(-12, 12),
+        st.sampled_from([None, 1, 2, -1, -3]),
+    ),
 )
 
 
-@given(records=st.lists(values, max_size=10), probe=values, index=indexes, start=st.integers(-12, 12))
+@given(
+    records=st.lists(values, max_size=10), probe=values, index=indexes, start=st.integers(-12, 12)
+)
 def test_shared_list_behaves_like_its_list_view(records, probe, index, start):
     with shmstore.SharedList(records) as lst, shmstore.put(records) as ref:
         view = ref.get()
@@ -83,7 +92,10 @@ def test_shared_list_behaves_like_its_list_view(records, probe, index, start):
             same(lst, view, lambda s: s[len(records) - 1] in s)
 
 
-@given(mapping=st.dictionaries(keys, values, max_size=12), probe=st.one_of(keys, st.just([1]), st.just(1.5)))
+@given(
+    mapping=st.dictionaries(keys, values, max_size=12),
+    probe=st.one_of(keys, st.just([1]), st.just(1.5)),
+)
 def test_shared_dict_behaves_like_its_dict_view(mapping, probe):
     with shmstore.SharedDict(mapping) as d, shmstore.put(mapping) as ref:
         view = ref.get()
@@ -99,7 +111,7 @@ def test_shared_dict_behaves_like_its_dict_view(mapping, probe):
         same(d, view, lambda m: m.to_python())
         same(d, view, lambda m: m == mapping)
         for k in mapping:
-            same(d, view, lambda m: m[k])
+            same(d, view, lambda m, k=k: m[k])
 
 
 # --- the bugs the shared protocol fixed, one test each ---------------------------------------

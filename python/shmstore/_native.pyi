@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
+from pathlib import Path
 from types import TracebackType
-from typing import Any, SupportsIndex, TypeVar, final, overload
+from typing import Any, Literal, SupportsIndex, TypeVar, final, overload
 
 from typing_extensions import disjoint_base
 
@@ -39,7 +40,10 @@ __all__ = [
     "_import_archive",
     "_rebuild",
     "_rebuild_view",
+    "_remove_segment",
     "_search_dirs",
+    "_segment_name",
+    "_segment_paths",
     "_segment_users",
     "_store_info",
     "_supervisor_main",
@@ -89,11 +93,18 @@ class StoreIOError(ShmStoreError, OSError):
 
 @disjoint_base
 class StoreHandle:
-    """What every store handle has: name, size, close/unlink, save, pickling by name."""
+    """What every store handle has: name, path, kind, size, close/unlink, save, pickling by
+    name."""
 
     @property
     def name(self) -> str:
         """The store's name (``shmstore-...``), or the path of a store opened from a file."""
+    @property
+    def path(self) -> Path:
+        """The file behind the store: its segment, or the saved archive file."""
+    @property
+    def kind(self) -> Literal["list", "dict", "object"]:
+        """What the store holds: ``"list"``, ``"dict"`` or ``"object"``."""
     @property
     def nbytes(self) -> int:
         """Size of the archive in bytes."""
@@ -292,5 +303,8 @@ def gc_unreachable(objects: list[object]) -> list[int]:
     """Indices of objects[:-1] nothing outside the list keeps alive; objects[-1] is a fresh
     calibration probe referenced only by the list. Needs the GIL."""
 
-def _search_dirs() -> list[str]: ...
-def _segment_users(paths: list[_Path]) -> dict[str, list[int]]: ...
+def _search_dirs() -> list[Path]: ...
+def _segment_paths(dir: _Path | None = None) -> list[Path]: ...
+def _segment_name(name: str) -> str: ...
+def _remove_segment(name: str) -> Path | None: ...
+def _segment_users(paths: list[_Path]) -> dict[Path, list[int]]: ...

@@ -1,18 +1,26 @@
-"""Where segments live and how to list them (shared by the CLI and the pytest plugin)."""
+"""Where segments live and which exist: thin calls into the Rust core, which alone knows the
+naming rule, the directories and how to list them (shared by the CLI, the pytest plugin and
+``shmstore.memory``)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-PREFIX = "shmstore-"
+from shmstore import _native
+
+__all__ = [
+    "remove",
+    "search_dirs",
+    "segment_dir",
+    "segment_name",
+    "segment_paths",
+    "segment_users",
+]
 
 
 def search_dirs() -> list[Path]:
     """The segment directory (``$SHMSTORE_DIR``, else /dev/shm), then the disk fallback
-    unless ``SHMSTORE_FALLBACK=0``: the Rust core's rule, asked from it, not restated."""
-    from shmstore import _native
-
+    unless ``SHMSTORE_FALLBACK=0``."""
     return [Path(d) for d in _native._search_dirs()]
 
 
@@ -21,59 +29,33 @@ def segment_dir() -> Path:
     return search_dirs()[0]
 
 
-def segment_users(paths: list[Path]) -> dict[Path, list[int]]:
-    """For each path, the pids of *other* processes that map it or hold it open (the same
-    /proc ground truth, by device and inode, that the supervisor uses)."""
-    from shmstore import _native
+def segment_name(name: str) -> str:
+    """The full segment name ``name`` stands for (``"coco"`` -> ``"shmstore-coco"``);
+    :class:`shmstore.InvalidInputError` for a name shmstore would never create.
 
-    return {Path(p): pids for p, pids in _native._segment_users([str(p) for p in paths]).items()}
+    >>> segment_name("coco")
+    'shmstore-coco'
+    """
+    return _native._segment_name(name)
 
 
 def segment_paths(directory: Path | None = None) -> list[Path]:
-    """This user's shmstore segment files (sealed and being built), sorted by name.
+    """This user's shmstore segment files (sealed and being built), sorted by path.
 
     >>> isinstance(segment_paths(), list)
     True
     """
-    dirs = [directory] if directory is not None else search_dirs()
-    uid = os.geteuid()
-    out = []
-    entries = []
-    for d in dirs:
-        try:
-            entries.extend(os.scandir(d))
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-    for e in entries:
-        if not e.name.startswith(PREFIX):
-            continue
-        try:
-            if e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_uid == uid:
-                out.append(Path(e.path))
-        except FileNotFoundError:
-            continue
-    return sorted(out)
+    return [Path(p) for p in _native._segment_paths(directory)]
 
 
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (it may belong to another user).
-
-    >>> pid_alive(os.getpid())
-    True
-    """
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def segment_users(paths: list[Path]) -> dict[Path, list[int]]:
+    """For each path, the pids of *other* processes that map it or hold it open (the same
+    /proc ground truth, by device and inode, that the supervisor uses)."""
+    return {Path(p): pids for p, pids in _native._segment_users([str(p) for p in paths]).items()}
 
 
-def human_size(n: float) -> str:
-    """``1536`` -> ``'1.5 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+def remove(name: str) -> Path | None:
+    """Unlink segment ``name`` (checked like :func:`segment_name`); its path, or None if
+    this user has no such segment. Processes that map it keep reading it."""
+    removed = _native._remove_segment(name)
+    return None if removed is None else Path(removed)

@@ -43,13 +43,14 @@ from shmstore._native import (
     StorePermissionError,
 )
 from shmstore._segments import (
-    PREFIX,
-    human_size,
-    pid_alive,
+    remove,
     search_dirs,
+    segment_name,
     segment_paths,
     segment_users,
 )
+from shmstore._util import format_bytes as human_size
+from shmstore._util import pid_alive
 
 __all__ = [
     "EXIT_BROKEN_PIPE",
@@ -231,14 +232,12 @@ def _gc(args: argparse.Namespace) -> int:
 
 
 def _full_name(name: str) -> str:
-    """``name`` with the prefix; a name shmstore never gives a store is a usage error."""
-    full = name if name.startswith(PREFIX) else PREFIX + name
-    if "/" in name or name.startswith(".") or not name or "\0" in name:
-        raise UserError(
-            f"{name!r} is not a store name (a name has no '/' and does not start with '.')",
-            EXIT_USAGE,
-        )
-    return full
+    """``name`` with the prefix, checked by the core's naming rule: a name shmstore never
+    gives a store is a usage error."""
+    try:
+        return segment_name(name)
+    except InvalidInputError as e:
+        raise UserError(f"{name!r} is not a store name ({e})", EXIT_USAGE) from None
 
 
 def _rm(args: argparse.Namespace) -> int:
@@ -249,16 +248,10 @@ def _rm(args: argparse.Namespace) -> int:
         results.append(row)
         try:
             full = _full_name(name)
-            for d in search_dirs():
-                path = d / full
-                try:
-                    path.unlink()
-                except FileNotFoundError:
-                    continue
-                row.update(path=str(path), removed=True)
-                break
-            else:
+            path = remove(full)
+            if path is None:
                 raise UserError(f"no segment named {full!r}", EXIT_NOT_FOUND)
+            row.update(path=str(path), removed=True)
         except Exception as e:
             err = _classify(e, name)
             row["error"] = str(err)

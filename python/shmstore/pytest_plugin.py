@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import gc
 import inspect
-import re
 import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
@@ -41,8 +40,8 @@ import pytest
 
 from . import _segments
 from . import memory as _memory
+from ._util import format_bytes, parse_size
 from .leaks import detect
-from .leaks._report import format_bytes
 
 __all__ = ["SegmentTracker", "list_segments"]
 
@@ -52,16 +51,6 @@ _MARKER_DOC = (
     "`memory` bytes, or leaves shmstore segments behind (shmstore plugin)"
 )
 _SEGMENTS_BEFORE = pytest.StashKey[frozenset[str]]()
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-}
 _OPTIONS = ("cycles", "memory", "segments", "allow", "warmup", "repeat", "threads")
 
 
@@ -80,17 +69,9 @@ def _mapped_by_other_processes(names: frozenset[str]) -> frozenset[str]:
 
 
 def parse_bytes(value: Any) -> int:
-    """``1024``, ``"10 MB"``, ``"1.5GiB"`` -> bytes."""
-    if isinstance(value, bool):
-        raise TypeError("memory must be a number of bytes or a string like '10 MB', not a bool")
-    if isinstance(value, (int, float)):
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(value))
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise ValueError(
-            f"cannot read {value!r} as a size: use bytes (an int) or e.g. '10 MB', '1.5 GiB'"
-        )
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """``1024``, ``"10 MB"``, ``"1.5GiB"`` -> bytes: the one size grammar of shmstore
+    (``"10 MB"`` is 10**7 bytes, ``"10 MiB"`` 10 * 2**20; see ``shmstore._util``)."""
+    return parse_size(value, what="memory")
 
 
 @dataclass(frozen=True)

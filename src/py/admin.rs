@@ -195,3 +195,55 @@ pub(crate) fn _crafted_archive<'py>(py: Python<'py>, name: &str) -> PyResult<Bou
         .ok_or_else(|| Error::Usage(format!("no archive {name:?}")))?;
     Ok(PyBytes::new(py, &bytes))
 }
+
+/// This user's shmstore files (sealed segments and `.part-` files being built) in `dir`,
+/// or in every search directory (`_search_dirs`), sorted. Symlinks and other users' files
+/// are not listed.
+#[pyfunction]
+#[pyo3(signature = (dir=None))]
+pub(crate) fn _segment_paths(py: Python<'_>, dir: Option<PathBuf>) -> Vec<PathBuf> {
+    let dirs = dir.map(|d| vec![d]).unwrap_or_else(segment::search_dirs);
+    py.detach(|| {
+        let mut out: Vec<PathBuf> = dirs.iter().flat_map(|d| sw::segment_files(d)).collect();
+        out.sort();
+        out
+    })
+}
+
+/// The segment name `name` stands for (the prefix added), checked as attach and create check
+/// it; InvalidInputError for a name shmstore would never create.
+#[pyfunction]
+pub(crate) fn _segment_name(name: &str) -> PyResult<String> {
+    Ok(segment::normalize_name(name).map_err(Error::from)?)
+}
+
+/// Unlink the segment `name` (a checked name) from the first search directory that has it
+/// as this user's regular file; returns its path, or None when there is none. Mappings in use
+/// keep working.
+#[pyfunction]
+pub(crate) fn _remove_segment(py: Python<'_>, name: &str) -> PyResult<Option<PathBuf>> {
+    let name = segment::normalize_name(name).map_err(Error::from)?;
+    let me = rustix::process::geteuid().as_raw();
+    let removed = py.detach(|| {
+        for dir in segment::search_dirs() {
+            let path = dir.join(&name);
+            let ours = std::fs::symlink_metadata(&path).is_ok_and(|m| {
+                use std::os::unix::fs::MetadataExt;
+                m.file_type().is_file() && m.uid() == me
+            });
+            if !ours {
+                continue;
+            }
+            return match std::fs::remove_file(&path) {
+                Ok(()) => Ok(Some(path)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                Err(err) => Err(Error::Io {
+                    at: format!("removing {}", path.display()),
+                    err,
+                }),
+            };
+        }
+        Ok(None)
+    });
+    Ok(removed?)
+}

@@ -36,8 +36,9 @@ mod _native {
 
     #[pymodule_export]
     use super::admin::{
-        _cleanup_at_exit, _crafted_archive, _fuzz_case, _search_dirs, _segment_users, _store_info,
-        _supervisor_main, supervisor_info, sweep,
+        _cleanup_at_exit, _crafted_archive, _fuzz_case, _remove_segment, _search_dirs,
+        _segment_name, _segment_paths, _segment_users, _store_info, _supervisor_main,
+        supervisor_info, sweep,
     };
     #[pymodule_export]
     use super::fetch::{_cluster_identity, _import_archive};

@@ -207,7 +207,8 @@ class detect:  # lower case: used like a function, `with detect() as report`
         ...         self.circular = self
         ...         self.data = data
         >>> with leaks.detect() as report:
-        ...     Circular(np.zeros(1_000_000))
+        ...     c = Circular(np.zeros(1_000_000))
+        ...     del c
         >>> report.cycles[0].path, report.retained_bytes > 8_000_000
         ("Circular.__dict__['circular'] -> Circular", True)
 

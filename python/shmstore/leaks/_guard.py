@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Callable, Optional, TypeVar, cast, overload
 
-from ._report import format_bytes
+from .._util import format_bytes
 
 __all__ = ["GcEvent", "GcGuard", "GcWatch", "GuardStats", "gc_guard", "watch"]
 
@@ -209,9 +209,13 @@ def gc_guard(fn: Optional[F] = None, *, guard: Optional[GcGuard] = None) -> F | 
 
     Example::
 
-        >>> from joblib import Parallel, delayed              # doctest: +SKIP
+        >>> from joblib import Parallel, delayed
+        >>> from shmstore.leaks import gc_guard
+        >>> def train_one(i):
+        ...     return i * i
         >>> Parallel(n_jobs=4, backend="threading")(
-        ...     delayed(gc_guard(train_one))(i) for i in range(100))
+        ...     delayed(gc_guard(train_one))(i) for i in range(5))
+        [0, 1, 4, 9, 16]
     """
     if fn is None:
         return lambda f: gc_guard(f, guard=guard)

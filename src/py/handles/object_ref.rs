@@ -13,9 +13,10 @@ use crate::py::write::Encoder;
 
 /// One object (e.g. a numpy array) shared by name; made by `shmstore.put`.
 ///
-/// >>> ref = shmstore.put(np.arange(3))
-/// >>> ref.get()
-/// array([0, 1, 2])
+/// >>> import numpy as np, shmstore
+/// >>> with shmstore.put(np.arange(3)) as ref:
+/// ...     ref.get().tolist()
+/// [0, 1, 2]
 #[pyclass(name = "Ref", module = "shmstore", frozen, extends = StoreHandle)]
 pub(crate) struct Ref;
 

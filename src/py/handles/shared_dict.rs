@@ -16,8 +16,9 @@ use crate::py::write::{Encoder, Seg0};
 
 /// A dict of records in shared memory, with a hash index stored in the archive.
 ///
-/// >>> d = shmstore.SharedDict({"doc-1": "text"})
-/// >>> d["doc-1"]
+/// >>> import shmstore
+/// >>> with shmstore.SharedDict({"doc-1": "text"}) as d:
+/// ...     d["doc-1"]
 /// 'text'
 #[pyclass(name = "SharedDict", module = "shmstore", frozen, extends = StoreHandle)]
 pub(crate) struct SharedDict;

@@ -13,8 +13,9 @@ use crate::py::write::{Encoder, Seg0};
 
 /// A list of records in shared memory.
 ///
-/// >>> lst = shmstore.SharedList([{"a": 1}, {"a": 2}])
-/// >>> lst[1]["a"]
+/// >>> import shmstore
+/// >>> with shmstore.SharedList([{"a": 1}, {"a": 2}]) as lst:
+/// ...     lst[1]["a"]
 /// 2
 #[pyclass(name = "SharedList", module = "shmstore", frozen, extends = StoreHandle)]
 pub(crate) struct SharedList;

@@ -1,0 +1,135 @@
+"""Shared helpers and facts that must agree everywhere: the size grammar, `pid_alive`, the
+version, handles' `path`/`kind`, segment names checked by the Rust core (`shmstore rm`)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import shmstore
+import tomllib
+from shmstore import _segments, _util
+from shmstore import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.usefixtures("no_leftover_segments")
+
+
+@pytest.mark.parametrize(
+    ("text", "n"),
+    [
+        (0, 0),
+        (1024, 1024),
+        ("1024", 1024),
+        ("10 MB", 10 * 10**6),
+        ("10MB", 10 * 10**6),
+        ("10 mb", 10 * 10**6),
+        ("10 kB", 10_000),
+        ("2 GB", 2 * 10**9),
+        ("10 MiB", 10 * 2**20),
+        ("10M", 10 * 2**20),
+        ("512k", 512 * 1024),
+        ("1.5GiB", 3 << 29),
+        ("1 TiB", 1 << 40),
+        (" 3 B ", 3),
+    ],
+)
+def test_one_size_grammar(text, n):
+    assert _util.parse_size(text) == n
+
+
+@pytest.mark.parametrize("bad", ["ten", "10 XB", "-1 MB", "1e3", ""])
+def test_sizes_that_are_refused(bad):
+    with pytest.raises(ValueError, match="cannot read"):
+        _util.parse_size(bad)
+
+
+def test_size_type_errors():
+    with pytest.raises(TypeError):
+        _util.parse_size(True)
+    with pytest.raises(TypeError):
+        _util.parse_size(None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=">= 0"):
+        _util.parse_size(-5)
+
+
+def test_the_plugin_uses_the_same_grammar():
+    from shmstore import pytest_plugin
+
+    for text in ["10 MB", "10 MiB", "10M", "1.5GiB"]:
+        assert pytest_plugin.parse_bytes(text) == _util.parse_size(text)
+
+
+def test_pid_alive_and_zombies():
+    assert _util.pid_alive(os.getpid())
+    assert not _util.pid_alive(0)
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    # Wait for the exit without reaping it: the child is now a zombie.
+    os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)
+    assert not _util.pid_alive(child.pid), "a zombie has exited: not alive"
+    child.wait()
+    assert not _util.pid_alive(child.pid)
+
+
+def test_one_pid_alive_and_one_formatter():
+    assert cli.pid_alive is _util.pid_alive
+    assert cli.human_size is _util.format_bytes
+    from shmstore.leaks import _report
+
+    assert _report.format_bytes is _util.format_bytes
+
+
+def test_version_is_written_once():
+    cargo = tomllib.loads((ROOT / "Cargo.toml").read_text())["package"]["version"]
+    assert shmstore.__version__ == cargo
+    assert importlib.metadata.version("shmstore") == cargo
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "version" not in pyproject and "version" in pyproject["dynamic"]
+
+
+@pytest.mark.parametrize(
+    ("make", "kind"),
+    [
+        (lambda: shmstore.SharedList([1]), "list"),
+        (lambda: shmstore.SharedDict({"a": 1}), "dict"),
+        (lambda: shmstore.put(1), "object"),
+    ],
+)
+def test_handles_have_path_and_kind(make, kind, tmp_path):
+    with make() as h:
+        assert h.kind == kind
+        assert isinstance(h.path, Path) and h.path.name == h.name
+        assert h.path.parent == _segments.segment_dir()
+        assert h.path in _segments.segment_paths()
+        saved = tmp_path / "saved.shmstore"
+        h.save(saved)
+        opened = type(h).open(saved)
+        assert opened.path == saved and opened.kind == kind
+        opened.close()
+        h.close()
+        assert h.path.name == h.name  # still known after close
+
+
+def test_segment_names_come_from_rust():
+    assert _segments.segment_name("coco") == "shmstore-coco"
+    assert _segments.segment_name("shmstore-coco") == "shmstore-coco"
+    for bad in ["a/b", "..", "", "x" * 300, "a.part-1"]:
+        with pytest.raises(shmstore.InvalidInputError):
+            _segments.segment_name(bad)
+
+
+def test_rm_checks_names_like_the_core(capsys):
+    for bad in ["../etc", "a b", "x" * 300, "a.part-1"]:
+        assert cli.main(["rm", bad]) == cli.EXIT_USAGE
+        assert "invalid segment name" in capsys.readouterr().err
+    with shmstore.SharedList([1]) as lst:
+        assert cli.main(["rm", lst.name.removeprefix("shmstore-")]) == cli.EXIT_OK
+        assert not lst.path.exists()
+        assert lst[0] == 1  # the mapping keeps working
+    assert cli.main(["rm", "shmstore-no-such-store-here"]) == cli.EXIT_NOT_FOUND
+    assert "no segment named 'shmstore-no-such-store-here'" in capsys.readouterr().err
