@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     nproc = args.ranks * (1 + args.workers)
     text = f"""# DataLoader-shaped harness: {args.ranks} ranks x {args.workers} workers
 
-`python benchmarks/bench_dataloader.py` (issue 5). {args.n:,} COCO-like records
+`python benchmarks/bench_dataloader.py`. {args.n:,} COCO-like records
 (`benchmarks/coco.py`); {args.ranks} spawned "ranks", each forking {args.workers} loader workers
 that read a quarter of the records each (the fields of the memory benchmark). Total PSS of the
 {nproc} processes while idle after reading, minus the same process tree holding no data

@@ -18,7 +18,7 @@ File-backed approaches (indexed, lmdb, lz4, shmstore-file) also use the page cac
 all processes and evictable; it is listed apart.
 
     python benchmarks/bench_docstore.py                       # 250k docs (~250 MB), defaults
-    python benchmarks/bench_docstore.py --docs 1000000        # the issue's 1M docs (~1 GB)
+    python benchmarks/bench_docstore.py --docs 1000000        # the full 1M docs (~1 GB)
 """
 
 from __future__ import annotations
@@ -458,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     scaled = (
         ""
         if args.docs >= 1_000_000
-        else f"\n**Scaled down**: {args.docs:,} documents instead of the issue's 1M, to keep the "
+        else f"\n**Scaled down**: {args.docs:,} documents instead of the full 1M, to keep the "
         "run within ~10 minutes on 2 cores with 8 processes each loading a dict; "
         "`--docs 1000000` runs the full size.\n"
     )
@@ -481,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     text = (
         f"""# Document store: random lookups by doc_id from 1-{pmax} processes
 
-`python benchmarks/bench_docstore.py` (issue 5, the IR-training seed). Synthetic corpus:
+`python benchmarks/bench_docstore.py` (retrieval training: every rank looks up passages by
+id). Synthetic corpus:
 {args.docs:,} documents of {args.words} Zipf-distributed words, **{C.mib(raw)} MiB of text**
 (doc ids + texts, as UTF-8). Every process (spawned, like DDP ranks) loads its store, then does
 {args.lookups:,} lookups of random doc_ids (get + decode to `str`){epoch}; all processes of a row

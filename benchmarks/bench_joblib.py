@@ -1,4 +1,5 @@
-"""The seed's joblib scenario: one big array, 8 slices x 20 tasks, 2 workers.
+"""The joblib slices scenario (docs/guides/joblib.md): one big array, 8 slices x 20 tasks,
+2 workers.
 
 joblib's default memmapping writes one file per slice *object* (keyed by id()), so every task
 writes its slice again: 20x the array in /dev/shm. shmstore.joblib writes the array once.
@@ -6,7 +7,7 @@ writes its slice again: 20x the array in /dev/shm. shmstore.joblib writes the ar
 For each approach a fresh process runs the workload (``--run``) while this driver samples the
 bytes that new files in /dev/shm occupy (st_blocks, recursively, every 10 ms) and reads the
 tasks' progress from the child's stdout. A run whose /dev/shm usage passes ``--cap`` is stopped
-(SIGKILL to its process group, then its joblib folder is removed): that is the seed's
+(SIGKILL to its process group, then its joblib folder is removed): that is joblib's
 "No space left on device", caught before it takes the machine down.
 
     python benchmarks/bench_joblib.py                     # 2 GiB and 256 MiB, both backends
@@ -257,13 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     text = f"""# joblib: one big array, {args.slices} slices x {args.tasks} tasks, 2 workers
 
-`python benchmarks/bench_joblib.py` (issue 5; the seed "joblib memory errors", scaled to this
+`python benchmarks/bench_joblib.py` (joblib's "No space left on device" with slices, scaled to this
 machine). Each run is a fresh process: a float64 array is cut into {args.slices} slices and every
 slice is passed to {args.tasks} tasks (`data[i*step:(i+1)*step]`, a new view object each time),
 run by 2 workers; each task reads one value per page of its slice. The driver samples every
 10 ms the bytes occupied by files created in /dev/shm during the run (`st_blocks`, recursively,
 so joblib's folders count). A run that passes the cap ({args.cap}, or 80% of the free space of
-/dev/shm) is killed: with joblib's default memmapping this is the seed's "No space left on
+/dev/shm) is killed: with joblib's default memmapping this is joblib's "No space left on
 device", stopped before it takes the machine down. Wall time: from the array being ready to the
 last result (for a stopped run, until it was stopped).
 

@@ -1,4 +1,4 @@
-"""GC tooling benchmarks (issue 4); writes benchmarks/results/leaks.md.
+"""GC tooling benchmarks; writes benchmarks/results/leaks.md.
 
 1. Leak analysis time vs heap size (10k / 100k / 1M tracked objects, 100 garbage cycles each
    pinning a numpy array): shmstore.leaks.detect (native and pure-Python graph engines; block
@@ -278,7 +278,7 @@ def main() -> int:
         print(parts[args.only]())
         return 0
     analysis, plugin, guard = (parts[k]() for k in ("analysis", "plugin", "guard"))
-    text = f"""# GC tooling benchmarks (issue 4)
+    text = f"""# GC tooling benchmarks
 
 {machine_md()}
 
@@ -294,7 +294,7 @@ cycles, their paths and retained bytes. *native* is the Rust graph engine
 (`_native.gc_unreachable`), *python* the pure-Python fallback. refcycle runs
 `gc.collect()` with `DEBUG_SAVEALL` (finalizers and weakref callbacks run) and then computes
 SCCs; objgraph lists objects nothing refers to. Native times are the best of 3 runs, the
-others one run each. Issue target: 1M objects in <= 1 s. The machine was shared with other
+others one run each. Target: 1M objects in <= 1 s. The machine was shared with other
 builds and benchmarks while this ran (see the load average above).
 
 {analysis}

@@ -1,4 +1,4 @@
-"""Segment lifecycle benchmarks (issue 3); writes benchmarks/results/lifecycle.md.
+"""Segment lifecycle benchmarks; writes benchmarks/results/lifecycle.md.
 
 1. Cleanup latency after SIGKILL of all clients: time from the kill to the segment file
    disappearing (busy polling every ~1 ms, no inotify), median and p99 over >= 100 runs,
@@ -477,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         o_rows.append([ph, us(a), us(b), f"{a / b:.1f}x"])
     ratio = over["shmstore"]["total"] / over["shm"]["total"]
 
-    text = f"""# Segment lifecycle benchmarks (issue 3)
+    text = f"""# Segment lifecycle benchmarks
 
 {machine_md()}
 - **processes on the machine** (the supervisor's /proc scan visits each): {procs_on_machine}
@@ -492,7 +492,7 @@ other builds and benchmarks while this ran (see the load average above).
 Clients are forked from the benchmark process: one creates a 1 KiB store (`put`), the
 others attach it by name; once all have reported, all are SIGKILLed. The latency is the
 time from the first `kill()` to the segment file disappearing, polled every {POLL_S * 1e3:.0f}
-ms (no inotify; resolution ~1 ms). One supervisor served all runs. Issue bound: 2 s.
+ms (no inotify; resolution ~1 ms). One supervisor served all runs. Bound (docs/lifecycle.md): 2 s.
 
 {md_table(LAT_HEADERS, lat_rows)}
 
@@ -538,7 +538,7 @@ real processes (one creates a store, the others attach it). **1000 clients** wou
 Python processes, too heavy for this 2-core machine: it is the creator plus 999 raw connections
 opened from the benchmark process (`socket.AF_UNIX`, address `"\\0" + name`, each sending
 `HELLO <pid>` and `USE <path>` and reading the `OK` replies) — to the supervisor each is a
-client like any other. Issue bound: 20 MB.
+client like any other. Bound: 20 MB.
 
 {md_table(["clients", "how", "VmRSS (MiB)", "VmHWM (MiB)", "<= 20 MB"], rss_rows, left=2)}
 

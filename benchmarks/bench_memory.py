@@ -1,4 +1,4 @@
-"""Memory of 4 DataLoader-like workers that each read every record once (issue 2, acceptance).
+"""Memory of 4 DataLoader-like workers that each read every record once (acceptance benchmark).
 
 For every start method (fork, spawn, forkserver) and every way of holding the records
 (plain list, pickle-per-record numpy buffer, shmstore SharedList, plus "none": the interpreter

@@ -1,4 +1,4 @@
-"""Read and build speed: shmstore SharedList vs pickle-per-record (issue 2, acceptance).
+"""Read and build speed: shmstore SharedList vs pickle-per-record (acceptance benchmark).
 
 Single process, the same COCO-like records for both, medians of ``--repeats`` runs (GC off during
 each timed call, as timeit does); the approaches alternate within every repeat, so that both see

@@ -1,4 +1,5 @@
-"""The seed's joblib scenario, small: one array, 8 slices x 20 tasks, 2 workers.
+"""The joblib slices scenario (docs/guides/joblib.md), small: one array, 8 slices x 20 tasks,
+2 workers.
 
     python examples/joblib_slices.py [--mib 64]
 

@@ -3,7 +3,8 @@
     pytest examples/pytest_guide_test.py
 
 The first test shares a SharedList with worker processes and checks that it leaves no cycle and
-no segment behind; the second is the seed's leak, kept as an expected failure.
+no segment behind; the second is a leak (an object that references itself), kept as an
+expected failure.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class Circular:
         self.data = data
 
 
-@pytest.mark.xfail(strict=True, reason="the seed's cycle: the plugin reports it")
+@pytest.mark.xfail(strict=True, reason="a self-referencing object: the plugin reports it")
 @pytest.mark.no_leaks
 def test_a_cycle_pinning_an_array_is_reported():
     Circular(np.ones(1 << 18))

@@ -31,7 +31,7 @@ def train(data: shmstore.Ref, rows: slice, seed: int) -> float:
 
 class Holder:
     """The xgboost 2.x cycle, rebuilt: an object that refers to itself through a bound method,
-    holding a private copy of the data (the seed's ``new_data = data * i``)."""
+    holding a private copy of the data (``new_data = data * i``)."""
 
     def __init__(self, X: np.ndarray) -> None:
         self.X = X * 1.0

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
-from shmstore._segments import pid_alive
+from shmstore._util import pid_alive
 
 # --- hypothesis --------------------------------------------------------------------------
 

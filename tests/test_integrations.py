@@ -74,7 +74,7 @@ def _cache_state(_):
 
 
 class _Model:
-    """The seed's instance-method pitfall: ``self`` holds the big data."""
+    """The instance-method pitfall: ``self`` holds the big data."""
 
     def __init__(self, weights, records):
         self.weights = weights  # a large numpy array: goes by name
@@ -512,7 +512,7 @@ class _DMatrixHolder:
 
     def __init__(self, dm, X):
         self.dm = dm
-        self.X = np.array(X)  # a private copy, as the seed's ``data * i``
+        self.X = np.array(X)  # a private copy, as in ``data * i``
         self._handle_ref = self.reset
 
     def reset(self):

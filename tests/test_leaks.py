@@ -35,7 +35,7 @@ def no_auto_gc() -> Any:
 
 
 class Circular:
-    """The seed's pattern: an object that references itself and pins its data."""
+    """The classic leak: an object that references itself and pins its data."""
 
     def __init__(self, data: Any) -> None:
         self.circular = self
@@ -53,7 +53,7 @@ class QuantileDMatrix:
         pass
 
 
-# -- the cycles the issue lists ------------------------------------------------------------
+# -- well-known cycles ---------------------------------------------------------------------
 
 
 def test_circular_pinning_a_numpy_array_reports_path_and_bytes() -> None:
@@ -70,7 +70,7 @@ def test_circular_pinning_a_numpy_array_reports_path_and_bytes() -> None:
     assert report.retained_bytes >= cycle.retained_bytes
 
 
-def test_quantiledmatrix_method_cycle_path_matches_the_issue() -> None:
+def test_quantiledmatrix_method_cycle_path_is_named() -> None:
     with leaks.detect() as report:
         QuantileDMatrix(np.zeros(10))
     assert [c.path for c in report.cycles] == [

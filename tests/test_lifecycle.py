@@ -1,4 +1,4 @@
-"""Segment lifecycle (issue 3): the kill matrix with real processes, the orphan sweep, the
+"""Segment lifecycle: the kill matrix with real processes, the orphan sweep, the
 capacity preflight and fallback, and the CLI.
 
 Every test gets its own segment directory (``/dev/shm/shmstore_lifecycle-<random>/``), its
@@ -6,7 +6,7 @@ own supervisor name (``SHMSTORE_SUPERVISOR_NAME``), fallback directory and log d
 (fixture ``lc``), so it never meets another test's supervisor or the user's real one. The
 processes are ``tests/_lifecycle_workers.py`` scripted over pipes. No sleep is used as
 synchronisation: tests wait on conditions with deadlines (``wait_until``); the only timing
-bound asserted is the issue's "unlinked within 2 s" (``assert_gone_within``).
+bound asserted is the documented "unlinked within 2 s" (``assert_gone_within``).
 
 What is tested where:
 
@@ -60,9 +60,10 @@ import pytest
 import shmstore
 from conftest import mounted_tmpfs
 from shmstore import _native
+from shmstore._util import pid_alive
 
 WORKERS = Path(__file__).with_name("_lifecycle_workers.py")
-CLEANUP_S = 2.0  # the issue's bound: unlinked within 2 s of the last user's exit
+CLEANUP_S = 2.0  # the documented bound: unlinked within 2 s of the last user's exit
 GRACE_S = 0.3  # SHMSTORE_SUPERVISOR_GRACE in these tests: idle supervisors exit quickly
 REPLY_S = 60.0  # generous: a loaded 2-core CI machine
 PREFIX = "shmstore-"
@@ -93,15 +94,6 @@ def assert_gone_within(paths: list[Path], t0: float, bound: float = CLEANUP_S) -
         if time.monotonic() >= deadline:
             raise AssertionError(f"still there {bound} s after the last user exited: {left}")
         time.sleep(0.002)
-
-
-def pid_alive(pid: int) -> bool:
-    """Alive and not a zombie (the supervisor is reparented; who reaps it is not ours)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 def ppid_of(pid: int) -> int:
