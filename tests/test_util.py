@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import shmstore
 import tomllib
-from shmstore import _segments, _util
-from shmstore import cli
+from shmstore import _segments, _util, cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
