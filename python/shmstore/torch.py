@@ -306,7 +306,7 @@ def _make(
         kind = shmstore._native._store_info(os.fspath(archive))["kind"]
         return _KINDS[str(kind)].open(archive)
     made: Any = build()
-    handle = made if isinstance(made, tuple(_KINDS.values())) else shmstore.SharedList(made)
+    handle = made if isinstance(made, shmstore.StoreHandle) else shmstore.SharedList(made)
     if archive is not None:
         handle.save(archive)
     return handle
