@@ -279,8 +279,9 @@ def test_joblib_prefer_threads_is_honoured_inside_sharing():
 @pytest.mark.parametrize("mode", ["r+", "w+", "c"])
 def test_joblib_writable_mmap_mode_warns(mode, big):
     """Arrays arrive read-only whatever ``mmap_mode`` asks: a writable mode warns."""
-    with sj.sharing(n_jobs=2), pytest.warns(sj.WritableMemmapWarning, match=mode):
+    with sj.sharing(n_jobs=2), pytest.warns(sj.WritableMemmapWarning, match=mode) as got:
         out = joblib.Parallel(mmap_mode=mode)(delayed(_first_rows)(big) for _ in range(2))
+    assert {w.filename for w in got} == {__file__}  # points at the caller's line
     assert [o.flags.writeable for o in out] == [False, False]
     with sj.sharing(n_jobs=2):  # the default "r": no warning (warnings are errors here)
         joblib.Parallel()(delayed(_pid)(i) for i in range(2))

@@ -6,6 +6,7 @@ import contextlib
 import contextvars
 import gc
 import logging
+import sys
 import time
 import warnings
 from typing import Any, Iterator, Optional, Union
@@ -51,6 +52,19 @@ class WritableMemmapWarning(UserWarning):
 _WRITABLE_MODES = ("r+", "w+", "c")
 
 
+def _caller_outside_joblib() -> int:
+    """The ``stacklevel`` (for a warning issued by our caller) of the first frame outside
+    joblib and shmstore.joblib: the user's ``Parallel(...)(...)`` line."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and str(frame.f_globals.get("__name__", "")).startswith(
+        ("joblib.", "shmstore.joblib.")
+    ):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
 def _check_mmap_mode(mode: Any) -> None:
     if mode in _WRITABLE_MODES:
         warnings.warn(
@@ -59,7 +73,7 @@ def _check_mmap_mode(mode: Any) -> None:
             "ValueError. Return the results instead, or run this call with a plain joblib "
             "backend (e.g. backend='loky' outside shmstore.joblib.sharing()).",
             WritableMemmapWarning,
-            stacklevel=4,
+            stacklevel=_caller_outside_joblib(),
         )
 
 
