@@ -290,6 +290,7 @@ def test_joblib_writable_mmap_mode_warns(mode, big):
 def test_joblib_threshold_and_arguments():
     assert _reduce.parse_bytes("1M") == MiB and _reduce.parse_bytes("512k") == 512 << 10
     assert _reduce.parse_bytes(None) == 0 and _reduce.parse_bytes(10) == 10
+    assert _reduce.parse_bytes("10 MB") == 10**7  # shmstore's one size grammar (SI units)
     with pytest.raises(ValueError):
         _reduce.parse_bytes("lots")
     with pytest.raises(ValueError, match="backend must be"):

@@ -193,12 +193,11 @@ _KINDS: dict[str, Any] = {
 }
 
 
-def _payload(handle: Any) -> Payload:
-    info = shmstore._native._store_info(handle)
-    path = str(info["path"])
-    if info["name"] == path:  # opened from a saved archive: share the file path
-        return (str(info["kind"]), "", path, "file")
-    return (str(info["kind"]), str(info["name"]), os.path.dirname(path), "segment")
+def _payload(handle: shmstore.StoreHandle) -> Payload:
+    path = str(handle.path)
+    if handle.name == path:  # opened from a saved archive: share the file path
+        return (handle.kind, "", path, "file")
+    return (handle.kind, handle.name, os.path.dirname(path), "segment")
 
 
 def _from_payload(payload: Payload) -> Any:

@@ -8,7 +8,6 @@ import io
 import logging
 import os
 import pickle
-import re
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ import numpy as np
 
 import shmstore
 from shmstore import _procmaps
+from shmstore._util import format_bytes, parse_size
 
 from ._cache import CACHE, LOADING, open_file, open_segment
 
@@ -42,18 +42,13 @@ _ARRAY_TYPES = (np.ndarray, np.memmap)
 
 
 def parse_bytes(value: Union[int, str, None]) -> int:
-    """``1048576``, ``"1M"``, ``"512k"``, ``"2G"`` -> bytes; None means "every array"."""
-    if value is None:
-        return 0
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"threshold must be >= 0 bytes, not {value}")
-        return value
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)i?[bB]?\s*", str(value))
-    if not m:
-        raise ValueError(f"threshold must be a number of bytes or like '1M', not {value!r}")
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[m.group(2).lower()]
-    return int(float(m.group(1)) * scale)
+    """``1048576``, ``"1M"``, ``"1 MiB"``, ``"10 MB"`` -> bytes (shmstore's one size grammar,
+    :func:`shmstore._util.parse_size`); None means "every array".
+
+    >>> parse_bytes("1M"), parse_bytes(None)
+    (1048576, 0)
+    """
+    return 0 if value is None else parse_size(value, what="threshold")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,10 +184,6 @@ class _Sender:
         return (root_offset + _data_ptr(a) - _data_ptr(root), a.shape, a.strides, a.dtype)
 
 
-def _path_of(handle: Any) -> str:
-    return str(shmstore._native._store_info(handle)["path"])
-
-
 class Sharer(_Sender):
     """The parent side of a context: one segment per root buffer, unlinked by :meth:`close`."""
 
@@ -212,7 +203,7 @@ class Sharer(_Sender):
     def _marker_path_locked(self) -> str:
         if self._marker is None:
             self._marker = shmstore.put(self.token)
-            self._marker_path = _path_of(self._marker)
+            self._marker_path = str(self._marker.path)
         return self._marker_path
 
     def reduce_array(self, a: np.ndarray) -> Optional[tuple[Any, ...]]:
@@ -246,11 +237,11 @@ class Sharer(_Sender):
         data = root if contiguous else np.ascontiguousarray(root)
         ref = shmstore.put(_as_bytes(data))
         self._refs.append(ref)
-        path = _path_of(ref)
+        path = str(ref.path)
         self.stats.segments += 1
         self.stats.copied_bytes += root.nbytes
         self.stats.names.append(ref.name)
-        log.debug("shared a %s root buffer as %s", _fmt(root.nbytes), ref.name)
+        log.debug("shared a %s root buffer as %s", format_bytes(root.nbytes), ref.name)
         return root, ("segment", path, self.token, marker), 0, (None if contiguous else data)
 
     def dumps(self, obj: Any) -> bytes:
@@ -296,7 +287,7 @@ class ResultSender(_Sender):
                 if not (root.flags.c_contiguous or root.flags.f_contiguous):
                     return None  # a rare strided root: pickled by value
                 ref = shmstore.put(_as_bytes(root))
-                path = _path_of(ref)
+                path = str(ref.path)
                 CACHE.hold(path, ref)
                 known = (root, ("result", path, "", ""), 0)
             self._roots[id(root)] = known
@@ -309,7 +300,3 @@ def _as_bytes(a: np.ndarray) -> np.ndarray:
     flat = a.ravel(order="K")  # a view for a contiguous array
     assert flat.base is a or flat is a or np.shares_memory(flat, a)
     return flat.view(np.uint8)
-
-
-def _fmt(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB"
