@@ -74,7 +74,11 @@ fn register(py: Python<'_>, path: &Path) -> bool {
     match py.detach(|| supervisor::client::use_segment(path)) {
         Ok(()) => true,
         Err(e) => {
-            log::debug!("supervisor unavailable for {}: {e}", path.display());
+            log::debug!(
+                target: "shmstore::supervisor",
+                "supervisor unavailable for {}: {e}",
+                path.display()
+            );
             false
         }
     }
