@@ -57,11 +57,14 @@ def test_size_type_errors():
         _util.parse_size(-5)
 
 
-def test_the_plugin_uses_the_same_grammar():
+def test_the_plugin_and_joblib_use_the_same_grammar():
     from shmstore import pytest_plugin
+    from shmstore.joblib import _reduce
 
-    for text in ["10 MB", "10 MiB", "10M", "1.5GiB"]:
+    for text in ["10 MB", "10 MiB", "10M", "1.5GiB", "512k", 4096]:
         assert pytest_plugin.parse_bytes(text) == _util.parse_size(text)
+        assert _reduce.parse_bytes(text) == _util.parse_size(text)
+    assert _reduce.parse_bytes(None) == 0
 
 
 def test_pid_alive_and_zombies():
