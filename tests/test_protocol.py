@@ -5,6 +5,11 @@ exceptions raised by the user's `__eq__`."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -13,7 +18,21 @@ import shmstore
 from hypothesis import given
 from hypothesis import strategies as st
 
-pytestmark = pytest.mark.usefixtures("no_leftover_segments")
+
+@pytest.fixture(autouse=True)
+def private_segment_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Every store of these tests in a segment directory of their own: nothing here reads
+    /dev/shm as a whole, and each test checks it left nothing behind in its directory."""
+    d = Path("/dev/shm") / f"shmstore-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    d.mkdir(mode=0o700)
+    monkeypatch.setenv("SHMSTORE_DIR", str(d))
+    monkeypatch.setenv("SHMSTORE_FALLBACK", "0")
+    try:
+        yield d
+        assert sorted(p.name for p in d.iterdir()) == [], "stores left behind"
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
 
 scalars = st.one_of(
     st.none(),

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import shutil
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,20 @@ from shmstore import _segments, _util, cli
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.usefixtures("no_leftover_segments")
+
+@pytest.fixture(autouse=True)
+def private_segment_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Every store of these tests in a segment directory of their own: nothing here reads
+    /dev/shm as a whole, and each test checks it left nothing behind in its directory."""
+    d = Path("/dev/shm") / f"shmstore-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    d.mkdir(mode=0o700)
+    monkeypatch.setenv("SHMSTORE_DIR", str(d))
+    monkeypatch.setenv("SHMSTORE_FALLBACK", "0")
+    try:
+        yield d
+        assert sorted(p.name for p in d.iterdir()) == [], "stores left behind"
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.mark.parametrize(
@@ -113,6 +129,7 @@ def test_handles_have_path_and_kind(make, kind, tmp_path):
         opened = type(h).open(saved)
         assert opened.path == saved and opened.kind == kind
         opened.close()
+        h.unlink()
         h.close()
         assert h.path.name == h.name  # still known after close
 
@@ -135,3 +152,16 @@ def test_rm_checks_names_like_the_core(capsys):
         assert lst[0] == 1  # the mapping keeps working
     assert cli.main(["rm", "shmstore-no-such-store-here"]) == cli.EXIT_NOT_FOUND
     assert "no segment named 'shmstore-no-such-store-here'" in capsys.readouterr().err
+
+
+def test_attach_and_open_on_the_base_class_give_the_right_class(tmp_path):
+    with shmstore.SharedDict({"a": 1}) as d:
+        h = shmstore.StoreHandle.attach(d.name)
+        assert type(h) is shmstore.SharedDict and h["a"] == 1
+        d.save(tmp_path / "d.shmstore")
+        f = shmstore.StoreHandle.open(tmp_path / "d.shmstore")
+        assert type(f) is shmstore.SharedDict
+        with pytest.raises(shmstore.InvalidInputError, match="use SharedDict"):
+            shmstore.SharedList.attach(d.name)
+        h.close()
+        f.close()

@@ -96,6 +96,13 @@ class StoreHandle:
     """What every store handle has: name, path, kind, size, close/unlink, save, pickling by
     name."""
 
+    @classmethod
+    def attach(cls, name: str, *, dir: _Path | None = None) -> StoreHandle:
+        """Attach to an existing store by name; on ``StoreHandle`` itself, the class fits
+        the store's kind."""
+    @classmethod
+    def open(cls, path: str | os.PathLike[str]) -> StoreHandle:
+        """Map a store saved with ``save(path)``."""
     @property
     def name(self) -> str:
         """The store's name (``shmstore-...``), or the path of a store opened from a file."""

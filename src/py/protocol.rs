@@ -79,10 +79,7 @@ impl<'a> Seq<'a> {
         deep: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         match self {
-            Seq::Records(store) => {
-                let node = store.reader.root(i as u64).map_err(store.archive_err())?;
-                read::node_value(py, store, node, deep)
-            }
+            Seq::Records(store) => record(py, store, i, deep),
             Seq::Items(store, node) => {
                 read::value(py, store, node, &Self::items(store, node).0[i], deep)
             }
@@ -306,10 +303,7 @@ impl<'a> Map<'a> {
         deep: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         match self {
-            Map::Entries(store) => {
-                let node = store.reader.root(i as u64).map_err(store.archive_err())?;
-                read::node_value(py, store, node, deep)
-            }
+            Map::Entries(store) => record(py, store, i, deep),
             Map::Dict(store, node) => read::value(
                 py,
                 store,
@@ -382,6 +376,17 @@ impl<'a> Map<'a> {
             ))
         }))
     }
+}
+
+/// Record `i` (< len) of a store: its root value (checked on first access).
+fn record<'py>(
+    py: Python<'py>,
+    store: &Arc<Store>,
+    i: usize,
+    deep: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    let node = store.reader.root(i as u64).map_err(store.archive_err())?;
+    read::node_value(py, store, node, deep)
 }
 
 /// A key that cannot be stored is absent, unless it is unhashable: then TypeError, as dict.

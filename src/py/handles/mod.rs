@@ -16,6 +16,7 @@ use std::sync::{Arc, RwLock, RwLockReadGuard};
 
 use pyo3::impl_::pyclass::PyClassBaseType;
 use pyo3::prelude::*;
+use pyo3::types::PyType;
 use pyo3::PyClass;
 use pyo3::PyClassInitializer;
 
@@ -44,7 +45,7 @@ impl std::ops::Deref for Open<'_> {
     type Target = Arc<Store>;
 
     fn deref(&self) -> &Arc<Store> {
-        // `StoreHandle::open` only makes an `Open` from a guard holding a store.
+        // `StoreHandle::live` only makes an `Open` from a guard holding a store.
         self.0.as_ref().expect("checked open")
     }
 }
@@ -61,7 +62,7 @@ impl StoreHandle {
     }
 
     /// The store, or StoreClosedError.
-    pub(crate) fn open(&self) -> PyResult<Open<'_>> {
+    pub(crate) fn live(&self) -> PyResult<Open<'_>> {
         let guard = self.inner.read().unwrap_or_else(|p| p.into_inner());
         if guard.is_none() {
             return Err(Error::Closed {
@@ -74,7 +75,7 @@ impl StoreHandle {
 
     /// A reference of its own to the store (for iterators), or StoreClosedError.
     pub(crate) fn store(&self) -> PyResult<Arc<Store>> {
-        Ok(Arc::clone(&*self.open()?))
+        Ok(Arc::clone(&*self.live()?))
     }
 }
 
@@ -97,28 +98,37 @@ where
 
 /// The store of a subclass instance's base handle, borrowed.
 fn open_of<'a, T: PyClass<BaseType = StoreHandle>>(slf: &'a Bound<'_, T>) -> PyResult<Open<'a>> {
-    slf.as_super().get().open()
+    slf.as_super().get().live()
 }
 
-/// How a handle class method finds its store.
-enum Find {
-    Attach(String, Option<PathBuf>),
-    File(PathBuf),
+/// The kind of store a handle class holds; None for `StoreHandle` itself (any kind).
+fn kind_of_class(cls: &Bound<'_, PyType>) -> PyResult<Option<Kind>> {
+    Ok(if cls.is_subclass_of::<SharedList>()? {
+        Some(Kind::List)
+    } else if cls.is_subclass_of::<SharedDict>()? {
+        Some(Kind::Dict)
+    } else if cls.is_subclass_of::<Ref>()? {
+        Some(Kind::Object)
+    } else {
+        None
+    })
 }
 
-/// Attach (or open a saved file) and check the store holds `kind`.
-fn find(py: Python<'_>, kind: Kind, how: Find) -> PyResult<Arc<Store>> {
-    let store = match how {
-        Find::Attach(name, dir) => store::attach(py, &name, dir.as_deref())?,
-        Find::File(path) => store::open_file(py, &path)?,
-    };
-    store::expect_kind(&store, kind)?;
-    Ok(store)
+/// A handle for `store` as class `cls` asks: a store of another kind is a clear error
+/// naming the right class; `StoreHandle` itself takes any kind.
+pub(crate) fn handle_as<'py>(
+    cls: &Bound<'py, PyType>,
+    store: Arc<Store>,
+) -> PyResult<Bound<'py, PyAny>> {
+    if let Some(kind) = kind_of_class(cls)? {
+        store::expect_kind(&store, kind)?;
+    }
+    handle_for(cls.py(), store)
 }
 
 /// `Name(name='…', len=…, nbytes=…)`, or `Name(name='…', closed)`.
 fn repr(class: &str, h: &StoreHandle, len: bool) -> String {
-    match h.open() {
+    match h.live() {
         Ok(s) if len => format!(
             "{class}(name='{}', len={}, nbytes={})",
             h.name,
@@ -132,6 +142,25 @@ fn repr(class: &str, h: &StoreHandle, len: bool) -> String {
 
 #[pymethods]
 impl StoreHandle {
+    /// Attach to an existing store by name (any process of the same user). On
+    /// `StoreHandle` itself, the handle's class is the one the store's kind needs.
+    #[classmethod]
+    #[pyo3(signature = (name, *, dir=None))]
+    fn attach<'py>(
+        cls: &Bound<'py, PyType>,
+        name: &str,
+        dir: Option<PathBuf>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        handle_as(cls, store::attach(cls.py(), name, dir.as_deref())?)
+    }
+
+    /// Map a store saved with `save(path)` (read-only; processes share it through the page
+    /// cache).
+    #[classmethod]
+    fn open<'py>(cls: &Bound<'py, PyType>, path: PathBuf) -> PyResult<Bound<'py, PyAny>> {
+        handle_as(cls, store::open_file(cls.py(), &path)?)
+    }
+
     /// The store's name (`shmstore-…`), or the file path for a store opened from a file.
     #[getter]
     fn name(&self) -> String {
@@ -154,7 +183,7 @@ impl StoreHandle {
     /// Size of the archive in bytes.
     #[getter]
     fn nbytes(&self) -> PyResult<usize> {
-        Ok(self.open()?.nbytes())
+        Ok(self.live()?.nbytes())
     }
 
     /// Whether `close()` was called on this handle.
@@ -234,7 +263,7 @@ impl StoreHandle {
         slf: &Bound<'py, Self>,
     ) -> PyResult<(Bound<'py, PyAny>, (String, String, String))> {
         let py = slf.py();
-        let (path, flag, _, _) = slf.get().open()?.pickle_args(0, 0);
+        let (path, flag, _, _) = slf.get().live()?.pickle_args(0, 0);
         let cls: String = slf.get_type().name()?.to_string();
         let rebuild = py.import("shmstore._native")?.getattr("_rebuild")?;
         Ok((rebuild, (cls, path, flag)))

@@ -3,9 +3,9 @@
 use std::path::PathBuf;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyType};
+use pyo3::types::PyBytes;
 
-use super::{find, new_handle, repr, Find, StoreHandle};
+use super::{new_handle, repr, StoreHandle};
 use crate::archive::Kind;
 use crate::py::protocol::Seq;
 use crate::py::store;
@@ -22,30 +22,6 @@ pub(crate) struct Ref;
 
 #[pymethods]
 impl Ref {
-    /// Attach to an object shared with `put(obj, name=...)`.
-    #[classmethod]
-    #[pyo3(signature = (name, *, dir=None))]
-    fn attach<'py>(
-        _cls: &Bound<'py, PyType>,
-        py: Python<'py>,
-        name: &str,
-        dir: Option<PathBuf>,
-    ) -> PyResult<Bound<'py, Ref>> {
-        let store = find(py, Kind::Object, Find::Attach(name.into(), dir))?;
-        new_handle(py, store, false, Ref)
-    }
-
-    /// Map an object saved with `save(path)`.
-    #[classmethod]
-    fn open<'py>(
-        _cls: &Bound<'py, PyType>,
-        py: Python<'py>,
-        path: PathBuf,
-    ) -> PyResult<Bound<'py, Ref>> {
-        let store = find(py, Kind::Object, Find::File(path))?;
-        new_handle(py, store, false, Ref)
-    }
-
     /// The shared object: a read-only view, a read-only numpy array, or a scalar.
     fn get<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
         // An object store is a store of one record.

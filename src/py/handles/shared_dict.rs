@@ -3,9 +3,9 @@
 use std::path::PathBuf;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple, PyType};
+use pyo3::types::{PyDict, PyTuple};
 
-use super::{find, new_handle, open_of, repr, Find, StoreHandle};
+use super::{new_handle, open_of, repr, StoreHandle};
 use crate::archive::Kind;
 use crate::py::errors::Error;
 use crate::py::keys::py_key;
@@ -98,30 +98,6 @@ impl SharedDict {
                 Ok(())
             })?;
         new_handle(py, store, true, SharedDict)
-    }
-
-    /// Attach to an existing SharedDict by name.
-    #[classmethod]
-    #[pyo3(signature = (name, *, dir=None))]
-    fn attach<'py>(
-        _cls: &Bound<'py, PyType>,
-        py: Python<'py>,
-        name: &str,
-        dir: Option<PathBuf>,
-    ) -> PyResult<Bound<'py, SharedDict>> {
-        let store = find(py, Kind::Dict, Find::Attach(name.into(), dir))?;
-        new_handle(py, store, false, SharedDict)
-    }
-
-    /// Map a SharedDict saved with `save(path)`.
-    #[classmethod]
-    fn open<'py>(
-        _cls: &Bound<'py, PyType>,
-        py: Python<'py>,
-        path: PathBuf,
-    ) -> PyResult<Bound<'py, SharedDict>> {
-        let store = find(py, Kind::Dict, Find::File(path))?;
-        new_handle(py, store, false, SharedDict)
     }
 
     fn __len__(slf: &Bound<'_, Self>) -> PyResult<usize> {

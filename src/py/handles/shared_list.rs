@@ -3,9 +3,8 @@
 use std::path::PathBuf;
 
 use pyo3::prelude::*;
-use pyo3::types::PyType;
 
-use super::{find, new_handle, open_of, repr, Find, StoreHandle};
+use super::{new_handle, open_of, repr, StoreHandle};
 use crate::archive::Kind;
 use crate::py::protocol::{iterator, next_item, Seq};
 use crate::py::store;
@@ -42,30 +41,6 @@ impl SharedList {
         })?;
         // Made here (not by pyo3 from an initializer) so it is created untracked too.
         new_handle(py, store, true, SharedList)
-    }
-
-    /// Attach to an existing SharedList by name (any process of the same user).
-    #[classmethod]
-    #[pyo3(signature = (name, *, dir=None))]
-    fn attach<'py>(
-        _cls: &Bound<'py, PyType>,
-        py: Python<'py>,
-        name: &str,
-        dir: Option<PathBuf>,
-    ) -> PyResult<Bound<'py, SharedList>> {
-        let store = find(py, Kind::List, Find::Attach(name.into(), dir))?;
-        new_handle(py, store, false, SharedList)
-    }
-
-    /// Map a SharedList saved with `save(path)`.
-    #[classmethod]
-    fn open<'py>(
-        _cls: &Bound<'py, PyType>,
-        py: Python<'py>,
-        path: PathBuf,
-    ) -> PyResult<Bound<'py, SharedList>> {
-        let store = find(py, Kind::List, Find::File(path))?;
-        new_handle(py, store, false, SharedList)
     }
 
     fn __len__(slf: &Bound<'_, Self>) -> PyResult<usize> {
