@@ -165,3 +165,15 @@ def test_attach_and_open_on_the_base_class_give_the_right_class(tmp_path):
             shmstore.SharedList.attach(d.name)
         h.close()
         f.close()
+
+
+def test_one_message_for_a_duplicate_key():
+    with pytest.raises(shmstore.InvalidInputError) as e:
+        shmstore.SharedDict([("a", 1), ("b", 2), ("a", 3)])
+    assert str(e.value) == (
+        "pairs[2] (key 'a'): duplicate key (first given at position 0); pass a dict to keep "
+        "only the last value"
+    )
+    # Keys equal in Python (1 == 1.0 == True) are one key here too.
+    with pytest.raises(shmstore.InvalidInputError, match=r"pairs\[1\] \(key 1.0\): duplicate key"):
+        shmstore.SharedDict([(1, "x"), (1.0, "y")])
