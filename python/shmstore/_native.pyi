@@ -32,6 +32,7 @@ __all__ = [
     "StoreNotFoundError",
     "StorePermissionError",
     "UnsupportedTypeError",
+    "_SEGMENT_PREFIX",
     "__version__",
     "_cleanup_at_exit",
     "_cluster_identity",
@@ -54,6 +55,7 @@ __all__ = [
 ]
 
 __version__: str
+_SEGMENT_PREFIX: str
 
 _S = TypeVar("_S", bound="StoreHandle")
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from shmstore import _native
 
 __all__ = [
+    "PREFIX",
     "remove",
     "search_dirs",
     "segment_dir",
@@ -16,6 +17,10 @@ __all__ = [
     "segment_paths",
     "segment_users",
 ]
+
+
+#: Every segment name starts with this (the core's rule).
+PREFIX: str = _native._SEGMENT_PREFIX
 
 
 def search_dirs() -> list[Path]:

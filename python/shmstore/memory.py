@@ -251,7 +251,7 @@ def snapshot(
         except ProcessLookupError:
             continue
         wanted.extend(p for p in tree if p not in wanted)
-    prefix = os.path.join(segment_dir(), "shmstore-")
+    prefix = os.path.join(segment_dir(), _segments.PREFIX)
     procs = []
     now = time.monotonic()
     for pid in wanted:

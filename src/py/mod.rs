@@ -53,6 +53,7 @@ mod _native {
     fn init(m: &Bound<'_, PyModule>) -> PyResult<()> {
         logging::install(m.py())?;
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+        m.add("_SEGMENT_PREFIX", crate::segment::PREFIX)?;
         errors::register(m)?;
         graph::register(m)?;
         admin::configure(m.py())?;
