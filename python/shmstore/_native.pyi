@@ -11,6 +11,7 @@ from typing import Any, Literal, SupportsIndex, TypeVar, final, overload
 from typing_extensions import disjoint_base
 
 __all__ = [
+    "_SEGMENT_PREFIX",
     "ArrayOwner",
     "CorruptStoreError",
     "DictView",
@@ -32,7 +33,6 @@ __all__ = [
     "StoreNotFoundError",
     "StorePermissionError",
     "UnsupportedTypeError",
-    "_SEGMENT_PREFIX",
     "__version__",
     "_cleanup_at_exit",
     "_cluster_identity",
