@@ -177,3 +177,25 @@ def test_one_message_for_a_duplicate_key():
     # Keys equal in Python (1 == 1.0 == True) are one key here too.
     with pytest.raises(shmstore.InvalidInputError, match=r"pairs\[1\] \(key 1.0\): duplicate key"):
         shmstore.SharedDict([(1, "x"), (1.0, "y")])
+
+
+def test_the_stubs_docstring_examples_run():
+    """The examples in the hand-kept _native.pyi (what IDEs show) run, like the modules'
+    doctests (`make doctest`)."""
+    import ast
+    import doctest
+
+    from shmstore import _native
+
+    tree = ast.parse((ROOT / "python" / "shmstore" / "_native.pyi").read_text())
+    parser, runner = doctest.DocTestParser(), doctest.DocTestRunner(verbose=False)
+    examples = 0
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            doc = ast.get_docstring(node)
+            if doc and ">>>" in doc:
+                test = parser.get_doctest(doc, dict(vars(_native)), node.name, "_native.pyi", 0)
+                examples += len(test.examples)
+                runner.run(test)
+    assert examples > 0
+    assert runner.failures == 0

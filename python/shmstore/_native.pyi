@@ -142,8 +142,8 @@ class StoreHandle:
 class SharedList(StoreHandle):
     """A list of records in shared memory (a read-only ``Sequence``).
 
-    >>> lst = SharedList([{"a": 1}, {"a": 2}])
-    >>> lst[1]["a"]
+    >>> with SharedList([{"a": 1}, {"a": 2}]) as lst:
+    ...     lst[1]["a"]
     2
     """
 
@@ -173,8 +173,8 @@ class SharedList(StoreHandle):
 class SharedDict(StoreHandle):
     """A dict of records in shared memory (a read-only ``Mapping``), O(1) lookups.
 
-    >>> d = SharedDict({"doc-1": "text"})
-    >>> d["doc-1"]
+    >>> with SharedDict({"doc-1": "text"}) as d:
+    ...     d["doc-1"]
     'text'
     """
 
@@ -207,8 +207,8 @@ class SharedDict(StoreHandle):
 class Ref(StoreHandle):
     """One object shared by name; made by :func:`put`.
 
-    >>> ref = put([1, 2, 3])
-    >>> ref.get()[2]
+    >>> with put([1, 2, 3]) as ref:
+    ...     ref.get()[2]
     3
     """
 
@@ -225,8 +225,9 @@ def put(obj: Any, *, name: str | None = None, dir: _Path | None = None) -> Ref:
     """Share one object (e.g. a numpy array) by name.
 
     >>> import numpy as np
-    >>> put(np.arange(3)).get()
-    array([0, 1, 2])
+    >>> with put(np.arange(3)) as ref:
+    ...     ref.get().tolist()
+    [0, 1, 2]
     """
 
 @final
