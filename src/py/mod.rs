@@ -3,17 +3,18 @@
 //!
 //! - `errors`: the exception hierarchy and the one `From<Error> for PyErr`;
 //! - `store`: one mapped archive (`Store`), the attach cache, building and saving;
-//! - `protocol`: the Sequence/Mapping behaviour of handles and views;
 //! - `keys`: dict keys between Python and the archive; `write`: Python -> archive values;
-//! - `read/`: archive values -> Python (`ListView`, `DictView`, `ArrayOwner`);
+//! - `read/`: archive values -> Python (`ListView`, `DictView`, `ArrayOwner`) and
+//!   `read::protocol`, the Sequence/Mapping behaviour that handles and views share;
 //! - `handles/`: `StoreHandle`, `SharedList`, `SharedDict`, `Ref` + `put`;
 //! - `fetch`: a store's content digest, and importing one fetched from another machine;
 //! - `pickle`: unpickling handles and views; `admin`: supervisor entry points, sweep,
 //!   listing, store facts; `graph`: the leaks engine's snapshot; `logging`: Rust log
 //!   records -> Python loggers.
 //!
-//! Dependencies point one way: errors <- store, keys <- protocol <- read <- write <- handles
-//! <- pickle, admin.
+//! Dependencies point one way: errors <- store, keys <- read <- write <- handles <- pickle,
+//! admin, fetch. (Inside `read/`, the conversion and the view types refer to each other: a
+//! lazy view is made by the conversion and converts its items.)
 
 mod admin;
 mod errors;
@@ -23,7 +24,6 @@ mod handles;
 mod keys;
 mod logging;
 mod pickle;
-mod protocol;
 mod read;
 mod store;
 mod write;

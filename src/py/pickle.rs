@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 
 use super::errors::Error;
 use super::handles::handle_for;
-use super::protocol::new_untracked;
+use super::read::new_untracked;
 use super::read::{DictView, ListView};
 use super::store::{self, Source};
 use crate::archive::{ArchivedValue, Kind};

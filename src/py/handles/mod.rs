@@ -21,7 +21,7 @@ use pyo3::PyClass;
 use pyo3::PyClassInitializer;
 
 use super::errors::Error;
-use super::protocol::new_untracked;
+use super::read::new_untracked;
 use super::store::{self, Source, Store};
 use crate::archive::Kind;
 

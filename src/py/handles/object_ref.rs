@@ -7,7 +7,7 @@ use pyo3::types::PyBytes;
 
 use super::{new_handle, repr, StoreHandle};
 use crate::archive::Kind;
-use crate::py::protocol::Seq;
+use crate::py::read::protocol::Seq;
 use crate::py::store;
 use crate::py::write::Encoder;
 

@@ -9,7 +9,7 @@ use super::{new_handle, open_of, repr, StoreHandle};
 use crate::archive::Kind;
 use crate::py::errors::Error;
 use crate::py::keys::py_key;
-use crate::py::protocol::{abc_view, iterator, next_key, AbcView, Map};
+use crate::py::read::protocol::{abc_view, iterator, next_key, AbcView, Map};
 use crate::py::read::DictView;
 use crate::py::store;
 use crate::py::write::{Encoder, Seg0};

@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 
 use super::{new_handle, open_of, repr, StoreHandle};
 use crate::archive::Kind;
-use crate::py::protocol::{iterator, next_item, Seq};
+use crate::py::read::protocol::{iterator, next_item, Seq};
 use crate::py::store;
 use crate::py::write::{Encoder, Seg0};
 

@@ -5,9 +5,9 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::pyclass::CompareOp;
 
+use super::protocol::{abc_view, iterator, next_key, AbcView, Map};
 use super::{compare_plain, reduce_view};
 use crate::archive::Node;
-use crate::py::protocol::{abc_view, iterator, next_key, AbcView, Map};
 use crate::py::store::{PickleArgs, Store};
 
 /// A stored dict: a read-only `collections.abc.Mapping`.

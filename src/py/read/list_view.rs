@@ -5,10 +5,10 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::pyclass::CompareOp;
 
+use super::protocol::{iterator, next_item, Seq};
 use super::{compare_plain, reduce_view};
 use crate::archive::{ArchivedValue, Node};
 use crate::py::errors::Error;
-use crate::py::protocol::{iterator, next_item, Seq};
 use crate::py::store::{PickleArgs, Store};
 
 /// A stored list or tuple: a read-only `collections.abc.Sequence`.

@@ -7,6 +7,7 @@
 mod array;
 mod dict_view;
 mod list_view;
+pub(crate) mod protocol;
 
 pub(crate) use array::ArrayOwner;
 pub(crate) use dict_view::{DictIter, DictView};
@@ -19,13 +20,27 @@ use pyo3::pyclass::CompareOp;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyBytes, PyComplex, PyDict, PyFloat, PyList, PyString, PyTuple};
 use pyo3::IntoPyObjectExt;
+use pyo3::{ffi, PyClass};
 
 use super::errors::Error;
 use super::keys::bigint;
-use super::protocol::new_untracked;
 use super::store::{PickleArgs, Store};
 use crate::archive::value::MAX_VALUE_DEPTH;
 use crate::archive::{ArchiveError, ArchivedValue, Node};
+
+/// Create a pyclass instance and take it out of the cyclic GC: it holds no Python
+/// references, so no cycle can pass through it (what CPython does for atomic tuples).
+pub(crate) fn new_untracked<T: PyClass>(
+    py: Python<'_>,
+    value: impl Into<pyo3::PyClassInitializer<T>>,
+) -> PyResult<Bound<'_, T>> {
+    let obj = Bound::new(py, value)?;
+    // SAFETY: `obj` is a live, freshly created object of a GC type; untracking is always
+    // allowed (the collector only skips it) and our types hold no PyObject references that
+    // a traversal would need to see. Dealloc untracks again, which is a no-op.
+    unsafe { ffi::PyObject_GC_UnTrack(obj.as_ptr().cast()) };
+    Ok(obj)
+}
 
 static NP_ASARRAY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 

@@ -12,31 +12,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use pyo3::exceptions::PyOverflowError;
-use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyInt, PyList, PySlice, PyString, PyTuple};
-use pyo3::PyClass;
 
-use super::errors::Error;
-use super::keys::{self, py_key};
-use super::read;
-use super::store::Store;
 use crate::archive::{ArchivedValue, Key, Node};
-
-/// Create a pyclass instance and take it out of the cyclic GC: it holds no Python
-/// references, so no cycle can pass through it (what CPython does for atomic tuples).
-pub(crate) fn new_untracked<T: PyClass>(
-    py: Python<'_>,
-    value: impl Into<pyo3::PyClassInitializer<T>>,
-) -> PyResult<Bound<'_, T>> {
-    let obj = Bound::new(py, value)?;
-    // SAFETY: `obj` is a live, freshly created object of a GC type; untracking is always
-    // allowed (the collector only skips it) and our types hold no PyObject references that
-    // a traversal would need to see. Dealloc untracks again, which is a no-op.
-    unsafe { ffi::PyObject_GC_UnTrack(obj.as_ptr().cast()) };
-    Ok(obj)
-}
+use crate::py::errors::Error;
+use crate::py::keys::{self, py_key};
+use crate::py::read;
+use crate::py::store::Store;
 
 /// A sequence: the records of a list store, or the items of a stored list or tuple.
 #[derive(Clone, Copy)]
@@ -533,8 +517,8 @@ macro_rules! iterator {
     ($ty:ident, $pyname:literal, $next:path) => {
         #[pyo3::pyclass(name = $pyname, module = "shmstore", frozen)]
         pub(crate) struct $ty {
-            src: $crate::py::protocol::Owned,
-            cur: $crate::py::protocol::Cursor,
+            src: $crate::py::read::protocol::Owned,
+            cur: $crate::py::read::protocol::Cursor,
         }
 
         impl $ty {
@@ -546,14 +530,14 @@ macro_rules! iterator {
                 node: Option<$crate::archive::Node>,
                 reverse: bool,
             ) -> pyo3::PyResult<pyo3::Bound<'py, Self>> {
-                $crate::py::protocol::new_untracked(
+                $crate::py::read::new_untracked(
                     py,
                     $ty {
-                        src: $crate::py::protocol::Owned {
+                        src: $crate::py::read::protocol::Owned {
                             store: store.clone(),
                             node,
                         },
-                        cur: $crate::py::protocol::Cursor::new(reverse),
+                        cur: $crate::py::read::protocol::Cursor::new(reverse),
                     },
                 )
             }
