@@ -7,6 +7,9 @@
 2. Create + attach (in another process) + unlink of a 1 KiB store, per operation, against
    ``multiprocessing.shared_memory.SharedMemory`` doing the same.
 3. Supervisor RSS with 1, 64 and 1000 clients.
+4. Hostile conditions: attach latency of a fresh process while the supervisor is SIGSTOPped
+   (with and without a full listen backlog) or its old abstract name is squatted; time to
+   release 10k handles; whether a LIST of 100k registered segments arrives complete.
 
 Everything runs in an isolated world: its own segment directory under /dev/shm, its own
 supervisor (``SHMSTORE_SUPERVISOR_NAME``), log directory and fallback directory, all removed
@@ -129,6 +132,7 @@ class World:
         for k in ("SHMSTORE_SUPERVISOR", "SHMSTORE_FALLBACK"):
             os.environ.pop(k, None)
         self.children: list[subprocess.Popen[Any]] = []
+        self.state_fd: int | None = None
 
     def child(self, *args: str, **kw: Any) -> subprocess.Popen[Any]:
         p = subprocess.Popen([sys.executable, str(HERE), "--child", *args], **kw)
@@ -141,11 +145,17 @@ class World:
             raise RuntimeError("no supervisor is running")
         return int(info["pid"])
 
+    def socket_path(self) -> str:
+        """The supervisor's socket, through a descriptor of its (private) directory."""
+        if self.state_fd is None:
+            self.state_fd = os.open(self.tmp / "run" / "shmstore", os.O_RDONLY | os.O_DIRECTORY)
+        return f"/proc/self/fd/{self.state_fd}/{self.name}.sock"
+
     def raw(self, uses: list[str]) -> socket.socket:
         """A raw client connection (what a client says, without a process behind it)."""
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(60)
-        s.connect("\0" + self.name)
+        s.connect(self.socket_path())
         f = s.makefile("rb")
         for line in [f"HELLO {os.getpid()}", *(f"USE {u}" for u in uses)]:
             s.sendall(line.encode() + b"\n")
@@ -173,6 +183,8 @@ class World:
             if pid_alive(p):
                 os.kill(p, signal.SIGKILL)
         shutil.rmtree(self.dir, ignore_errors=True)
+        if self.state_fd is not None:
+            os.close(self.state_fd)
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
@@ -198,6 +210,24 @@ def child_main(role: str, args: list[str]) -> None:
         ref = shmstore.Ref.attach(args[0])
         assert ref.get() == PAYLOAD
         print("ok", flush=True)
+        sys.stdin.read()
+    elif role == "timed-attach":  # attach NAME (first contact with the supervisor), time it
+        t0 = time.perf_counter()
+        ref = shmstore.Ref.attach(args[0])
+        print(f"{time.perf_counter() - t0:.6f}", flush=True)
+        assert ref.get() == PAYLOAD
+    elif role == "release":  # put N stores, then on a line from stdin release them all
+        import gc
+
+        refs = [shmstore.put(i) for i in range(int(args[0]))]
+        print("ready", flush=True)
+        sys.stdin.readline()
+        t0 = time.perf_counter()
+        refs.clear()
+        gc.collect()
+        t1 = time.perf_counter()
+        _native._flush_drops()
+        print(f"{t1 - t0:.6f} {time.perf_counter() - t0:.6f}", flush=True)
         sys.stdin.read()
     elif role in ("overhead-a", "overhead-b"):
         overhead_child(role, args[0], int(args[1]), int(args[2]), int(args[3]))
@@ -323,6 +353,7 @@ def mass_death(world: World, clients: int) -> tuple[float, int]:
     for i in range(clients):
         p = world.dir / f"shmstore-mass-{i:05d}"
         p.write_bytes(PAYLOAD)
+        p.chmod(0o400)  # sealed, as shmstore's writer leaves a segment
         paths.append(p)
     socks = [world.raw([str(p)]) for p in paths]
     rss = proc_status(world.supervisor_pid())["VmRSS"]
@@ -332,6 +363,95 @@ def mass_death(world: World, clients: int) -> tuple[float, int]:
     while any(p.exists() for p in paths):
         time.sleep(POLL_S)
     return time.perf_counter() - t0, rss
+
+
+# --- 4. hostile conditions ------------------------------------------------------------------
+
+
+def timed_attaches(world: World, name: str, runs: int) -> list[float]:
+    out = []
+    for _ in range(runs):
+        p = world.child("timed-attach", name, stdout=subprocess.PIPE, text=True)
+        o, _ = p.communicate(timeout=120)
+        out.append(float(o.split()[0]))
+    return out
+
+
+def hostile_attach(world: World, runs: int) -> dict[str, list[float]]:
+    """Attach latency of fresh processes (their first round trip with the supervisor)."""
+    keeper = world.child("holder", stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert keeper.stdout is not None
+    name = keeper.stdout.readline().split()[0]
+    sup = world.supervisor_pid()
+    out: dict[str, list[float]] = {"supervisor running": timed_attaches(world, name, runs)}
+    squat = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    squat.bind("\0" + world.name)  # the abstract name older versions used
+    squat.listen(1)
+    out["old abstract name squatted"] = timed_attaches(world, name, runs)
+    squat.close()
+    os.kill(sup, signal.SIGSTOP)
+    backlog: list[socket.socket] = []
+    try:
+        out["supervisor SIGSTOPped"] = timed_attaches(world, name, runs)
+        for _ in range(10_000):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            backlog.append(s)
+            try:
+                s.connect(world.socket_path())
+            except BlockingIOError:
+                break
+        out["SIGSTOPped, listen backlog full"] = timed_attaches(world, name, runs)
+    finally:
+        os.kill(sup, signal.SIGCONT)
+        for s in backlog:
+            s.close()
+    keeper.communicate()
+    return out
+
+
+def release_many(world: World, n: int) -> tuple[float, float, float]:
+    """A process holding n stores releases them all: (seconds until the handles are gone,
+    until the DROPs are sent, until the last file is unlinked)."""
+    p = world.child("release", str(n), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert p.stdin is not None and p.stdout is not None
+    assert p.stdout.readline().strip() == "ready"
+    files = [f for f in world.dir.iterdir() if f.name.startswith("shmstore-")]
+    t0 = time.perf_counter()
+    p.stdin.write("go\n")
+    p.stdin.flush()
+    released, sent = map(float, p.stdout.readline().split())
+    while any(f.exists() for f in files):
+        time.sleep(POLL_S)
+    gone = time.perf_counter() - t0
+    p.communicate()
+    return released, sent, gone
+
+
+def list_many(world: World, n: int) -> tuple[bool, float]:
+    """n registrations (names only) on one raw connection; is `supervisor_info()` complete?"""
+    keeper = world.child("holder", stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert keeper.stdout is not None
+    keeper.stdout.readline()
+    s = world.raw([])
+    f = s.makefile("rb")
+    for start in range(0, n, 2000):
+        s.sendall(
+            b"".join(
+                b"USE %s/shmstore-fake-%06d\n" % (str(world.dir).encode(), i)
+                for i in range(start, start + 2000)
+            )
+        )
+        for _ in range(2000):
+            f.readline()
+    t0 = time.perf_counter()
+    info = _native.supervisor_info()
+    dt = time.perf_counter() - t0
+    complete = info is not None and len(info["segments"]) == n + 1
+    f.close()
+    s.close()
+    keeper.communicate()
+    return complete, dt
 
 
 # --- 2. overhead -----------------------------------------------------------------------------
@@ -451,6 +571,12 @@ def main(argv: list[str] | None = None) -> int:
             wait_until(lambda: not pid_alive(old), 60, "the supervisor exits")
         rss_rows, rss = rss_table(world)
         print("rss", rss, flush=True)
+        hostile = hostile_attach(world, 5 if args.quick else 10)
+        print("hostile attach", hostile, flush=True)
+        released, sent, gone = release_many(world, 10_000)
+        print("release 10k", released, sent, gone, flush=True)
+        list_ok, list_s = list_many(world, 100_000)
+        print("list 100k", list_ok, list_s, flush=True)
     finally:
         world.close()
 
@@ -536,7 +662,7 @@ processes (SharedMemory leaves the segment behind if its creator is SIGKILLed).
 VmRSS (and the peak, VmHWM) of a freshly started supervisor process. 1 and 64 clients are
 real processes (one creates a store, the others attach it). **1000 clients** would be 1000
 Python processes, too heavy for this 2-core machine: it is the creator plus 999 raw connections
-opened from the benchmark process (`socket.AF_UNIX`, address `"\\0" + name`, each sending
+opened from the benchmark process (`socket.AF_UNIX` to the supervisor's socket, each sending
 `HELLO <pid>` and `USE <path>` and reading the `OK` replies) — to the supervisor each is a
 client like any other. Bound: 20 MB.
 
@@ -547,6 +673,34 @@ Note: each client is one file descriptor in the supervisor, which inherits the s
 {_soft_nofile()}; with the common default of 1024 the supervisor runs out of descriptors
 near 1000 clients (see `test_g4_supervisor_serves_more_clients_than_its_soft_fd_limit` in
 tests/test_lifecycle.py).
+"""
+    h_rows = [
+        [label, str(len(v)), ms(statistics.median(v)), ms(max(v)), verdict(max(v) <= 0.5)]
+        for label, v in hostile.items()
+    ]
+    text += f"""
+## Hostile conditions
+
+**Attach latency to a clear outcome.** Fresh processes attach a 1 KiB store (their first
+contact with the supervisor: connect, `HELLO`, `USE`), timed inside the process. With the
+supervisor SIGSTOPped, the connect succeeds (the kernel queues it) but no answer comes: the
+client gives up after its deadline (`SHMSTORE_SUPERVISOR_TIMEOUT`, 0.5 s) and attaches
+unsupervised, with one WARNING. With the listen backlog also full, the non-blocking connect
+fails at once and is retried until the same deadline. The abstract socket name that older
+versions listened on is bound by someone else (here by the benchmark itself): it is no longer
+used, so it changes nothing. Target: <= 0.5 s.
+
+{md_table(["condition", "runs", "median (ms)", "max (ms)", "<= 0.5 s"], h_rows)}
+
+**Releasing 10k handles.** One process holds 10 000 stores (`put`) and drops them all:
+the handles are gone after {released:.3f} s (no I/O: each release queues a DROP), the DROPs
+are sent (in batches of 512) after {sent:.3f} s, and the supervisor has unlinked all 10 000
+files {gone:.3f} s after the release started (one /proc scan per batch). Target: <= 2 s
+({verdict(gone <= 2.0)}).
+
+**LIST with 100k segments.** 100 000 registrations (names only) on one connection, then
+`supervisor_info()`: complete = **{"yes" if list_ok else "no"}**, in {list_s:.2f} s (the
+reply streams through a per-client buffer; `END <count>` lets the client check it has all).
 """
     write_result(RESULTS_DIR / "lifecycle.md", text)
     return 0

@@ -12,8 +12,7 @@
 mod archive;
 mod graph;
 mod segment;
-// `pub` until the supervisor's dead code is removed (then crate-private like the rest).
-pub mod supervisor;
+mod supervisor;
 
 #[cfg(feature = "python")]
 mod py;

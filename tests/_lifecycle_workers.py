@@ -27,6 +27,21 @@ Run as ``python tests/_lifecycle_workers.py ROLE [ARGS...]`` with the test's env
   ``reap PID``                   wait for that child (e.g. after the test SIGKILLed it)
   ``build_blocking N``           start building a SharedList, print ``MID <pid>`` after N
                                  records, then block (reading stdin) inside the build
+  ``create_in DIR N NAME``       build a SharedList of N records named NAME in DIR (``dir=``)
+  ``save NAME PATH``             ``save()`` that store's archive to PATH: ``OK``
+  ``attach_in NAME DIR``         attach by name with ``dir=DIR``, check it: ``OK <path>``
+  ``timed_attach NAME``          attach (a ticker thread runs meanwhile), close it again:
+                                 ``OK <seconds for attach> <seconds for close> <ticks>``
+  ``putmany K``                  ``put()`` K tiny stores (kept): ``OK <first path>``
+  ``closeall``                   drop every handle, flush the queued DROPs: ``OK <seconds>``
+  ``forkstorm K``                a thread creates and unlinks stores in a loop while the main
+                                 thread forks K children that each create a store and exit:
+                                 ``OK <children that hung> <stores the thread made>``
+  ``nodump``                     make this process non-dumpable (prctl): its /proc entries
+                                 become unreadable to other processes of the same user
+  ``warnings``                   the shmstore WARNING log records so far, joined by ``|``
+  ``sync``                       two HELLO round trips with this user's supervisor on a
+                                 connection kept open (see ``Lifecycle.sync``): ``OK``
   ``raise``                      raise an exception out of the main module (exit code 1)
   ``exit``                       ``OK`` then a normal exit
 
@@ -39,12 +54,14 @@ Records are ``record(i)`` below, so every reader can check what it reads.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import pickle
 import select
 import signal
 import sys
 import threading
+import time
 import traceback
 
 
@@ -71,6 +88,146 @@ class Client:
         self.loops: list[list[int]] = []  # [passes, errors] per read loop
         self.stop = threading.Event()
         self.threads: list[threading.Thread] = []
+        self.socks: list[object] = []
+        self.warned: list[logging.LogRecord] = []
+        warned = self.warned
+
+        class Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                warned.append(record)
+
+        logger = logging.getLogger("shmstore")
+        logger.addHandler(Keep(logging.WARNING))
+        logger.setLevel(logging.DEBUG if os.environ.get("SHMSTORE_TEST_DEBUG") else logging.INFO)
+
+    def cmd_create_in(self, directory: str, n: str, name: str) -> str:
+        h = self.shmstore.SharedList((record(i) for i in range(int(n))), name=name, dir=directory)
+        self.handles[h.name] = h
+        return f"OK {h.name} {self.shmstore._native._store_info(h)['path']}"
+
+    def cmd_save(self, name: str, path: str) -> str:
+        self.handles[name].save(path)
+        return "OK"
+
+    def cmd_attach_in(self, name: str, directory: str) -> str:
+        h = self.shmstore.SharedList.attach(name, dir=directory)
+        check_all(h)
+        self.handles[h.name] = h
+        return f"OK {self.shmstore._native._store_info(h)['path']}"
+
+    def cmd_timed_attach(self, name: str) -> str:
+        ticks = [0]
+        done = threading.Event()
+
+        def tick() -> None:  # needs the GIL: stalls if a wait holds it
+            while not done.is_set():
+                ticks[0] += 1
+                time.sleep(0.001)
+
+        t = threading.Thread(target=tick, daemon=True)
+        t.start()
+        t0 = time.monotonic()
+        h = self.shmstore.SharedList.attach(name)
+        t1 = time.monotonic()
+        check_all(h)
+        t2 = time.monotonic()
+        h.close()
+        del h
+        gc.collect()
+        t3 = time.monotonic()
+        done.set()
+        t.join()
+        return f"OK {t1 - t0:.4f} {t3 - t2:.4f} {ticks[0]}"
+
+    def cmd_putmany(self, k: str) -> str:
+        first = ""
+        for i in range(int(k)):
+            h = self.shmstore.put(i)
+            self.handles[h.name] = h
+            if not first:
+                first = self.shmstore._native._store_info(h)["path"]
+        return f"OK {first}"
+
+    def cmd_closeall(self) -> str:
+        t0 = time.monotonic()
+        self.handles.clear()
+        gc.collect()
+        self.shmstore._native._flush_drops()
+        return f"OK {time.monotonic() - t0:.4f}"
+
+    def cmd_forkstorm(self, k: str) -> str:
+        stop = threading.Event()
+        made = [0]
+
+        def churn() -> None:  # supervisor round trips, all the time
+            while not stop.is_set():
+                h = self.shmstore.put(made[0])
+                h.unlink()
+                h.close()
+                made[0] += 1
+
+        t = threading.Thread(target=churn, daemon=True)
+        t.start()
+        hung = 0
+        try:
+            for _ in range(int(k)):
+                pid = os.fork()
+                if pid == 0:
+                    code = 1
+                    try:
+                        h = self.shmstore.put(b"child")
+                        h.unlink()
+                        h.close()
+                        code = 0
+                    finally:
+                        os._exit(code)
+                deadline = time.monotonic() + 20
+                while True:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                    if done:
+                        if os.waitstatus_to_exitcode(status) != 0:
+                            hung += 1  # failed, rather: counted with the hangs
+                        break
+                    if time.monotonic() > deadline:
+                        os.kill(pid, signal.SIGKILL)
+                        os.waitpid(pid, 0)
+                        hung += 1
+                        break
+                    time.sleep(0.001)
+        finally:
+            stop.set()
+            t.join()
+        return f"OK {hung} {made[0]}"
+
+    def cmd_nodump(self) -> str:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE = 4
+            return f"ERR OSError prctl errno {ctypes.get_errno()}"
+        return "OK"
+
+    def cmd_warnings(self) -> str:
+        return "OK " + "|".join(r.getMessage().replace("\n", " ") for r in self.warned)
+
+    def cmd_sync(self) -> str:
+        import socket
+
+        run = os.environ.get("XDG_RUNTIME_DIR")
+        assert run, "sync needs XDG_RUNTIME_DIR"
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(60)
+        s.connect(os.path.join(run, "shmstore", os.environ["SHMSTORE_SUPERVISOR_NAME"] + ".sock"))
+        self.socks.append(s)
+        for _ in range(2):
+            s.sendall(b"HELLO %d\n" % os.getpid())
+            buf = b""
+            while not buf.endswith(b"\n"):
+                chunk = s.recv(256)
+                if not chunk:
+                    return "ERR EOFError the supervisor closed the connection"
+                buf += chunk
+        return "OK"
 
     def cmd_ping(self) -> str:
         return f"OK {os.getpid()}"

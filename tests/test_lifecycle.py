@@ -132,9 +132,9 @@ def segment_files(*dirs: Path) -> list[Path]:
 class Worker:
     """One ``_lifecycle_workers.py client`` process, driven one command line at a time."""
 
-    def __init__(self, env: dict[str, str], **popen: Any) -> None:
+    def __init__(self, env: dict[str, str], python: str = sys.executable, **popen: Any) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(WORKERS), "client"],
+            [python, str(WORKERS), "client"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -156,8 +156,9 @@ class Worker:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise AssertionError(f"worker {self.pid}: no reply within {timeout} s")
-            ready, _, _ = select.select([fd], [], [], left)
-            if ready:
+            poller = select.poll()  # not select(): the test may hold > 1024 descriptors
+            poller.register(fd, select.POLLIN)
+            if poller.poll(left * 1000):
                 chunk = os.read(fd, 65536)
                 if not chunk:
                     raise AssertionError(
@@ -178,6 +179,10 @@ class Worker:
 
     def create(self, n: int = 50, name: str | None = None) -> tuple[str, Path]:
         got, path = self.ok(f"create {n}" + (f" {name}" if name else ""))
+        return got, Path(path)
+
+    def create_in(self, directory: Path, n: int, name: str) -> tuple[str, Path]:
+        got, path = self.ok(f"create_in {directory} {n} {name}")
         return got, Path(path)
 
     def wait(self, timeout: float = REPLY_S) -> int:
@@ -217,6 +222,9 @@ class Lifecycle:
             "SHMSTORE_SUPERVISOR_GRACE": str(GRACE_S),
             "SHMSTORE_FALLBACK_DIR": str(self.fallback),
             "XDG_RUNTIME_DIR": str(self.run_dir),
+            # Generous on a busy machine: a missed deadline means "unsupervised", which is
+            # not what these tests are about (the stopped-supervisor test sets its own).
+            "SHMSTORE_SUPERVISOR_TIMEOUT": "10",
         }
         self.env = {
             k: v
@@ -227,6 +235,7 @@ class Lifecycle:
         self.workers: list[Worker] = []
         self.procs: list[subprocess.Popen[Any]] = []
         self.raw: list[socket.socket] = []
+        self.state_fd: int | None = None
 
     # processes
 
@@ -236,11 +245,13 @@ class Lifecycle:
         new_session: bool = False,
         preexec_fn: Callable[[], None] | None = None,
         pass_fds: tuple[int, ...] = (),
+        python: str = sys.executable,
         **env: str,
     ) -> Worker:
         """A client worker with this test's environment plus ``env``."""
         w = Worker(
             {**self.env, **env},
+            python=python,
             start_new_session=new_session,
             preexec_fn=preexec_fn,
             pass_fds=pass_fds,
@@ -285,10 +296,7 @@ class Lifecycle:
         client leaving, which makes the supervisor sweep): the first reply can come in the
         same poll round as an earlier close is handled, the second comes after it.
         """
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(REPLY_S)
-        self.raw.append(s)
-        s.connect("\0" + self.name)
+        s = self.connect()
         for _ in range(2):
             s.sendall(b"HELLO %d\n" % os.getpid())
             buf = b""
@@ -297,6 +305,21 @@ class Lifecycle:
                 assert chunk, "the supervisor closed the connection"
                 buf += chunk
             assert buf.startswith(b"OK"), buf
+
+    def connect(self) -> socket.socket:
+        """A raw connection to the supervisor (closed at teardown)."""
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(REPLY_S)
+        self.raw.append(s)
+        s.connect(self.socket_path())
+        return s
+
+    def socket_path(self) -> str:
+        """The supervisor's socket, reached through a descriptor of its directory (the
+        full path may be longer than a socket address allows)."""
+        if self.state_fd is None:
+            self.state_fd = os.open(self.run_dir / "shmstore", os.O_RDONLY | os.O_DIRECTORY)
+        return f"/proc/self/fd/{self.state_fd}/{self.name}.sock"
 
     def log(self) -> str:
         path = self.run_dir / "shmstore" / f"{self.name}.log"
@@ -333,6 +356,8 @@ class Lifecycle:
             p.communicate()
         for s in self.raw:
             s.close()
+        if self.state_fd is not None:
+            os.close(self.state_fd)
         # The supervisor exits by itself once idle (GRACE_S); anything else is a leak.
         deadline = time.monotonic() + GRACE_S + 15
         while self.tagged_pids() and time.monotonic() < deadline:
@@ -667,7 +692,7 @@ def test_g4_supervisor_serves_more_clients_than_its_soft_fd_limit(lc: Lifecycle)
         for _ in range(n):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             socks.append(s)
-            s.connect("\0" + lc.name)
+            s.connect(lc.socket_path())
             s.sendall(b"HELLO %d\n" % os.getpid())
         deadline = time.monotonic() + 3
         for s in socks:
@@ -907,8 +932,12 @@ def test_g6_create_sigkill_cycles(lc: Lifecycle) -> None:
         assert p.returncode == 0 and out.strip() == f"DONE {total // parents}", out
     t0 = time.monotonic()  # every child has been killed and reaped
     wait_until(lambda: not lc.segments(), t0 + CLEANUP_S - time.monotonic(), "0 segments")
+    # The log is rate-limited: lines left out are counted in the next line written (at the
+    # latest when the supervisor exits).
+    wait_until(lambda: "no segments left: exiting" in lc.log(), GRACE_S + 30, "it exits")
     log = lc.log()
-    assert log.count("unlinked ") + log.count("removed orphan") == total
+    left_out = sum(int(n) for n in re.findall(r"\((\d+) lines left out", log))
+    assert log.count("unlinked ") + log.count("removed orphan") + left_out == total
 
 
 @pytest.mark.slow
@@ -1145,3 +1174,382 @@ def test_cli_inspect_and_rm(lc: Lifecycle) -> None:
     creator.exit()
     lc.sync()
     assert lc.segments() == []
+
+
+# --- hostile neighbours: other users, stopped supervisors, forks, many stores ---------------
+
+OTHER_USER = "shmstore-other"
+
+
+def other_user() -> tuple[int, int]:
+    """(uid, gid) of a second Unix user, created when running as root; skip otherwise."""
+    import pwd
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create and act as a second Unix user (useradd)")
+    try:
+        pw = pwd.getpwnam(OTHER_USER)
+    except KeyError:
+        r = subprocess.run(
+            ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER_USER],
+            capture_output=True,
+            text=True,
+        )
+        try:
+            pw = pwd.getpwnam(OTHER_USER)
+        except KeyError:
+            pytest.skip(f"cannot create a second user: useradd said {r.stderr.strip()!r}")
+    return pw.pw_uid, pw.pw_gid
+
+
+def other_python(uid: int, gid: int) -> tuple[str, dict[str, str]]:
+    """An interpreter the other user can run that imports this shmstore (this one, or the
+    system's of the same version with the package on PYTHONPATH), and the environment for
+    it; skip if there is none (e.g. the interpreter lives in root's home)."""
+    pkg_root = str(Path(shmstore.__file__).resolve().parent.parent)
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    candidates = [sys.executable, f"/usr/bin/{version}", f"/usr/local/bin/{version}"]
+    tried = []
+    for exe in candidates:
+        env = {"PYTHONPATH": pkg_root}
+        try:
+            r = subprocess.run(
+                [exe, "-c", "import shmstore"],
+                preexec_fn=as_user(uid, gid),
+                env={**os.environ, **env},
+                capture_output=True,
+                timeout=REPLY_S,
+            )
+        except OSError as e:
+            tried.append(f"{exe}: {e}")
+            continue
+        if r.returncode == 0:
+            return exe, env
+        tried.append(f"{exe}: {r.stderr.decode().strip().splitlines()[-1:]}")
+    pytest.skip(f"the second user cannot run an interpreter that imports shmstore: {tried}")
+
+
+def as_user(uid: int, gid: int) -> Callable[[], None]:
+    def switch() -> None:
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+
+    return switch
+
+
+@pytest.fixture
+def shared(lc: Lifecycle) -> Iterator[Path]:
+    """A world-writable sticky directory, like /tmp, where other users can plant things."""
+    d = Path(f"/dev/shm/shmstore_shared-{lc.tag}")
+    d.mkdir()
+    d.chmod(0o1777)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def other_world(lc: Lifecycle, shared: Path, uid: int, gid: int) -> dict[str, str]:
+    """Environment for the other user's shmstore processes: its own directories (in
+    ``shared``), the same supervisor name (a different state directory, so a different
+    supervisor)."""
+    seg = shared / "other-segments"
+    seg.mkdir(mode=0o700)
+    os.chown(seg, uid, gid)
+    return {
+        "SHMSTORE_DIR": str(seg),
+        "XDG_RUNTIME_DIR": str(shared / "other-run"),
+        "SHMSTORE_FALLBACK_DIR": str(shared / "other-fallback"),
+        "HOME": str(shared),
+    }
+
+
+def test_state_dir_planted_by_another_user_is_refused(lc: Lifecycle, shared: Path) -> None:
+    """Another user made our state directory first and planted a symlink where the log
+    goes: shmstore must neither trust the directory nor write through the link; it runs
+    unsupervised and says so once, with the reason."""
+    uid, gid = other_user()
+    victim = shared / "victim-bashrc"
+    victim.write_text("original\n")
+    planted = shared / "shmstore"
+    planted.mkdir()
+    planted.chmod(0o777)
+    os.symlink(victim, planted / f"{lc.name}.log")
+    os.lchown(planted / f"{lc.name}.log", uid, gid)
+    os.chown(planted, uid, gid)
+    w = lc.worker(XDG_RUNTIME_DIR=str(shared))
+    name, path = w.create(10)
+    assert w.ok(f"read {name}") == ["10"]
+    warned = " ".join(w.ok("warnings"))
+    assert "runs without its supervisor" in warned, warned
+    assert f"refusing to use {planted}" in warned and f"uid {uid}" in warned, warned
+    assert victim.read_text() == "original\n"
+    t0 = time.monotonic()
+    w.exit()  # unsupervised: the creator removes its store when it exits
+    assert_gone_within([path], t0)
+
+
+def test_fallback_dir_of_another_user_is_never_read(lc: Lifecycle, shared: Path) -> None:
+    """Stores are never found in (or spilled to) a fallback directory another user
+    controls: there they could be swapped under the victim."""
+    uid, gid = other_user()
+    fb = shared / "fallback"
+    fb.mkdir()
+    fb.chmod(0o777)
+    os.chown(fb, uid, gid)
+    maker = lc.worker(SHMSTORE_DIR=str(fb), SHMSTORE_SUPERVISOR="0")
+    name, path = maker.create(5, name=f"planted-{lc.tag}")  # a store of ours, in their dir
+    reader = lc.worker(SHMSTORE_FALLBACK_DIR=str(fb))
+    reply = reader(f"attach {name}")
+    assert reply.startswith("ERR StoreNotFoundError"), reply
+    assert str(lc.dir) in reply and str(fb) not in reply.split("looked for", 1)[-1], reply
+    maker.exit()
+    assert not path.exists()
+
+
+def test_squatted_abstract_name_does_not_stall_or_unsupervise(lc: Lifecycle) -> None:
+    """Another user binds the abstract name the supervisor once used and cannot reach the
+    real socket: builds are supervised as usual (no wait, no fallback)."""
+    uid, gid = other_user()
+    code = (
+        "import socket, sys\n"
+        "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        f"s.bind('\\0' + {lc.name!r}); s.listen(1)\n"
+        f"t = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
+        "try:\n"
+        f"    t.connect({str(lc.run_dir / 'shmstore' / (lc.name + '.sock'))!r})\n"
+        "    print('connected', flush=True)\n"
+        "except OSError as e:\n"
+        "    print(type(e).__name__, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    python, _ = other_python(uid, gid)
+    creator = lc.worker()
+    creator.create(5)  # the supervisor (and its directory) exist now
+    squatter = lc.popen(
+        [python, "-c", code],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        preexec_fn=as_user(uid, gid),
+    )
+    assert squatter.stdout is not None
+    assert squatter.stdout.readline().strip() == b"PermissionError"
+    late = lc.worker()
+    _, path = late.create(5)
+    assert lc.users(path) == [late.pid], "a build ran unsupervised while squatted"
+    assert late.ok("warnings") == []
+
+
+def test_failed_attach_by_another_user_keeps_a_live_store(lc: Lifecycle, shared: Path) -> None:
+    """In a directory both users may write (no sticky bit), the other user's attach of our
+    store fails (not theirs); their supervisor must not delete it afterwards."""
+    uid, gid = other_user()
+    group_dir = shared / "group"
+    group_dir.mkdir()
+    group_dir.chmod(0o777)
+    creator = lc.worker()
+    name, path = creator.create_in(group_dir, 20, f"shared-{lc.tag}")
+    python, penv = other_python(uid, gid)
+    env = {**other_world(lc, shared, uid, gid), **penv}
+    other = lc.worker(preexec_fn=as_user(uid, gid), python=python, **env)
+    reply = other(f"attach_in {name} {group_dir}")
+    assert reply.startswith("ERR StorePermissionError"), reply
+    other.exit()
+    # Their supervisor exits once idle: by then it has settled everything.
+    wait_until(
+        lambda: not [p for p in lc.tagged_pids() if os.stat(f"/proc/{p}").st_uid == uid],
+        GRACE_S + 30,
+        "the other user's supervisor exits",
+    )
+    assert path.exists(), "another user's failed attach deleted a live store"
+    assert creator.ok(f"read {name}") == ["20"]
+    t0 = time.monotonic()
+    creator.exit()
+    assert_gone_within([path], t0)
+
+
+def test_saved_files_attached_by_name_are_never_deleted(lc: Lifecycle, tmp_path: Path) -> None:
+    """``save()`` files are the user's: attaching one by name with ``dir=`` registers it,
+    but neither its last user's exit nor the orphan sweep that follows a death removes it
+    (or any other saved file in that directory)."""
+    saved_dir = tmp_path / "saved"
+    saved_dir.mkdir()
+    creator = lc.worker()
+    name, _ = creator.create(15)
+    for n in ("shmstore-mine", "shmstore-other"):
+        creator.ok(f"save {name} {saved_dir / n}")
+    reader = lc.worker()
+    assert reader.ok(f"attach_in mine {saved_dir}") == [str(saved_dir / "shmstore-mine")]
+    reader.exit()
+    killed = lc.worker()
+    killed.ok(f"attach_in other {saved_dir}")
+    killed.kill()  # a client with registrations dies: the supervisor sweeps
+    lc.sync()
+    assert sorted(p.name for p in saved_dir.iterdir()) == ["shmstore-mine", "shmstore-other"]
+
+
+def test_stopped_supervisor_never_stalls_attach_or_release(lc: Lifecycle) -> None:
+    """SIGSTOPped supervisor, even with its listen backlog full: attach and release reach a
+    clear outcome quickly (unsupervised, said once), with the GIL free meanwhile."""
+    creator = lc.worker()
+    name, path = creator.create(50)
+    held = lc.worker(SHMSTORE_SUPERVISOR_TIMEOUT="0.5")
+    held.ok(f"attach {name}")  # registered while the supervisor ran
+    sup = lc.supervisor_pid()
+    os.kill(sup, signal.SIGSTOP)
+    backlog: list[socket.socket] = []
+    try:
+        for _ in range(5000):  # fill the listen backlog (bounded)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            lc.raw.append(s)
+            try:
+                s.connect(lc.socket_path())
+            except BlockingIOError:
+                break
+            backlog.append(s)
+        reader = lc.worker(SHMSTORE_SUPERVISOR_TIMEOUT="0.5")
+        reader.send(f"timed_attach {name}")
+        reply = reader.line(timeout=15).split()  # before: ~20 s per round trip, or forever
+        assert reply[0] == "OK", reply
+        ticks = int(reply[3])
+        assert ticks > 0, "the attach held the GIL while waiting for the supervisor"
+        warned = " ".join(reader.ok("warnings"))
+        assert "does not accept connections (backlog full)" in warned, warned
+        held.send(f"close {name}")  # releasing a registered store does no I/O
+        assert held.line(timeout=15) == "OK"
+    finally:
+        os.kill(sup, signal.SIGCONT)
+    for s in backlog:
+        s.close()
+    assert reader.ok(f"attach {name}")  # works on, supervised or not
+    t0 = time.monotonic()
+    for w in (creator, held, reader):
+        w.exit()
+    assert_gone_within([path], t0, bound=CLEANUP_S + 5)  # + the client's back-off
+
+
+def test_fork_during_supervisor_round_trips(lc: Lifecycle) -> None:
+    """A thread talks to the supervisor all the time while the main thread forks; every
+    child must be able to use shmstore (before: it inherited a locked mutex and hung)."""
+    w = lc.worker()
+    hung, made = w.ok("forkstorm 150")
+    assert int(hung) == 0, f"{hung} of 150 forked children hung or failed"
+    assert int(made) > 0
+    w.exit()
+
+
+def test_releasing_ten_thousand_handles(lc: Lifecycle) -> None:
+    """Releasing many stores at once is batched (one DROP batch, one /proc scan)."""
+    n = 10_000
+    w = lc.worker()
+    w.ok(f"putmany {n}")
+    assert len(lc.segments()) == n
+    w.send("closeall")
+    assert w.line(timeout=60)[:2] == "OK"  # before: one blocking round trip + scan each
+    wait_until(lambda: not lc.segments(), 60, "all 10k segments are unlinked")
+    w.exit()
+
+
+def test_list_with_a_hundred_thousand_segments_is_complete(lc: Lifecycle) -> None:
+    n = 100_000
+    w = lc.worker()
+    w.create(5)  # a supervisor
+    s = lc.connect()
+    reader = s.makefile("rb")
+    for start in range(0, n, 2000):  # cheap registrations: names only
+        s.sendall(
+            b"".join(
+                b"USE %s/shmstore-fake-%06d\n" % (str(lc.dir).encode(), i)
+                for i in range(start, start + 2000)
+            )
+        )
+        for _ in range(2000):
+            assert reader.readline() == b"OK\n"
+    info = lc.info()
+    assert info is not None
+    assert len(info["segments"]) == n + 1
+    reader.close()
+    s.close()
+
+
+def test_gc_refuses_when_the_supervisor_does_not_answer(lc: Lifecycle) -> None:
+    user = lc.worker()
+    user.create(5)
+    maker = lc.worker(SHMSTORE_SUPERVISOR="0")
+    _, orphan = maker.create(5)
+    maker.kill()
+    sup = lc.supervisor_pid()
+    os.kill(sup, signal.SIGSTOP)
+    try:
+        r = lc.cli("gc", SHMSTORE_SUPERVISOR_TIMEOUT="0.5")
+    finally:
+        os.kill(sup, signal.SIGCONT)
+    assert r.returncode == 1, r
+    assert "not sweeping" in r.stderr, r
+    assert orphan.exists(), "gc acted on a missing answer"
+    assert lc.cli("gc").returncode == 0
+    assert not orphan.exists()
+
+
+def test_non_client_reader_invisible_to_proc_keeps_its_segment(lc: Lifecycle, shared: Path) -> None:
+    """A reader that bypasses the supervisor and is non-dumpable (its /proc entries are
+    unreadable to the supervisor of the same user) keeps the segment through its lock.
+    Runs entirely as a second user: root's supervisor could read any /proc entry."""
+    uid, gid = other_user()
+    python, penv = other_python(uid, gid)
+    env = {**other_world(lc, shared, uid, gid), **penv}
+    seg_dir = Path(env["SHMSTORE_DIR"])
+    creator = lc.worker(preexec_fn=as_user(uid, gid), python=python, **env)
+    name, path = creator.create(25)
+    reader = lc.worker(preexec_fn=as_user(uid, gid), python=python, SHMSTORE_SUPERVISOR="0", **env)
+    reader.ok("nodump")
+    reader.ok(f"attach {name}")
+    creator.exit()
+    syncer = lc.worker(preexec_fn=as_user(uid, gid), python=python, **env)
+    syncer.ok("sync")
+    assert path.exists(), "unlinked under a live reader the supervisor cannot see"
+    assert reader.ok(f"read {name}") == ["25"]
+    t0 = time.monotonic()
+    reader.exit()
+    assert_gone_within([path], t0, bound=CLEANUP_S + 1)  # + the lock's retry period
+    syncer.exit()
+    assert not [p for p in seg_dir.iterdir() if p.name.startswith(PREFIX)]
+
+
+def test_connect_close_flood_does_not_starve_clients(lc: Lifecycle) -> None:
+    """Thousands of connections opened and closed while a client builds stores: the
+    builds complete and the log stays small."""
+    creator = lc.worker()
+    creator.create(5)
+    stop = time.monotonic() + 60
+    import threading
+
+    done = threading.Event()
+    flooded = [0]
+
+    def flood() -> None:
+        while not done.is_set() and time.monotonic() < stop:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(lc.socket_path())
+                flooded[0] += 1
+            except OSError:
+                pass
+            finally:
+                s.close()
+
+    threads = [threading.Thread(target=flood, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(20):
+            creator.create(5)
+    finally:
+        done.set()
+        for t in threads:
+            t.join()
+    assert flooded[0] > 0
+    lc.sync()
+    assert len(lc.log()) < 64 * 1024

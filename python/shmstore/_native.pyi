@@ -37,6 +37,7 @@ __all__ = [
     "_cleanup_at_exit",
     "_cluster_identity",
     "_crafted_archive",
+    "_flush_drops",
     "_fuzz_case",
     "_import_archive",
     "_rebuild",
@@ -304,11 +305,17 @@ def _import_archive(
 def _store_info(target: StoreHandle | str | os.PathLike[str]) -> dict[str, Any]: ...
 def _supervisor_main() -> None: ...
 def sweep(dry_run: bool = False, dirs: list[_Path] | None = None) -> list[dict[str, Any]]:
-    """Remove this user's shmstore files that no live process maps or holds open."""
+    """Remove this user's shmstore files that no live process maps or holds open.
+
+    Raises StoreIOError (removing nothing) when a supervisor is running but its list of
+    tracked segments is missing or incomplete."""
 
 def supervisor_info() -> dict[str, Any] | None:
-    """The running supervisor: pid, log path, segments and the pids using them (or None)."""
+    """The running supervisor: pid, log path, segments and the pids using them (or None).
 
+    Raises StoreIOError when one is running but does not answer in time."""
+
+def _flush_drops() -> None: ...
 def gc_unreachable(objects: list[object]) -> list[int]:
     """Indices of objects[:-1] nothing outside the list keeps alive; objects[-1] is a fresh
     calibration probe referenced only by the list. Needs the GIL."""

@@ -54,10 +54,16 @@ pub(crate) fn _supervisor_main(py: Python<'_>) -> PyResult<()> {
         .ok()
         .and_then(|s| s.parse::<f64>().ok())
         .unwrap_or(5.0);
+    let Ok(state) = supervisor::state_dir() else {
+        // The client checked the directory before starting us; it changed since. Nothing
+        // safe to do: the client gives up on supervision and says why.
+        std::process::exit(1);
+    };
     let cfg = server::ServerConfig {
         name: supervisor::socket_name(),
         grace: Duration::from_secs_f64(grace),
-        log: Some(supervisor::log_path()),
+        state,
+        log: true,
         sweep_dirs: sweep_dirs(),
     };
     let res = py.detach(|| server::run(cfg));
@@ -68,8 +74,10 @@ pub(crate) fn _supervisor_main(py: Python<'_>) -> PyResult<()> {
 
 /// Remove orphaned segments: this user's shmstore files in the segment directory that no
 /// live process maps or holds open (and that a running supervisor does not track).
+/// Raises `StoreIOError` (touching nothing) when a supervisor is running but its list of
+/// tracked segments is missing or incomplete.
 ///
-/// Returns one dict per file: path, size, removed, users (pids).
+/// Returns one dict per file: path, size, removed, users (pids), locked.
 #[pyfunction]
 #[pyo3(signature = (dry_run=false, dirs=None))]
 pub(crate) fn sweep<'py>(
@@ -79,11 +87,17 @@ pub(crate) fn sweep<'py>(
 ) -> PyResult<Bound<'py, PyList>> {
     let dirs = dirs.unwrap_or_else(sweep_dirs);
     let report = py.detach(|| {
-        let keep = client::list()
+        let keep = client::list()?
             .map(|segs| segs.into_iter().map(|s| s.path).collect())
             .unwrap_or_default();
-        sw::sweep(&dirs, &keep, dry_run)
+        Ok::<_, std::io::Error>(sw::sweep(&dirs, &keep, dry_run))
     });
+    let report = report.map_err(|err| Error::Io {
+        at: "not sweeping: the running supervisor's answer was missing or incomplete, so \
+             segments in use could look orphaned; try again, or stop the supervisor first"
+            .into(),
+        err,
+    })?;
     let out = PyList::empty(py);
     for s in report {
         let d = PyDict::new(py);
@@ -91,16 +105,22 @@ pub(crate) fn sweep<'py>(
         d.set_item("size", s.size)?;
         d.set_item("removed", s.removed)?;
         d.set_item("users", s.users)?;
+        d.set_item("locked", s.locked)?;
         out.append(d)?;
     }
     Ok(out)
 }
 
 /// The running supervisor (pid, log path, and the segments it tracks with the pids using
-/// them), or None when none is running. Never starts one.
+/// them), or None when none is running. Never starts one. Raises `StoreIOError` when one
+/// is running but does not answer in time or its list is incomplete.
 #[pyfunction]
 pub(crate) fn supervisor_info(py: Python<'_>) -> PyResult<Option<Bound<'_, PyDict>>> {
-    let (pid, segs) = py.detach(|| (client::supervisor_pid(), client::list()));
+    let got = py.detach(|| Ok::<_, std::io::Error>((client::supervisor_pid()?, client::list()?)));
+    let (pid, segs) = got.map_err(|err| Error::Io {
+        at: "the supervisor".into(),
+        err,
+    })?;
     let (Some(pid), Some(segs)) = (pid, segs) else {
         return Ok(None);
     };
@@ -113,6 +133,13 @@ pub(crate) fn supervisor_info(py: Python<'_>) -> PyResult<Option<Bound<'_, PyDic
     }
     d.set_item("segments", segments)?;
     Ok(Some(d))
+}
+
+/// Send the DROPs this process has queued now and wait until the supervisor has them
+/// (normally a background thread sends them within moments). For tests and benchmarks.
+#[pyfunction]
+pub(crate) fn _flush_drops(py: Python<'_>) {
+    py.detach(client::flush_drops);
 }
 
 /// The directories segments are looked up in, in order: `$SHMSTORE_DIR` (else /dev/shm),

@@ -313,7 +313,7 @@ fn segment(e: SegmentError) -> (Class, String) {
     let exc = match &e {
         SegmentError::NotFound { .. } => Exc::NotFound,
         SegmentError::Exists { .. } => Exc::Exists,
-        SegmentError::WrongOwner { .. } => Exc::Permission,
+        SegmentError::WrongOwner { .. } | SegmentError::UnsafeDir { .. } => Exc::Permission,
         SegmentError::NameTaken { .. } => Exc::Exists,
         SegmentError::NotAFile { .. } => Exc::Io,
         SegmentError::Full { .. } => Exc::OutOfMemory,

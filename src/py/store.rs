@@ -12,7 +12,7 @@ use pyo3::types::PyString;
 
 use super::errors::Error;
 use crate::archive::{ArchiveError, Builder, Kind, Reader};
-use crate::segment::{self, Mapping, SegmentWriter};
+use crate::segment::{self, Mapping, SegmentError, SegmentWriter};
 use crate::supervisor;
 
 /// One mapped archive. Views, arrays and handles hold an `Arc<Store>`; the mapping lives
@@ -31,17 +31,24 @@ pub(crate) struct Store {
     registration: Registration,
 }
 
-/// "This process uses the segment": told to the supervisor when made, DROP sent when
-/// dropped (for a failed build or attach, or with the `Store` that owns it).
+/// "This process uses the segment": told to the supervisor when made, DROP queued when
+/// dropped (for a failed build or attach, or with the `Store` that owns it; never blocks).
+/// Without a supervisor, the segment file is held with a shared `flock` instead, which the
+/// supervisor and `shmstore gc` respect even when `/proc` cannot show them this process.
 struct Registration {
     path: PathBuf,
     active: bool,
+    lock: Option<std::fs::File>,
 }
 
 impl Registration {
-    fn new(py: Python<'_>, path: PathBuf) -> Self {
-        let active = register(py, &path);
-        Registration { path, active }
+    fn new(py: Python<'_>, path: PathBuf, created: bool) -> Self {
+        let active = register(py, &path, created);
+        Registration {
+            path,
+            active,
+            lock: None,
+        }
     }
 
     /// Nothing to register (a saved file, not a segment).
@@ -49,14 +56,26 @@ impl Registration {
         Registration {
             path,
             active: false,
+            lock: None,
         }
     }
 
     fn follow(&mut self, py: Python<'_>, path: PathBuf) {
         if path != self.path {
-            let old = std::mem::replace(self, Registration::new(py, path));
+            let old = std::mem::replace(self, Registration::new(py, path, true));
             drop(old);
         }
+    }
+
+    /// Not registered: hold a shared lock on the segment file `ident` names (see the type's
+    /// docs). An error if the name was removed meanwhile (by a supervisor that saw no user).
+    fn lock_if_unsupervised(&mut self, ident: (u64, u64)) -> Result<(), SegmentError> {
+        if self.active {
+            return Ok(());
+        }
+        let file = segment::lock_shared(&self.path, ident)?;
+        self.lock = Some(file);
+        Ok(())
     }
 }
 
@@ -69,16 +88,33 @@ impl Drop for Registration {
 }
 
 /// Tell the supervisor (starting it if needed) that this process uses `path`. False when
-/// it is unavailable or disabled: then only the orphan sweep covers the segment.
-fn register(py: Python<'_>, path: &Path) -> bool {
-    match py.detach(|| supervisor::client::use_segment(path)) {
+/// it is unavailable or disabled: then only the orphan sweep covers the segment. Said at
+/// WARNING once per process (with what it means and how to fix it), unless disabled on
+/// purpose.
+fn register(py: Python<'_>, path: &Path, created: bool) -> bool {
+    use supervisor::client::Unavailable;
+    match py.detach(|| supervisor::client::use_segment(path, created)) {
         Ok(()) => true,
+        Err(Unavailable::Disabled) => false,
         Err(e) => {
-            log::debug!(
-                target: "shmstore::supervisor",
-                "supervisor unavailable for {}: {e}",
-                path.display()
-            );
+            static WARNED: std::sync::atomic::AtomicBool =
+                std::sync::atomic::AtomicBool::new(false);
+            if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                log::warn!(
+                    target: "shmstore::supervisor",
+                    "shmstore runs without its supervisor: {e}. What this means: segments this \
+                     process creates are removed when it closes them or exits normally, but if \
+                     it is killed (SIGKILL, OOM) they stay until the next supervisor starts or \
+                     `shmstore gc` runs. (Said once per process; SHMSTORE_SUPERVISOR=0 turns the \
+                     supervisor off without this warning.)"
+                );
+            } else {
+                log::debug!(
+                    target: "shmstore::supervisor",
+                    "supervisor unavailable for {}: {e}",
+                    path.display()
+                );
+            }
             false
         }
     }
@@ -229,14 +265,19 @@ fn open_store(py: Python<'_>, source: Source) -> PyResult<Arc<Store>> {
     };
     let owner_check = is_segment;
     // Register before mapping: then a supervisor deciding to unlink already counts us.
-    let registration = if is_segment {
-        Registration::new(py, path.clone())
+    let mut registration = if is_segment {
+        Registration::new(py, path.clone(), false)
     } else {
         Registration::none(path.clone())
     };
     let store = py.detach(|| {
         let mapping = Mapping::open(&path, &name, owner_check).map_err(StoreErr::Segment)?;
         let ident = file_ident(&path).unwrap_or((0, 0));
+        if is_segment {
+            registration
+                .lock_if_unsupervised(ident)
+                .map_err(StoreErr::Segment)?;
+        }
         let reader = Reader::open(mapping).map_err(StoreErr::Archive)?;
         Ok::<_, StoreErr>((reader, ident))
     });
@@ -311,7 +352,8 @@ fn placement(dir: Option<PathBuf>, size_hint: Option<u64>) -> PyResult<(PathBuf,
         Ok(()) => Ok((primary, fallback)),
         Err(e) => match fallback {
             Some(fb)
-                if std::fs::create_dir_all(&fb).is_ok() && segment::preflight(&fb, n).is_ok() =>
+                if segment::private_dir(&fb, true).is_ok()
+                    && segment::preflight(&fb, n).is_ok() =>
             {
                 log::warn!(
                     "{} cannot hold {n} bytes: storing in {} instead (disk-backed; see docs/lifecycle.md)",
@@ -385,7 +427,7 @@ pub(crate) fn build(
     };
     // The supervisor knows the segment before anything of it exists (docs/invariants.md, 5),
     // so the death of this process at any point (even mid-build) is noticed and cleaned up.
-    let mut reg = Registration::new(py, dir.join(&name));
+    let mut reg = Registration::new(py, dir.join(&name), true);
     let writer = SegmentWriter::create(&dir, &name, fallback.as_deref()).map_err(Error::from)?;
     let mut builder = Builder::new(writer, kind, std::process::id()).map_err(archive_err)?;
     feed(&mut builder)?;
@@ -428,7 +470,7 @@ impl Sealed {
 fn publish(
     py: Python<'_>,
     writer: SegmentWriter,
-    reg: Registration,
+    mut reg: Registration,
     name: String,
     context: &str,
     sealed: Sealed,
@@ -444,6 +486,7 @@ fn publish(
             mapping.take_ownership();
         }
         let ident = file_ident(&path).unwrap_or((0, 0));
+        reg.lock_if_unsupervised(ident).map_err(StoreErr::Segment)?;
         let reader = Reader::open(mapping).map_err(StoreErr::Archive)?;
         Ok::<_, StoreErr>((reader, ident))
     });
@@ -477,7 +520,7 @@ pub(crate) fn import(
 ) -> PyResult<Arc<Store>> {
     let name = segment::normalize_name(name).map_err(Error::from)?;
     let context = format!("store {name:?}");
-    let reg = Registration::new(py, dir.join(&name));
+    let reg = Registration::new(py, dir.join(&name), true);
     let mut writer = SegmentWriter::create(dir, &name, None).map_err(Error::from)?;
     feed(&mut writer)?;
     let store = publish(py, writer, reg, name, &context, Sealed::Fetched)?;

@@ -50,6 +50,12 @@ pub enum SegmentError {
     Empty { path: PathBuf },
     #[error("invalid segment name {name:?}: {why}")]
     BadName { name: String, why: &'static str },
+    #[error("refusing to use {path}: {why}; shmstore keeps its per-user files only in a directory that you own and that no one else can write ({fix})")]
+    UnsafeDir {
+        path: PathBuf,
+        why: String,
+        fix: &'static str,
+    },
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,
@@ -97,11 +103,140 @@ pub fn fallback_dir() -> Option<PathBuf> {
     )
 }
 
-/// Directories searched, in order, when attaching by name.
+/// Directories searched, in order, when attaching by name: the segment directory, then
+/// the fallback directory if it exists and is safe (ours, not writable by anyone else; see
+/// [`private_dir`]): stores spilled there are never read from a directory another user
+/// controls.
 pub fn search_dirs() -> Vec<PathBuf> {
     let mut dirs = vec![default_dir()];
-    dirs.extend(fallback_dir());
+    dirs.extend(fallback_dir().filter(|d| private_dir(d, false).is_ok()));
     dirs
+}
+
+/// A per-user directory (the fallback directory, the supervisor's state directory), opened
+/// and verified: keep `fd` and reach files through it (`openat`, or `/proc/self/fd/N/...`
+/// for sockets), so the checked directory is the one used.
+#[derive(Debug)]
+pub struct PrivateDir {
+    pub path: PathBuf,
+    pub fd: std::os::fd::OwnedFd,
+}
+
+impl PrivateDir {
+    /// A path that reaches `name` inside this very directory (through the open descriptor),
+    /// whatever happens to `self.path` meanwhile; short enough for a socket address.
+    pub fn fd_path(&self, name: &str) -> PathBuf {
+        use std::os::fd::AsRawFd;
+        PathBuf::from(format!("/proc/self/fd/{}/{name}", self.fd.as_raw_fd()))
+    }
+}
+
+/// Open the per-user directory `path`, creating it (mode 0700) when `create` and it is
+/// missing. Refuses (`UnsafeDir`, saying why) a symlink, a non-directory, a directory owned
+/// by another user, or one that group or others may write: a directory another user
+/// controls could swap our files or plant symlinks in it. Checked with `lstat` on the path
+/// and `fstat` on the descriptor opened with `O_DIRECTORY | O_NOFOLLOW`, and both must name
+/// the same directory.
+pub fn private_dir(path: &Path, create: bool) -> Result<PrivateDir, SegmentError> {
+    use rustix::fs::{FileType, Mode, OFlags};
+    let unsafe_dir = |why: String| SegmentError::UnsafeDir {
+        path: path.to_owned(),
+        why,
+        fix: "remove it, or point XDG_RUNTIME_DIR / SHMSTORE_FALLBACK_DIR elsewhere",
+    };
+    if create {
+        if let Some(parent) = path.parent() {
+            // Parents are created as usual (e.g. a missing XDG_RUNTIME_DIR in a test); only
+            // the last component is ours and checked.
+            if !parent.as_os_str().is_empty() && !parent.exists() {
+                let _ = std::fs::create_dir_all(parent);
+            }
+        }
+        match rustix::fs::mkdir(path, Mode::RWXU) {
+            Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+            Err(e) => return Err(SegmentError::io(path, e.into())),
+        }
+    }
+    let lst = rustix::fs::lstat(path).map_err(|e| SegmentError::io(path, e.into()))?;
+    if FileType::from_raw_mode(lst.st_mode) == FileType::Symlink {
+        return Err(unsafe_dir("it is a symbolic link".into()));
+    }
+    let fd = rustix::fs::open(
+        path,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| match e {
+        rustix::io::Errno::NOTDIR | rustix::io::Errno::LOOP => {
+            unsafe_dir("it is not a directory".into())
+        }
+        e => SegmentError::io(path, e.into()),
+    })?;
+    let st = rustix::fs::fstat(&fd).map_err(|e| SegmentError::io(path, e.into()))?;
+    if (st.st_dev, st.st_ino) != (lst.st_dev, lst.st_ino) {
+        return Err(unsafe_dir("it was replaced while being opened".into()));
+    }
+    if FileType::from_raw_mode(st.st_mode) != FileType::Directory {
+        return Err(unsafe_dir("it is not a directory".into()));
+    }
+    let me = rustix::process::geteuid().as_raw();
+    if st.st_uid != me {
+        return Err(unsafe_dir(format!(
+            "it belongs to uid {}, not to you (uid {me})",
+            st.st_uid
+        )));
+    }
+    if st.st_mode & 0o022 != 0 {
+        return Err(unsafe_dir(format!(
+            "its mode is {:o}: group or others may write to it",
+            st.st_mode & 0o7777
+        )));
+    }
+    Ok(PrivateDir {
+        path: path.to_owned(),
+        fd,
+    })
+}
+
+/// Hold a shared `flock` on the segment at `path`, which must still be the file `ident`
+/// names and still have a name: a reader that is not the supervisor's client holds one, and
+/// the supervisor never unlinks a segment someone holds locked. If the supervisor removed
+/// the name just before (it saw no user), the lock comes with the file already unlinked:
+/// then this is `NotFound`, as if the attach had come a moment later.
+pub fn lock_shared(path: &Path, ident: (u64, u64)) -> Result<std::fs::File, SegmentError> {
+    use rustix::fs::{FlockOperation, Mode, OFlags};
+    let gone = || SegmentError::NotFound {
+        name: path
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        path: path.to_owned(),
+    };
+    let fd = rustix::fs::open(
+        path,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY,
+        Mode::empty(),
+    )
+    .map_err(|e| match e {
+        rustix::io::Errno::NOENT => gone(),
+        e => SegmentError::io(path, e.into()),
+    })?;
+    // The supervisor holds its exclusive lock only while it unlinks: wait a bounded moment.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(100);
+    loop {
+        match rustix::fs::flock(&fd, FlockOperation::NonBlockingLockShared) {
+            Ok(()) => break,
+            Err(rustix::io::Errno::WOULDBLOCK) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(1))
+            }
+            Err(e) => return Err(SegmentError::io(path, e.into())),
+        }
+    }
+    let st = rustix::fs::fstat(&fd).map_err(|e| SegmentError::io(path, e.into()))?;
+    if (st.st_dev, st.st_ino) != ident || st.st_nlink == 0 {
+        return Err(gone());
+    }
+    Ok(std::fs::File::from(fd))
 }
 
 /// A fresh unguessable name: the prefix and 128 random bits.
@@ -167,5 +302,37 @@ mod tests {
         assert!(r.starts_with(PREFIX) && r.len() == PREFIX.len() + 32);
         assert_ne!(random_name(), r);
         assert_eq!(normalize_name(&r).unwrap(), r);
+    }
+
+    #[test]
+    fn private_dirs_are_created_0700_and_checked() {
+        use std::os::unix::fs::PermissionsExt;
+        let root = tempfile::tempdir().unwrap();
+        let d = root.path().join("mine");
+        let pd = private_dir(&d, true).unwrap();
+        assert_eq!(d.metadata().unwrap().permissions().mode() & 0o777, 0o700);
+        assert!(pd.fd_path("x").starts_with("/proc/self/fd/"));
+        assert!(private_dir(&d, false).is_ok());
+        // Missing and not asked to create: an I/O error (not found), not a refusal.
+        assert!(matches!(
+            private_dir(&root.path().join("none"), false),
+            Err(SegmentError::Io { .. })
+        ));
+        // A symlink to a good directory is refused.
+        let link = root.path().join("link");
+        std::os::unix::fs::symlink(&d, &link).unwrap();
+        let e = private_dir(&link, true).unwrap_err().to_string();
+        assert!(e.contains("symbolic link"), "{e}");
+        // Writable by others: refused, and the message says why.
+        let open = root.path().join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = private_dir(&open, true).unwrap_err().to_string();
+        assert!(e.contains("mode is 777"), "{e}");
+        // A file in its place.
+        let file = root.path().join("file");
+        std::fs::write(&file, b"").unwrap();
+        let e = private_dir(&file, true).unwrap_err().to_string();
+        assert!(e.contains("not a directory"), "{e}");
     }
 }

@@ -100,7 +100,7 @@ impl SegmentWriter {
         let Some(fallback) = self.fallback.take() else {
             return Ok(false);
         };
-        if std::fs::create_dir_all(&fallback).is_err()
+        if super::private_dir(&fallback, true).is_err()
             || preflight(&fallback, self.written + need).is_err()
         {
             return Ok(false);

@@ -1,19 +1,33 @@
 //! The client side: every process that creates or attaches a segment tells the supervisor,
-//! starting it if none is running. A forked child notices the pid change and opens its own
-//! connection (keeping the inherited one open, so its parent's segments stay registered
-//! while the child, which maps them too, is alive).
+//! starting it if none is running.
+//!
+//! Never a stall: every conversation has a short deadline ([`timeout`], 0.5 s by default;
+//! the connect is non-blocking too, so a full listen backlog cannot block it); a supervisor
+//! that misses it is given up on for [`BACKOFF`] (the caller goes on unsupervised and says
+//! so once), and callers wait for it with the GIL released. Dropping a registration does no
+//! I/O at all: the `DROP` is queued and a background thread sends queued DROPs in batches
+//! (ten thousand handles released at once are one batch and one /proc scan in the
+//! supervisor).
+//!
+//! Fork safety: the two locks (`IO`: the conversation, `STATE`: the bookkeeping, taken in
+//! that order, never while logging or calling Python) are taken by a `pthread_atfork`
+//! prepare handler and released in the parent and the child, so a fork in the middle of
+//! another thread's round trip waits for it to finish (at most the deadline) instead of
+//! leaving the child a lock that no thread will ever release. A forked child notices the
+//! pid change and opens its own connection (keeping the inherited one open, so its
+//! parent's segments stay registered while the child, which maps them too, is alive).
 
-use std::collections::HashMap;
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
 use std::io::{self, BufReader, Write};
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr, UnixStream};
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Condvar, Mutex, MutexGuard, Once, OnceLock};
 use std::time::{Duration, Instant};
 
-use super::proto::{parse_seg, Request, SegmentUse};
-use super::server::read_line;
+use super::proto::{parse_end, parse_seg, read_line, Request, SegmentUse};
+use crate::segment::PrivateDir;
 
 /// How to start a supervisor process (set by the Python layer: the interpreter and the
 /// code that calls `_supervisor_main`).
@@ -38,63 +52,187 @@ pub fn enabled() -> bool {
     )
 }
 
+/// Deadline of one conversation with a running supervisor (connect + round trip):
+/// `SHMSTORE_SUPERVISOR_TIMEOUT` seconds, default 0.5.
+pub fn timeout() -> Duration {
+    std::env::var("SHMSTORE_SUPERVISOR_TIMEOUT")
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .map(|s| Duration::from_secs_f64(s.min(3600.0)))
+        .unwrap_or(Duration::from_millis(500))
+}
+
+/// How long a supervisor that just started may take to answer (a fresh interpreter).
+const SPAWN_WAIT: Duration = Duration::from_secs(10);
+/// After a supervisor missed a deadline, don't try again for this long.
+pub const BACKOFF: Duration = Duration::from_secs(5);
+/// Requests written before their replies are read.
+const BATCH: usize = 512;
+
+/// Why there is no supervisor to talk to.
+#[derive(Debug)]
+pub enum Unavailable {
+    Disabled,
+    /// None is running (nothing listens on the socket).
+    NotRunning(io::Error),
+    /// One may be running but did not answer in time (stopped, overloaded): given up.
+    NoAnswer(String),
+    /// The state directory is not safe to use (see `segment::private_dir`).
+    UnsafeDir(String),
+    Other(String),
+}
+
+impl std::fmt::Display for Unavailable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unavailable::Disabled => {
+                write!(f, "the supervisor is disabled (SHMSTORE_SUPERVISOR=0)")
+            }
+            Unavailable::NotRunning(e) => write!(
+                f,
+                "no supervisor is running and none could be started ({e})"
+            ),
+            Unavailable::NoAnswer(m) => write!(
+                f,
+                "{m}; if it is stopped (SIGSTOP, a debugger) resume it, or kill it and the next \
+                 shmstore call starts a new one (SHMSTORE_SUPERVISOR_TIMEOUT sets the deadline)"
+            ),
+            Unavailable::UnsafeDir(m) => write!(f, "{m}"),
+            Unavailable::Other(m) => write!(f, "{m}"),
+        }
+    }
+}
+
+impl From<Unavailable> for io::Error {
+    fn from(u: Unavailable) -> io::Error {
+        let kind = match &u {
+            Unavailable::NoAnswer(_) => io::ErrorKind::TimedOut,
+            Unavailable::UnsafeDir(_) => io::ErrorKind::PermissionDenied,
+            _ => io::ErrorKind::Other,
+        };
+        io::Error::new(kind, u.to_string())
+    }
+}
+
 struct Conn {
     writer: UnixStream,
     reader: BufReader<UnixStream>,
-    pid: u32,
-}
-
-#[derive(Default)]
-struct State {
-    conn: Option<Conn>,
-    /// Segment path -> number of live stores using it in this process.
-    uses: HashMap<PathBuf, usize>,
-}
-
-fn state() -> &'static Mutex<State> {
-    static STATE: OnceLock<Mutex<State>> = OnceLock::new();
-    STATE.get_or_init(Default::default)
-}
-
-fn connect() -> io::Result<Conn> {
-    connect_to(&super::socket_name())
-}
-
-fn connect_to(name: &str) -> io::Result<Conn> {
-    let addr = SocketAddr::from_abstract_name(name.as_bytes())?;
-    let stream = UnixStream::connect_addr(&addr)?;
-    let cred = rustix::net::sockopt::socket_peercred(&stream)?;
-    if cred.uid != rustix::process::geteuid() {
-        return Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            format!("the supervisor socket belongs to uid {}", cred.uid.as_raw()),
-        ));
-    }
-    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    stream.set_write_timeout(Some(Duration::from_secs(10)))?;
-    let mut conn = Conn {
-        reader: BufReader::new(stream.try_clone()?),
-        writer: stream,
-        pid: std::process::id(),
-    };
-    let reply = conn.request(&Request::Hello(conn.pid))?;
-    if !reply.starts_with("OK") {
-        return Err(io::Error::other(format!("supervisor said {reply:?}")));
-    }
-    Ok(conn)
+    supervisor: u32,
 }
 
 impl Conn {
-    fn request(&mut self, req: &Request) -> io::Result<String> {
-        self.writer.write_all(req.encode().as_bytes())?;
-        read_line(&mut self.reader)
+    /// Send `reqs` (at most [`BATCH`] at once), then read one `OK` each, by `deadline`.
+    fn requests(&mut self, reqs: &[Request], deadline: Instant) -> io::Result<()> {
+        for chunk in reqs.chunks(BATCH) {
+            let text: String = chunk.iter().map(Request::encode).collect();
+            self.arm(deadline)?;
+            self.writer.write_all(text.as_bytes())?;
+            for _ in chunk {
+                self.arm(deadline)?;
+                let reply = read_line(&mut self.reader)?;
+                if !reply.starts_with("OK") {
+                    return Err(io::Error::other(format!("the supervisor said {reply:?}")));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Socket timeouts set to what is left until `deadline`.
+    fn arm(&self, deadline: Instant) -> io::Result<()> {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed"));
+        }
+        self.writer.set_read_timeout(Some(left))?;
+        self.writer.set_write_timeout(Some(left))
     }
 }
 
-fn spawn_supervisor() -> io::Result<()> {
+fn is_timeout(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
+    )
+}
+
+/// Connect to the supervisor named `name` whose socket is in `dir`, check it is ours
+/// (`SO_PEERCRED`), and say HELLO, all by `deadline`.
+fn connect_in(dir: &PrivateDir, name: &str, deadline: Instant) -> Result<Conn, Unavailable> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let path =
+        super::server::socket_path(dir, name).map_err(|e| Unavailable::Other(e.to_string()))?;
+    let addr = SocketAddrUnix::new(&path).map_err(|e| Unavailable::Other(e.to_string()))?;
+    let fd = rustix::net::socket_with(
+        AddressFamily::UNIX,
+        SocketType::STREAM,
+        SocketFlags::NONBLOCK | SocketFlags::CLOEXEC,
+        None,
+    )
+    .map_err(|e| Unavailable::Other(format!("socket: {e}")))?;
+    loop {
+        match rustix::net::connect(&fd, &addr) {
+            Ok(()) => break,
+            Err(rustix::io::Errno::INTR) => continue,
+            // The listen backlog is full: it is running but not accepting.
+            Err(rustix::io::Errno::AGAIN) => {
+                if Instant::now() >= deadline {
+                    return Err(Unavailable::NoAnswer(format!(
+                        "the supervisor at {} does not accept connections (backlog full)",
+                        dir.path.join(format!("{name}.sock")).display()
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e @ (rustix::io::Errno::NOENT | rustix::io::Errno::CONNREFUSED)) => {
+                return Err(Unavailable::NotRunning(e.into()))
+            }
+            Err(e) => return Err(Unavailable::Other(format!("connect: {e}"))),
+        }
+    }
+    let stream = UnixStream::from(fd);
+    let other = |e: io::Error| Unavailable::Other(e.to_string());
+    stream.set_nonblocking(false).map_err(other)?;
+    let cred = rustix::net::sockopt::socket_peercred(&stream).map_err(|e| other(e.into()))?;
+    if cred.uid != rustix::process::geteuid() {
+        return Err(Unavailable::Other(format!(
+            "the supervisor socket belongs to uid {}",
+            cred.uid.as_raw()
+        )));
+    }
+    let mut conn = Conn {
+        reader: BufReader::new(stream.try_clone().map_err(other)?),
+        writer: stream,
+        supervisor: cred.pid.as_raw_nonzero().get() as u32,
+    };
+    let hello = (|| {
+        conn.arm(deadline)?;
+        conn.writer
+            .write_all(Request::Hello(std::process::id()).encode().as_bytes())?;
+        read_line(&mut conn.reader)
+    })();
+    match hello {
+        Ok(r) if r.starts_with("OK") => Ok(conn),
+        Ok(r) => Err(Unavailable::Other(format!("the supervisor said {r:?}"))),
+        Err(e) if is_timeout(&e) => Err(no_answer(conn.supervisor)),
+        Err(e) => Err(Unavailable::NotRunning(e)),
+    }
+}
+
+fn no_answer(pid: u32) -> Unavailable {
+    Unavailable::NoAnswer(format!("the supervisor (pid {pid}) did not answer in time"))
+}
+
+fn connect(deadline: Instant) -> Result<Conn, Unavailable> {
+    let dir = super::state_dir().map_err(|e| Unavailable::UnsafeDir(e.to_string()))?;
+    connect_in(&dir, &super::socket_name(), deadline)
+}
+
+fn spawn_supervisor() -> Result<(), Unavailable> {
     let cmd = SPAWN
         .get()
-        .ok_or_else(|| io::Error::other("no way to start a supervisor was configured"))?;
+        .ok_or_else(|| Unavailable::Other("no way to start a supervisor was configured".into()))?;
     // The started process forks once and exits (the real supervisor is its child, in its
     // own session): waiting for it leaves no zombie behind.
     let status = Command::new(&cmd.program)
@@ -102,122 +240,386 @@ fn spawn_supervisor() -> io::Result<()> {
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
-        .status()?;
+        .status()
+        .map_err(|e| Unavailable::Other(format!("starting the supervisor: {e}")))?;
     if !status.success() {
-        return Err(io::Error::other(format!(
+        return Err(Unavailable::Other(format!(
             "the supervisor failed to start ({status})"
         )));
     }
     Ok(())
 }
 
-/// Connect, starting a supervisor if none answers; then tell it every segment in use.
-fn ensure(st: &mut State, may_spawn: bool) -> io::Result<bool> {
-    if let Some(c) = &st.conn {
-        if c.pid == std::process::id() {
-            return Ok(false);
+/// One registration in this process.
+#[derive(Default, Clone, Copy)]
+struct Use {
+    /// Live stores using it.
+    count: usize,
+    /// This process created the segment (registered with `NEW`).
+    created: bool,
+}
+
+/// The conversation (lock order: `IO` before `STATE`).
+struct Io {
+    conn: Option<Conn>,
+    /// The process the connection belongs to (a forked child inherits it, never uses it).
+    pid: u32,
+}
+
+#[derive(Default)]
+struct State {
+    uses: HashMap<PathBuf, Use>,
+    /// DROPs not sent yet.
+    drops: HashSet<PathBuf>,
+    /// The process whose thread sends DROPs (0: none; a forked child has no such thread).
+    sender: u32,
+    /// No conversation is tried before this (a supervisor missed a deadline), and why.
+    backoff: Option<(Instant, String)>,
+}
+
+static IO: Mutex<Io> = Mutex::new(Io { conn: None, pid: 0 });
+static WAKE: Condvar = Condvar::new();
+
+fn state() -> &'static Mutex<State> {
+    static STATE: OnceLock<Mutex<State>> = OnceLock::new();
+    STATE.get_or_init(Default::default)
+}
+
+fn lock<T>(m: &'static Mutex<T>) -> MutexGuard<'static, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+thread_local! {
+    /// Both locks, held by the forking thread from `prepare` to `parent`/`child`.
+    static HELD: RefCell<Option<(MutexGuard<'static, Io>, MutexGuard<'static, State>)>> =
+        const { RefCell::new(None) };
+}
+
+extern "C" fn before_fork() {
+    let io = lock(&IO);
+    let st = lock(state());
+    HELD.with(|h| *h.borrow_mut() = Some((io, st)));
+}
+
+extern "C" fn after_fork_parent() {
+    HELD.with(|h| drop(h.borrow_mut().take()));
+}
+
+extern "C" fn after_fork_child() {
+    HELD.with(|h| {
+        if let Some((mut io, mut st)) = h.borrow_mut().take() {
+            // The parent owns that conversation: keep the socket open, never use it.
+            std::mem::forget(io.conn.take());
+            io.pid = 0;
+            st.drops.clear(); // never registered by this process
+            st.sender = 0;
         }
-        // Forked child: keep the inherited socket open (see the module docs), but never
-        // talk on it: the parent owns that conversation.
-        std::mem::forget(st.conn.take());
+    });
+}
+
+fn install_fork_handlers() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: the handlers are plain functions that lock and unlock process-global
+        // mutexes (no allocation in `before_fork` besides what `Mutex::lock` does, no
+        // Python, no I/O) and never unwind: `lock` recovers from poisoning.
+        unsafe {
+            libc::pthread_atfork(
+                Some(before_fork),
+                Some(after_fork_parent),
+                Some(after_fork_child),
+            );
+        }
+    });
+}
+
+type IoGuard = MutexGuard<'static, Io>;
+
+/// Make sure this process has a live connection, connecting (and starting a supervisor
+/// when `may_spawn`) if needed; a fresh connection re-registers every segment in use, and
+/// `Ok(true)` says so. Called with `IO` held; releases it only while starting a supervisor
+/// (which may fork: never with our locks held, see the module docs).
+fn ensure(mut io: IoGuard, may_spawn: bool) -> (IoGuard, Result<bool, Unavailable>) {
+    let me = std::process::id();
+    if io.pid != me {
+        if let Some(c) = io.conn.take() {
+            std::mem::forget(c); // inherited: see after_fork_child
+        }
+        io.pid = me;
     }
-    let conn = match connect() {
+    if io.conn.is_some() {
+        return (io, Ok(false));
+    }
+    if let Some((until, why)) = &lock(state()).backoff {
+        if Instant::now() < *until {
+            return (io, Err(Unavailable::NoAnswer(why.clone())));
+        }
+    }
+    let mut c = match connect(Instant::now() + timeout()) {
         Ok(c) => c,
-        Err(_) if may_spawn => {
-            spawn_supervisor()?;
-            let deadline = Instant::now() + Duration::from_secs(10);
+        Err(Unavailable::NotRunning(_)) if may_spawn => {
+            let start = Instant::now();
+            drop(io);
+            let spawned = spawn_supervisor();
+            io = lock(&IO);
+            if let Err(e) = spawned {
+                return (io, Err(e));
+            }
+            if io.conn.is_some() {
+                // Another thread connected meanwhile and registered everything in `uses`.
+                return (io, Ok(true));
+            }
             loop {
-                match connect() {
+                match connect(Instant::now() + timeout()) {
                     Ok(c) => break c,
-                    Err(e) if Instant::now() >= deadline => return Err(e),
-                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                    Err(Unavailable::NotRunning(e)) if start.elapsed() >= SPAWN_WAIT => {
+                        return (io, Err(Unavailable::NotRunning(e)))
+                    }
+                    Err(Unavailable::NotRunning(_)) => std::thread::sleep(Duration::from_millis(5)),
+                    Err(e) => return (io, Err(e)),
                 }
             }
         }
-        Err(e) => return Err(e),
+        Err(e) => return (io, Err(e)),
     };
-    st.conn = Some(conn);
-    let paths: Vec<PathBuf> = st.uses.keys().cloned().collect();
-    let conn = st.conn.as_mut().expect("just connected");
-    for p in paths {
-        conn.request(&Request::Use(p))?;
+    let uses: Vec<Request> = {
+        let mut st = lock(state());
+        // A new connection knows nothing of earlier DROPs: forget them.
+        st.drops.clear();
+        st.uses
+            .iter()
+            .map(|(p, u)| {
+                if u.created {
+                    Request::New(p.clone())
+                } else {
+                    Request::Use(p.clone())
+                }
+            })
+            .collect()
+    };
+    // Re-registering many stores may take several deadlines' worth: one per batch.
+    for chunk in uses.chunks(BATCH) {
+        if let Err(e) = c.requests(chunk, Instant::now() + timeout()) {
+            return (io, Err(fail(&c, e)));
+        }
     }
-    Ok(true)
+    io.conn = Some(c);
+    (io, Ok(true))
 }
 
-fn send(st: &mut State, req: &Request, may_spawn: bool) -> io::Result<()> {
+fn fail(c: &Conn, e: io::Error) -> Unavailable {
+    if is_timeout(&e) {
+        no_answer(c.supervisor)
+    } else {
+        Unavailable::NotRunning(e)
+    }
+}
+
+/// Send `req` on this process's connection (reconnecting once if the supervisor went
+/// away). On a missed deadline the connection is closed (the caller gives the supervisor
+/// up for [`BACKOFF`]).
+fn send(mut io: IoGuard, req: Request, may_spawn: bool) -> Result<(), Unavailable> {
     for attempt in 0..2 {
-        let fresh = ensure(st, may_spawn)?;
-        if fresh && matches!(req, Request::Use(_)) {
+        let (back, fresh) = ensure(io, may_spawn);
+        io = back;
+        let fresh = fresh?;
+        if fresh && matches!(req, Request::Use(_) | Request::New(_)) {
             return Ok(()); // `ensure` registered everything in `uses`, this path included
         }
-        let conn = st.conn.as_mut().expect("connected");
-        match conn.request(req) {
-            Ok(r) if r == "OK" => return Ok(()),
-            Ok(r) => return Err(io::Error::other(format!("supervisor said {r:?}"))),
-            Err(e) if attempt == 1 => return Err(e),
-            Err(_) => st.conn = None, // it died: reconnect (and re-register) once
+        let c = io.conn.as_mut().expect("ensured");
+        match c.requests(std::slice::from_ref(&req), Instant::now() + timeout()) {
+            Ok(()) => return Ok(()),
+            Err(e) => {
+                let err = fail(c, e);
+                io.conn = None;
+                if matches!(err, Unavailable::NoAnswer(_)) || attempt == 1 {
+                    return Err(err);
+                }
+                // It died (e.g. was killed): reconnect and re-register once.
+            }
         }
     }
-    unreachable!()
+    unreachable!("the loop returns")
 }
 
-/// This process uses the segment at `path` (call before mapping it). An error means the
-/// supervisor is unavailable; the segment is then only covered by the orphan sweep.
-pub fn use_segment(path: &Path) -> io::Result<()> {
+fn give_up(err: &Unavailable) {
+    if let Unavailable::NoAnswer(why) = err {
+        lock(state()).backoff = Some((Instant::now() + BACKOFF, why.clone()));
+    }
+}
+
+/// This process uses the segment at `path` (call before creating or mapping it; `created`:
+/// this process creates it). An error means the supervisor is unavailable (it says why and
+/// what to do); the segment is then only covered by the orphan sweep.
+pub fn use_segment(path: &Path, created: bool) -> Result<(), Unavailable> {
     if !enabled() {
-        return Err(io::Error::other(
-            "the supervisor is disabled (SHMSTORE_SUPERVISOR=0)",
-        ));
+        return Err(Unavailable::Disabled);
     }
-    let mut st = state().lock().unwrap_or_else(|p| p.into_inner());
-    let n = st.uses.entry(path.to_owned()).or_default();
-    *n += 1;
-    if *n > 1 {
-        return Ok(());
+    install_fork_handlers();
+    {
+        let mut st = lock(state());
+        if let Some(u) = st.uses.get_mut(path) {
+            if u.count > 0 {
+                u.count += 1;
+                return Ok(());
+            }
+        }
     }
-    let res = send(&mut st, &Request::Use(path.to_owned()), true);
-    if res.is_err() {
-        st.uses.remove(path);
+    // Hold the conversation from here: a DROP of this path can only be sent after our
+    // registration, never before it.
+    let io = lock(&IO);
+    {
+        let mut st = lock(state());
+        let u = st.uses.entry(path.to_owned()).or_default();
+        u.count += 1;
+        u.created |= created;
+        if u.count > 1 {
+            return Ok(());
+        }
+        if st.drops.remove(path) {
+            return Ok(()); // its DROP was never sent: still registered
+        }
+    }
+    let req = if created {
+        Request::New(path.to_owned())
+    } else {
+        Request::Use(path.to_owned())
+    };
+    let res = send(io, req, true);
+    if let Err(e) = &res {
+        give_up(e);
+        let mut st = lock(state());
+        if let Some(u) = st.uses.get_mut(path) {
+            u.count -= 1;
+            if u.count == 0 {
+                st.uses.remove(path);
+            }
+        }
     }
     res
 }
 
 /// This process no longer uses the segment at `path` (its last mapping here is gone).
+/// Never blocks on the supervisor: the DROP is queued for the sender thread.
 pub fn drop_segment(path: &Path) {
-    let mut st = state().lock().unwrap_or_else(|p| p.into_inner());
-    let Some(n) = st.uses.get_mut(path) else {
+    let mut st = lock(state());
+    let Some(u) = st.uses.get_mut(path) else {
         return;
     };
-    *n -= 1;
-    if *n > 0 {
+    u.count -= 1;
+    if u.count > 0 {
         return;
     }
     st.uses.remove(path);
-    let _ = send(&mut st, &Request::Drop(path.to_owned()), false);
+    st.drops.insert(path.to_owned());
+    let me = std::process::id();
+    if st.sender != me {
+        let started = std::thread::Builder::new()
+            .name("shmstore-drops".into())
+            .spawn(send_drops);
+        if started.is_ok() {
+            st.sender = me;
+        }
+    }
+    WAKE.notify_one();
 }
 
-/// What the running supervisor tracks (None if no supervisor is running: never starts one).
-pub fn list() -> Option<Vec<SegmentUse>> {
-    let mut conn = connect().ok()?;
-    conn.writer
-        .write_all(Request::List.encode().as_bytes())
-        .ok()?;
-    let mut out = Vec::new();
+/// The sender thread: waits for queued DROPs and sends them in batches.
+fn send_drops() {
     loop {
-        let line = read_line(&mut conn.reader).ok()?;
-        if line == "END" {
-            return Some(out);
+        {
+            let mut st = lock(state());
+            while st.drops.is_empty() {
+                st = WAKE.wait(st).unwrap_or_else(|p| p.into_inner());
+            }
         }
-        out.extend(parse_seg(&line));
+        flush_drops();
     }
 }
 
-/// The pid of the running supervisor, if any.
-pub fn supervisor_pid() -> Option<u32> {
-    let mut conn = connect().ok()?;
-    let reply = conn.request(&Request::Hello(std::process::id())).ok()?;
-    reply.strip_prefix("OK ")?.parse().ok()
+/// Send every queued DROP now (what the sender thread does; tests call it to wait).
+pub fn flush_drops() {
+    let mut io = lock(&IO);
+    let batch: Vec<Request> = lock(state()).drops.drain().map(Request::Drop).collect();
+    if batch.is_empty() || io.pid != std::process::id() {
+        return;
+    }
+    let Some(c) = io.conn.as_mut() else {
+        return; // not connected: the supervisor has none of them registered
+    };
+    let mut res = Ok(());
+    for chunk in batch.chunks(BATCH) {
+        res = c.requests(chunk, Instant::now() + timeout());
+        if res.is_err() {
+            break;
+        }
+    }
+    if let Err(e) = res {
+        // Closing the connection drops all our registrations at once; the supervisor's
+        // /proc check still sees what we map. The next call reconnects and re-registers.
+        let err = fail(c, e);
+        io.conn = None;
+        drop(io);
+        give_up(&err);
+    }
+}
+
+/// Open a fresh connection (never starts a supervisor). `Ok(None)`: none is running.
+fn query(deadline: Instant) -> io::Result<Option<Conn>> {
+    match connect(deadline) {
+        Ok(c) => Ok(Some(c)),
+        Err(Unavailable::NotRunning(_)) => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Deadline of the questions asked by tools (`list`, `supervisor_pid`): not on any hot path,
+/// so more generous than [`timeout`], but still bounded.
+fn query_timeout() -> Duration {
+    timeout().max(Duration::from_secs(5))
+}
+
+/// What the running supervisor tracks; `Ok(None)` if none is running (never starts one).
+/// An error if one is running but its answer is missing or incomplete: a caller deciding
+/// what to delete must not mistake that for "nothing is in use".
+pub fn list() -> io::Result<Option<Vec<SegmentUse>>> {
+    let Some(mut c) = query(Instant::now() + query_timeout())? else {
+        return Ok(None);
+    };
+    c.arm(Instant::now() + query_timeout())?;
+    c.writer.write_all(Request::List.encode().as_bytes())?;
+    let mut out = Vec::new();
+    loop {
+        // A long listing streams: the deadline is per line, not for the whole.
+        c.arm(Instant::now() + query_timeout())?;
+        let line = read_line(&mut c.reader).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!(
+                    "the supervisor's list was cut after {} segments: {e}",
+                    out.len()
+                ),
+            )
+        })?;
+        if let Some(n) = parse_end(&line) {
+            if n != out.len() {
+                return Err(io::Error::other(format!(
+                    "the supervisor's list is incomplete: {} of {n} segments",
+                    out.len()
+                )));
+            }
+            return Ok(Some(out));
+        }
+        match parse_seg(&line) {
+            Some(s) => out.push(s),
+            None => return Err(io::Error::other(format!("the supervisor said {line:?}"))),
+        }
+    }
+}
+
+/// The pid of the running supervisor; `Ok(None)` if none is running.
+pub fn supervisor_pid() -> io::Result<Option<u32>> {
+    Ok(query(Instant::now() + query_timeout())?.map(|c| c.supervisor))
 }
 
 /// A raw connection, for tests of the server.
@@ -226,18 +628,32 @@ pub(crate) struct TestConn(Conn);
 
 #[cfg(test)]
 impl TestConn {
-    pub(crate) fn connect(name: &str) -> io::Result<Self> {
-        connect_to(name).map(TestConn)
+    pub(crate) fn connect(dir: &PrivateDir, name: &str) -> io::Result<Self> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        connect_in(dir, name, deadline)
+            .map(TestConn)
+            .map_err(io::Error::from)
     }
     pub(crate) fn request(&mut self, req: &Request) -> io::Result<String> {
-        self.0.request(req)
+        self.0.arm(Instant::now() + Duration::from_secs(30))?;
+        self.0.writer.write_all(req.encode().as_bytes())?;
+        read_line(&mut self.0.reader)
+    }
+    pub(crate) fn send_raw(&mut self, bytes: &[u8]) -> io::Result<()> {
+        self.0.arm(Instant::now() + Duration::from_secs(30))?;
+        self.0.writer.write_all(bytes)
+    }
+    pub(crate) fn read_reply(&mut self) -> io::Result<String> {
+        self.0.arm(Instant::now() + Duration::from_secs(30))?;
+        read_line(&mut self.0.reader)
     }
     pub(crate) fn list(&mut self) -> io::Result<Vec<String>> {
+        self.0.arm(Instant::now() + Duration::from_secs(30))?;
         self.0.writer.write_all(Request::List.encode().as_bytes())?;
         let mut lines = Vec::new();
         loop {
             let l = read_line(&mut self.0.reader)?;
-            if l == "END" {
+            if parse_end(&l).is_some() {
                 return Ok(lines);
             }
             lines.push(l);

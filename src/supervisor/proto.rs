@@ -1,19 +1,27 @@
 //! The line protocol between clients and the supervisor. One request per line, one reply
-//! line each (`LIST` replies with `SEG` lines and `END`). Paths are absolute and contain no
-//! newline (segment names are checked; saved files are not registered).
+//! line each (`LIST` replies with `SEG` lines and `END <count>`). Paths are absolute and
+//! contain no newline (segment names are checked).
 //!
 //! ```text
 //! HELLO <pid>            -> OK <supervisor pid>
-//! USE <path>             -> OK           this client uses the segment at <path>
+//! NEW <path>             -> OK           this client creates a segment at <path> (its
+//!                                        directory becomes a segment directory)
+//! USE <path>             -> OK           this client uses (attached) the file at <path>
 //! DROP <path>            -> OK           ... no longer
-//! LIST                   -> SEG <path> <pid>,<pid>...  (one per segment)  then END
+//! LIST                   -> SEG <path> <pid>,<pid>...  (one per segment)  then END <count>
 //! ```
+//!
+//! A client may send many requests before reading their replies (DROPs are sent in
+//! batches); replies come in order. The count after `END` lets a reader tell a complete
+//! listing from a cut one.
 
+use std::io::{self, BufRead};
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Request {
     Hello(u32),
+    New(PathBuf),
     Use(PathBuf),
     Drop(PathBuf),
     List,
@@ -22,10 +30,12 @@ pub enum Request {
 impl Request {
     pub fn parse(line: &str) -> Option<Request> {
         let (cmd, arg) = line.split_once(' ').unwrap_or((line, ""));
+        let path = || (arg.starts_with('/') && !arg.contains('\0')).then(|| PathBuf::from(arg));
         match cmd {
             "HELLO" => arg.parse().ok().map(Request::Hello),
-            "USE" if arg.starts_with('/') => Some(Request::Use(PathBuf::from(arg))),
-            "DROP" if arg.starts_with('/') => Some(Request::Drop(PathBuf::from(arg))),
+            "NEW" => path().map(Request::New),
+            "USE" => path().map(Request::Use),
+            "DROP" => path().map(Request::Drop),
             "LIST" => Some(Request::List),
             _ => None,
         }
@@ -34,6 +44,7 @@ impl Request {
     pub fn encode(&self) -> String {
         match self {
             Request::Hello(pid) => format!("HELLO {pid}\n"),
+            Request::New(p) => format!("NEW {}\n", p.display()),
             Request::Use(p) => format!("USE {}\n", p.display()),
             Request::Drop(p) => format!("DROP {}\n", p.display()),
             Request::List => "LIST\n".into(),
@@ -63,6 +74,23 @@ pub fn parse_seg(line: &str) -> Option<SegmentUse> {
     })
 }
 
+/// The count in an `END <count>` line (None: not an END line).
+pub fn parse_end(line: &str) -> Option<usize> {
+    line.strip_prefix("END ")?.parse().ok()
+}
+
+/// Read one line, without its newline.
+pub fn read_line(r: &mut impl BufRead) -> io::Result<String> {
+    let mut s = String::new();
+    if r.read_line(&mut s)? == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "the supervisor closed the connection",
+        ));
+    }
+    Ok(s.trim_end().to_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -71,6 +99,7 @@ mod tests {
     fn roundtrip() {
         for r in [
             Request::Hello(42),
+            Request::New("/dev/shm/shmstore-n".into()),
             Request::Use("/dev/shm/shmstore-a".into()),
             Request::Drop("/dev/shm/shmstore-b".into()),
             Request::List,
@@ -87,5 +116,7 @@ mod tests {
                 pids: vec![1, 2]
             })
         );
+        assert_eq!(parse_end("END 3"), Some(3));
+        assert_eq!(parse_end("END"), None);
     }
 }

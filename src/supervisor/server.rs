@@ -3,79 +3,119 @@
 //!
 //! Decisions are batched: requests and deaths seen in one poll round only mark segments as
 //! "to settle"; at the end of the round one /proc scan covers all of them (and the orphan
-//! sweep), so a thousand clients dying at once cost one scan, not a thousand.
+//! sweep), so a thousand clients dying at once, or a batch of ten thousand DROPs, cost one
+//! scan, not a thousand.
+//!
+//! No client can stall the loop: every socket is non-blocking, replies wait in a per-client
+//! buffer that is written as the client reads (a `LIST` of 100k segments streams), a client
+//! whose replies pile up is not read until it catches up, and each round accepts and reads
+//! a bounded amount, so a flood of connections or requests cannot starve the others.
 
 use std::collections::{HashMap, HashSet};
-use std::io::{self, BufRead, Read, Write};
+use std::fs::File;
+use std::io::{self, Read, Write};
 use std::os::fd::OwnedFd;
-use std::os::linux::net::SocketAddrExt;
-use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use rustix::event::{poll, PollFd, PollFlags, Timespec};
+use rustix::fs::{AtFlags, FlockOperation, Mode, OFlags};
 use rustix::process::{pidfd_open, Pid, PidfdFlags};
 
 use super::proto::{encode_seg, Request};
-use super::sweep::{file_id, holders, holders_among, remove_if_same, segment_files, FileId};
+use super::sweep::{file_id_nofollow, holders, holders_among, remove_if_ours, segment_files};
+use super::sweep::{FileId, Removal};
+use crate::segment::PrivateDir;
+
+/// The log is rotated (to `<name>.log.1`, replacing the previous one) past this size, so
+/// it never takes more than twice this.
+pub const LOG_MAX: u64 = 1 << 20;
+/// Log lines: a burst of this many, then at most [`LOG_RATE`] per second (the number of
+/// lines left out is logged when lines are allowed again).
+const LOG_BURST: f64 = 200.0;
+const LOG_RATE: f64 = 50.0;
+/// Per poll round: connections accepted, bytes read from one client.
+const ACCEPT_PER_ROUND: usize = 64;
+const READ_PER_ROUND: usize = 64 << 10;
+/// A client whose unread replies exceed this is not read from until it catches up.
+const OUT_HIGH: usize = 256 << 10;
+/// Longest request line (a path is at most 4096 bytes).
+const LINE_MAX: usize = 16 << 10;
+/// How often a segment kept because a reader holds a lock on it is looked at again.
+const LOCKED_RETRY: Duration = Duration::from_secs(1);
+/// Longest supervisor name: `/proc/self/fd/NNNN/<name>.sock` must fit a socket address.
+pub const NAME_MAX: usize = 80;
 
 pub struct ServerConfig {
-    /// Abstract socket name (see `super::socket_name`).
+    /// The supervisor's name (see `super::socket_name`).
     pub name: String,
     /// Exit after this long with no registered segment and no adopted process.
     pub grace: Duration,
-    /// Append a line per action here (None: no log).
-    pub log: Option<PathBuf>,
-    /// Directories swept for orphans at start and after a client dies.
+    /// The verified state directory: socket, lock and log live here.
+    pub state: PrivateDir,
+    /// Append a line per action to `<name>.log` in the state directory.
+    pub log: bool,
+    /// Segment directories: swept for orphans at start and after a client dies. Directories
+    /// where clients create segments (`NEW`) are added.
     pub sweep_dirs: Vec<PathBuf>,
 }
 
-struct Client {
-    stream: UnixStream,
-    pid: u32,
-    buf: Vec<u8>,
-    uses: HashSet<PathBuf>,
+/// A bound listener and the lock that makes it this user's one supervisor.
+pub struct Bound {
+    listener: UnixListener,
+    _lock: OwnedFd,
 }
 
-#[derive(Default)]
-struct Segment {
-    clients: HashSet<u64>,
-    adopted: HashSet<u32>,
-}
-
-struct State {
-    cfg: ServerConfig,
-    log: Option<std::fs::File>,
-    clients: HashMap<u64, Client>,
-    next_id: u64,
-    segments: HashMap<PathBuf, Segment>,
-    pidfds: HashMap<u32, OwnedFd>,
-    dirs: HashSet<PathBuf>,
-    /// Segments whose users changed this round.
-    pending: HashSet<PathBuf>,
-    /// A client that had registered segments died: look for orphans this round.
-    sweep_needed: bool,
-    /// accept() hit the descriptor limit: stop polling the listener until a client leaves.
-    accept_paused: bool,
-}
-
-/// Bind the socket. `Ok(None)` when another supervisor already listens on it.
-pub fn bind(name: &str) -> io::Result<Option<UnixListener>> {
-    let addr = SocketAddr::from_abstract_name(name.as_bytes())?;
-    match UnixListener::bind_addr(&addr) {
-        Ok(l) => Ok(Some(l)),
-        Err(e) if e.kind() == io::ErrorKind::AddrInUse => Ok(None),
-        Err(e) => Err(e),
+fn check_name(name: &str) -> io::Result<()> {
+    if name.is_empty() || name.len() > NAME_MAX || name.contains('/') {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("supervisor name {name:?}: use 1 to {NAME_MAX} characters, no '/'"),
+        ));
     }
+    Ok(())
 }
 
-/// Run until idle for `grace`. Returns at once if another supervisor owns the socket.
+/// The socket's address: reached through the verified directory's descriptor.
+pub fn socket_path(state: &PrivateDir, name: &str) -> io::Result<PathBuf> {
+    check_name(name)?;
+    Ok(state.fd_path(&format!("{name}.sock")))
+}
+
+/// Take the supervisor lock and bind the socket. `Ok(None)` when another supervisor holds
+/// the lock (it is running). A socket file left by a supervisor that was killed is replaced.
+pub fn bind(state: &PrivateDir, name: &str) -> io::Result<Option<Bound>> {
+    let path = socket_path(state, name)?;
+    let lock = rustix::fs::openat(
+        &state.fd,
+        format!("{name}.lock"),
+        OFlags::RDWR | OFlags::CREATE | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::RUSR | Mode::WUSR,
+    )?;
+    match rustix::fs::flock(&lock, FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => {}
+        Err(rustix::io::Errno::WOULDBLOCK) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    }
+    match rustix::fs::unlinkat(&state.fd, format!("{name}.sock"), AtFlags::empty()) {
+        Ok(()) | Err(rustix::io::Errno::NOENT) => {}
+        Err(e) => return Err(e.into()),
+    }
+    let listener = UnixListener::bind(path)?;
+    Ok(Some(Bound {
+        listener,
+        _lock: lock,
+    }))
+}
+
+/// Run until idle for `grace`. Returns at once if another supervisor is running.
 pub fn run(cfg: ServerConfig) -> io::Result<()> {
     raise_fd_limit();
-    let Some(listener) = bind(&cfg.name)? else {
+    let Some(bound) = bind(&cfg.state, &cfg.name)? else {
         return Ok(());
     };
-    serve(listener, cfg)
+    serve(bound, cfg)
 }
 
 /// One descriptor per client: use the hard limit, not a soft one inherited from whoever
@@ -89,10 +129,179 @@ fn raise_fd_limit() {
     }
 }
 
+/// The supervisor's log: opened inside the state directory (never through a symlink, only
+/// a regular file of ours), rotated at [`LOG_MAX`], rate-limited.
+pub(crate) struct Log {
+    dir: Option<OwnedFd>,
+    name: String,
+    file: Option<File>,
+    written: u64,
+    tokens: f64,
+    refilled: Instant,
+    suppressed: u64,
+}
+
+impl Log {
+    pub(crate) fn new(state: &PrivateDir, name: &str, enabled: bool) -> Log {
+        let mut log = Log {
+            dir: enabled
+                .then(|| rustix::io::fcntl_dupfd_cloexec(&state.fd, 3).ok())
+                .flatten(),
+            name: format!("{name}.log"),
+            file: None,
+            written: 0,
+            tokens: LOG_BURST,
+            refilled: Instant::now(),
+            suppressed: 0,
+        };
+        log.reopen();
+        log
+    }
+
+    fn reopen(&mut self) {
+        self.file = None;
+        let Some(dir) = &self.dir else { return };
+        let Ok(fd) = rustix::fs::openat(
+            dir,
+            &self.name,
+            OFlags::WRONLY
+                | OFlags::APPEND
+                | OFlags::CREATE
+                | OFlags::NOFOLLOW
+                | OFlags::NONBLOCK
+                | OFlags::CLOEXEC,
+            Mode::RUSR | Mode::WUSR,
+        ) else {
+            return;
+        };
+        let Ok(st) = rustix::fs::fstat(&fd) else {
+            return;
+        };
+        let regular =
+            rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::RegularFile;
+        if !regular || st.st_uid != rustix::process::geteuid().as_raw() {
+            return; // never write to anything but our own regular file
+        }
+        self.written = st.st_size as u64;
+        self.file = Some(File::from(fd));
+        if self.written >= LOG_MAX {
+            self.rotate();
+        }
+    }
+
+    fn rotate(&mut self) {
+        let Some(dir) = &self.dir else { return };
+        let old = format!("{}.1", self.name);
+        if rustix::fs::renameat(dir, &self.name, dir, &old).is_ok() {
+            self.reopen();
+        } else {
+            self.file = None; // cannot keep it bounded: stop writing
+        }
+    }
+
+    /// Write `msg` unless over the rate (`always`: the last line, written regardless).
+    pub(crate) fn line(&mut self, msg: &str, always: bool) {
+        if self.file.is_none() {
+            return;
+        }
+        let now = Instant::now();
+        let dt = now.duration_since(self.refilled).as_secs_f64();
+        self.refilled = now;
+        self.tokens = (self.tokens + dt * LOG_RATE).min(LOG_BURST);
+        if self.tokens < 1.0 && !always {
+            self.suppressed += 1;
+            return;
+        }
+        self.tokens = (self.tokens - 1.0).max(0.0);
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0);
+        let mut text = String::new();
+        if self.suppressed > 0 {
+            text.push_str(&format!(
+                "{t:.3} ({} lines left out: more than {LOG_RATE} a second)\n",
+                std::mem::take(&mut self.suppressed)
+            ));
+        }
+        text.push_str(&format!("{t:.3} {msg}\n"));
+        if let Some(f) = self.file.as_mut() {
+            if f.write_all(text.as_bytes()).is_ok() {
+                self.written += text.len() as u64;
+            }
+        }
+        if self.written >= LOG_MAX {
+            self.rotate();
+        }
+    }
+}
+
+struct Client {
+    stream: UnixStream,
+    pid: u32,
+    inbuf: Vec<u8>,
+    out: Vec<u8>,
+    /// Bytes of `out` already written.
+    sent: usize,
+    uses: HashSet<PathBuf>,
+}
+
+impl Client {
+    fn unsent(&self) -> usize {
+        self.out.len() - self.sent
+    }
+
+    /// Write what the socket takes. False if the client is gone.
+    fn write_out(&mut self) -> bool {
+        while self.sent < self.out.len() {
+            match self.stream.write(&self.out[self.sent..]) {
+                Ok(0) => return false,
+                Ok(n) => self.sent += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => return false,
+            }
+        }
+        if self.sent == self.out.len() {
+            self.out.clear();
+            self.sent = 0;
+        }
+        true
+    }
+}
+
+#[derive(Default)]
+struct Segment {
+    clients: HashSet<u64>,
+    adopted: HashSet<u32>,
+}
+
+struct State {
+    cfg: ServerConfig,
+    log: Log,
+    clients: HashMap<u64, Client>,
+    next_id: u64,
+    segments: HashMap<PathBuf, Segment>,
+    pidfds: HashMap<u32, OwnedFd>,
+    /// Segment directories: only segments in these are ever removed.
+    dirs: HashSet<PathBuf>,
+    /// Segments whose users changed this round.
+    pending: HashSet<PathBuf>,
+    /// A client that had registered segments died: look for orphans this round.
+    sweep_needed: bool,
+    /// accept() hit the descriptor limit: stop polling the listener until a client leaves.
+    accept_paused: bool,
+    /// Unused segments kept because a reader holds a lock on them: looked at again every
+    /// [`LOCKED_RETRY`].
+    locked: HashSet<PathBuf>,
+    locked_checked: Instant,
+}
+
 /// Serve on an already bound listener.
-pub fn serve(listener: UnixListener, cfg: ServerConfig) -> io::Result<()> {
+pub fn serve(bound: Bound, cfg: ServerConfig) -> io::Result<()> {
+    let listener = bound.listener;
     listener.set_nonblocking(true)?;
-    let log = cfg.log.as_ref().and_then(|p| open_log(p).ok());
+    let log = Log::new(&cfg.state, &cfg.name, cfg.log);
     let mut st = State {
         dirs: cfg.sweep_dirs.iter().cloned().collect(),
         cfg,
@@ -104,9 +313,11 @@ pub fn serve(listener: UnixListener, cfg: ServerConfig) -> io::Result<()> {
         pending: HashSet::new(),
         sweep_needed: true, // start-up: take over what a previous supervisor left
         accept_paused: false,
+        locked: HashSet::new(),
+        locked_checked: Instant::now(),
     };
     st.note(&format!(
-        "supervisor {} started on @{}",
+        "supervisor {} started ({})",
         std::process::id(),
         st.cfg.name
     ));
@@ -115,22 +326,32 @@ pub fn serve(listener: UnixListener, cfg: ServerConfig) -> io::Result<()> {
     loop {
         // Idle: nothing registered and nobody adopted. Clients that only asked questions
         // (ls, info) do not keep us alive; they reconnect (and restart us) if they need to.
-        let idle = st.segments.is_empty() && st.clients.values().all(|c| c.uses.is_empty());
+        let idle = st.segments.is_empty()
+            && st.locked.is_empty()
+            && st.clients.values().all(|c| c.uses.is_empty());
         if idle {
             let since = *idle_since.get_or_insert_with(Instant::now);
             if since.elapsed() >= st.cfg.grace {
-                st.note("no segments left: exiting");
+                st.log.line("no segments left: exiting", true);
+                // Still holding the lock: no other supervisor has bound a socket there.
+                let _ = rustix::fs::unlinkat(
+                    &st.cfg.state.fd,
+                    format!("{}.sock", st.cfg.name),
+                    AtFlags::empty(),
+                );
                 return Ok(());
             }
         } else {
             idle_since = None;
         }
-        let timeout = idle_since.map(|s| {
-            let left = st.cfg.grace.saturating_sub(s.elapsed());
-            Timespec {
-                tv_sec: left.as_secs() as i64,
-                tv_nsec: left.subsec_nanos() as _,
-            }
+        let mut wait = idle_since.map(|s| st.cfg.grace.saturating_sub(s.elapsed()));
+        if !st.locked.is_empty() {
+            let left = LOCKED_RETRY.saturating_sub(st.locked_checked.elapsed());
+            wait = Some(wait.map_or(left, |w| w.min(left)));
+        }
+        let timeout = wait.map(|left| Timespec {
+            tv_sec: left.as_secs() as i64,
+            tv_nsec: left.subsec_nanos() as _,
         });
         let client_ids: Vec<u64> = st.clients.keys().copied().collect();
         let pids: Vec<u32> = st.pidfds.keys().copied().collect();
@@ -144,7 +365,15 @@ pub fn serve(listener: UnixListener, cfg: ServerConfig) -> io::Result<()> {
             };
             fds.push(PollFd::new(&listener, listen_flags));
             for id in &client_ids {
-                fds.push(PollFd::new(&st.clients[id].stream, PollFlags::IN));
+                let c = &st.clients[id];
+                let mut flags = PollFlags::empty();
+                if c.unsent() < OUT_HIGH {
+                    flags |= PollFlags::IN;
+                }
+                if c.unsent() > 0 {
+                    flags |= PollFlags::OUT;
+                }
+                fds.push(PollFd::new(&c.stream, flags));
             }
             for pid in &pids {
                 fds.push(PollFd::new(&st.pidfds[pid], PollFlags::IN));
@@ -154,65 +383,51 @@ pub fn serve(listener: UnixListener, cfg: ServerConfig) -> io::Result<()> {
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(e) => return Err(e.into()),
             }
-            let fired = |f: &PollFd<'_>| !f.revents().is_empty();
-            let rc: Vec<u64> = client_ids
+            let rc: Vec<(u64, PollFlags)> = client_ids
                 .iter()
                 .zip(&fds[1..])
-                .filter(|(_, f)| fired(f))
-                .map(|(id, _)| *id)
+                .filter(|(_, f)| !f.revents().is_empty())
+                .map(|(id, f)| (*id, f.revents()))
                 .collect();
             let rp: Vec<u32> = pids
                 .iter()
                 .zip(&fds[1 + client_ids.len()..])
-                .filter(|(_, f)| fired(f))
+                .filter(|(_, f)| !f.revents().is_empty())
                 .map(|(p, _)| *p)
                 .collect();
-            (fired(&fds[0]), rc, rp)
+            (!fds[0].revents().is_empty(), rc, rp)
         };
         if ready_listener {
             st.accept(&listener);
         }
-        for id in ready_clients {
-            st.read_client(id);
+        for (id, ev) in ready_clients {
+            st.service(
+                id,
+                ev.intersects(PollFlags::IN | PollFlags::HUP | PollFlags::ERR),
+            );
         }
         if !ready_pids.is_empty() {
             st.adopted_exited(&ready_pids);
+        }
+        if !st.locked.is_empty() && st.locked_checked.elapsed() >= LOCKED_RETRY {
+            st.locked_checked = Instant::now();
+            let again: Vec<PathBuf> = st.locked.drain().collect();
+            for p in again {
+                st.segments.entry(p.clone()).or_default();
+                st.pending.insert(p);
+            }
         }
         st.flush();
     }
 }
 
-fn open_log(path: &Path) -> io::Result<std::fs::File> {
-    if let Some(dir) = path.parent() {
-        use std::os::unix::fs::DirBuilderExt;
-        let _ = std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir);
-    }
-    // Keep the log small: start over past 1 MiB.
-    if path.metadata().map(|m| m.len() > 1 << 20).unwrap_or(false) {
-        let _ = std::fs::remove_file(path);
-    }
-    std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(path)
-}
-
 impl State {
     fn note(&mut self, msg: &str) {
-        if let Some(f) = self.log.as_mut() {
-            let t = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_secs_f64())
-                .unwrap_or(0.0);
-            let _ = writeln!(f, "{t:.3} {msg}");
-        }
+        self.log.line(msg, false);
     }
 
     fn accept(&mut self, listener: &UnixListener) {
-        loop {
+        for _ in 0..ACCEPT_PER_ROUND {
             let stream = match listener.accept() {
                 Ok((s, _)) => s,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
@@ -238,7 +453,8 @@ impl State {
                 Ok(c) => c,
                 Err(_) => continue,
             };
-            // Only this user's processes may talk to this user's supervisor.
+            // Only this user's processes may talk to this user's supervisor (the socket's
+            // directory already keeps others out; this holds even if it did not).
             if cred.uid != rustix::process::geteuid() {
                 self.note(&format!(
                     "refused a connection from uid {}",
@@ -246,8 +462,9 @@ impl State {
                 ));
                 continue;
             }
-            let _ = stream.set_nonblocking(true);
-            let _ = stream.set_write_timeout(Some(Duration::from_secs(2)));
+            if stream.set_nonblocking(true).is_err() {
+                continue;
+            }
             let id = self.next_id;
             self.next_id += 1;
             self.clients.insert(
@@ -255,24 +472,35 @@ impl State {
                 Client {
                     stream,
                     pid: cred.pid.as_raw_nonzero().get() as u32,
-                    buf: Vec::new(),
+                    inbuf: Vec::new(),
+                    out: Vec::new(),
+                    sent: 0,
                     uses: HashSet::new(),
                 },
             );
         }
     }
 
-    fn read_client(&mut self, id: u64) {
-        let mut chunk = [0u8; 4096];
+    /// Read what the client sent (bounded per round), answer complete lines while its
+    /// unread replies are few, write what it takes.
+    fn service(&mut self, id: u64, readable: bool) {
         let mut closed = false;
-        if let Some(c) = self.clients.get_mut(&id) {
-            loop {
+        if readable {
+            let Some(c) = self.clients.get_mut(&id) else {
+                return;
+            };
+            let mut chunk = [0u8; 16 << 10];
+            let mut got = 0;
+            while got < READ_PER_ROUND {
                 match c.stream.read(&mut chunk) {
                     Ok(0) => {
                         closed = true;
                         break;
                     }
-                    Ok(n) => c.buf.extend_from_slice(&chunk[..n]),
+                    Ok(n) => {
+                        c.inbuf.extend_from_slice(&chunk[..n]);
+                        got += n;
+                    }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                     Err(_) => {
@@ -282,24 +510,39 @@ impl State {
                 }
             }
         }
-        // Handle every complete line, even from a client that has just closed.
         loop {
+            // Answer every complete line, even from a client that has just closed (its
+            // last DROPs count); a live one only while its replies are being read.
             let line = {
                 let Some(c) = self.clients.get_mut(&id) else {
                     return;
                 };
-                let Some(nl) = c.buf.iter().position(|&b| b == b'\n') else {
+                if !closed && c.unsent() >= OUT_HIGH {
+                    break;
+                }
+                let Some(nl) = c.inbuf.iter().position(|&b| b == b'\n') else {
+                    if c.inbuf.len() > LINE_MAX {
+                        closed = true; // not our protocol
+                    }
                     break;
                 };
-                let line: Vec<u8> = c.buf.drain(..=nl).collect();
+                let line: Vec<u8> = c.inbuf.drain(..=nl).collect();
                 line
             };
             let text = String::from_utf8_lossy(&line[..line.len() - 1]).into_owned();
             let reply = self.handle(id, &text);
             if let Some(c) = self.clients.get_mut(&id) {
-                if c.stream.write_all(reply.as_bytes()).is_err() {
-                    closed = true;
+                if !closed {
+                    c.out.extend_from_slice(reply.as_bytes());
+                    if c.unsent() >= OUT_HIGH && !c.write_out() {
+                        closed = true;
+                    }
                 }
+            }
+        }
+        if let Some(c) = self.clients.get_mut(&id) {
+            if !closed && !c.write_out() {
+                closed = true;
             }
         }
         if closed {
@@ -307,16 +550,27 @@ impl State {
         }
     }
 
+    fn register(&mut self, id: u64, path: PathBuf) {
+        let c = self.clients.get_mut(&id).expect("live client");
+        c.uses.insert(path.clone());
+        self.locked.remove(&path);
+        self.segments.entry(path).or_default().clients.insert(id);
+    }
+
     fn handle(&mut self, id: u64, line: &str) -> String {
         match Request::parse(line) {
             Some(Request::Hello(_)) => format!("OK {}\n", std::process::id()),
-            Some(Request::Use(path)) => {
+            Some(Request::New(path)) => {
                 if let Some(dir) = path.parent() {
-                    self.dirs.insert(dir.to_owned());
+                    if !self.dirs.contains(dir) {
+                        self.dirs.insert(dir.to_owned());
+                    }
                 }
-                let c = self.clients.get_mut(&id).expect("live client");
-                c.uses.insert(path.clone());
-                self.segments.entry(path).or_default().clients.insert(id);
+                self.register(id, path);
+                "OK\n".into()
+            }
+            Some(Request::Use(path)) => {
+                self.register(id, path);
                 "OK\n".into()
             }
             Some(Request::Drop(path)) => {
@@ -333,8 +587,8 @@ impl State {
                 let mut out = String::new();
                 let mut paths: Vec<&PathBuf> = self.segments.keys().collect();
                 paths.sort();
-                for p in paths {
-                    let seg = &self.segments[p];
+                for p in &paths {
+                    let seg = &self.segments[*p];
                     let mut pids: Vec<u32> = seg
                         .clients
                         .iter()
@@ -345,7 +599,7 @@ impl State {
                     pids.dedup();
                     out.push_str(&encode_seg(p, &pids));
                 }
-                out.push_str("END\n");
+                out.push_str(&format!("END {}\n", paths.len()));
                 out
             }
             None => "ERR unknown request\n".into(),
@@ -394,17 +648,19 @@ impl State {
             if !(seg.clients.is_empty() && seg.adopted.is_empty()) {
                 continue;
             }
-            if p.exists() {
+            if self.in_segment_dir(&p) && p.symlink_metadata().is_ok() {
                 idle.insert(p);
             } else {
-                self.segments.remove(&p); // already unlinked (e.g. by `unlink()`)
+                // Already unlinked (e.g. by `unlink()`), or a file that is not ours to
+                // remove (a saved file attached by name, a file of another user).
+                self.segments.remove(&p);
             }
         }
         let orphans: HashSet<PathBuf> = if std::mem::take(&mut self.sweep_needed) {
             self.dirs
                 .iter()
                 .flat_map(|d| segment_files(d))
-                .filter(|p| !self.segments.contains_key(p))
+                .filter(|p| !self.segments.contains_key(p) && !self.locked.contains(p))
                 .collect()
         } else {
             HashSet::new()
@@ -416,7 +672,7 @@ impl State {
         // name is removed and created again meanwhile.
         let mut ids: HashMap<PathBuf, FileId> = HashMap::new();
         for p in idle.union(&orphans) {
-            match file_id(p) {
+            match file_id_nofollow(p) {
                 Some(id) => {
                     ids.insert(p.clone(), id);
                 }
@@ -427,7 +683,9 @@ impl State {
         }
         let all: HashSet<PathBuf> = ids.keys().cloned().collect();
         let users = holders(&all);
-        for path in all {
+        let mut paths: Vec<PathBuf> = all.into_iter().collect();
+        paths.sort();
+        for path in paths {
             let pids = users.get(&path).map(Vec::as_slice).unwrap_or(&[]);
             let adopted = pids.iter().filter(|&&pid| self.adopt(&path, pid)).count();
             if adopted > 0 {
@@ -440,6 +698,10 @@ impl State {
                 self.remove(&path, ids[&path]);
             }
         }
+    }
+
+    fn in_segment_dir(&self, path: &Path) -> bool {
+        path.parent().is_some_and(|d| self.dirs.contains(d))
     }
 
     /// Watch `pid` (which maps or holds `path`) until it exits. False if it is already gone
@@ -477,173 +739,25 @@ impl State {
             return;
         }
         let tracked = self.segments.remove(path).is_some();
-        match remove_if_same(path, id) {
-            Ok(true) if tracked => {
+        match remove_if_ours(path, id) {
+            Ok(Removal::Removed) if tracked => {
                 self.note(&format!("unlinked {} (no user left)", path.display()))
             }
-            Ok(true) => self.note(&format!("sweep: removed orphan {}", path.display())),
-            Ok(false) => {}
+            Ok(Removal::Removed) => self.note(&format!("sweep: removed orphan {}", path.display())),
+            Ok(Removal::Gone) => {}
+            Ok(Removal::NotOurs) => self.note(&format!(
+                "left {} in place: not a segment shmstore made (a saved file, or not ours)",
+                path.display()
+            )),
+            Ok(Removal::Locked) => {
+                if self.locked.insert(path.to_owned()) {
+                    self.note(&format!(
+                        "{} is locked by a reader that is not a client: waiting",
+                        path.display()
+                    ));
+                }
+            }
             Err(e) => self.note(&format!("could not unlink {}: {e}", path.display())),
         }
-    }
-}
-
-/// Read one reply line (used by the client).
-pub(crate) fn read_line(r: &mut impl BufRead) -> io::Result<String> {
-    let mut s = String::new();
-    if r.read_line(&mut s)? == 0 {
-        return Err(io::Error::new(
-            io::ErrorKind::UnexpectedEof,
-            "supervisor closed the connection",
-        ));
-    }
-    Ok(s.trim_end().to_owned())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::supervisor::client::TestConn;
-    use std::process::{Command, Stdio};
-
-    fn start(grace_ms: u64, dir: &Path) -> (String, std::thread::JoinHandle<io::Result<()>>) {
-        let name = format!(
-            "shmstore-test-{}-{}",
-            std::process::id(),
-            crate::segment::random_name()
-        );
-        let listener = bind(&name).unwrap().expect("fresh name");
-        let cfg = ServerConfig {
-            name: name.clone(),
-            grace: Duration::from_millis(grace_ms),
-            log: Some(dir.join("supervisor.log")),
-            sweep_dirs: vec![dir.to_owned()],
-        };
-        (name, std::thread::spawn(move || serve(listener, cfg)))
-    }
-
-    fn seg(dir: &Path, n: &str) -> PathBuf {
-        let p = dir.join(format!("shmstore-{n}"));
-        std::fs::write(&p, b"data").unwrap();
-        p
-    }
-
-    #[test]
-    fn last_client_gone_unlinks_and_shared_use_keeps() {
-        let dir = tempfile::tempdir().unwrap();
-        // Registered segments are created before the server starts, as a client would
-        // (it says USE before the name exists), so the start-up sweep must leave them.
-        let a_only = seg(dir.path(), "a");
-        let shared = seg(dir.path(), "shared");
-        let mut holder = Command::new("sh")
-            .arg("-c")
-            .arg(format!(
-                "exec 3<{} 4<{}; read line",
-                a_only.display(),
-                shared.display()
-            ))
-            .stdin(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let want: HashSet<PathBuf> = [a_only.clone(), shared.clone()].into();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while holders(&want).len() < 2 {
-            assert!(Instant::now() < deadline);
-            std::thread::yield_now();
-        }
-        let (name, server) = start(200, dir.path());
-        let mut a = TestConn::connect(&name).unwrap();
-        let mut b = TestConn::connect(&name).unwrap();
-        assert_eq!(a.request(&Request::Use(a_only.clone())).unwrap(), "OK");
-        assert_eq!(a.request(&Request::Use(shared.clone())).unwrap(), "OK");
-        assert_eq!(b.request(&Request::Use(shared.clone())).unwrap(), "OK");
-        // The creator's file handles go (it has "mapped" and registered them).
-        drop(holder.stdin.take());
-        holder.wait().unwrap();
-        drop(a); // like a SIGKILL: the connection closes
-                 // The next request is answered after the server handled the close (one thread,
-                 // and the kernel reports the EOF before our later request).
-        let mut c = TestConn::connect(&name).unwrap();
-        let _ = c.request(&Request::Hello(1)).unwrap();
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while a_only.exists() {
-            assert!(
-                Instant::now() < deadline,
-                "segment of a dead client not removed"
-            );
-            let _ = c.request(&Request::Hello(1));
-        }
-        assert!(
-            shared.exists(),
-            "a segment another client uses was removed: {}",
-            std::fs::read_to_string(dir.path().join("supervisor.log")).unwrap_or_default()
-        );
-        assert_eq!(b.request(&Request::Drop(shared.clone())).unwrap(), "OK");
-        // Settled at the end of the poll round that answered the DROP.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while shared.exists() {
-            assert!(Instant::now() < deadline, "dropped segment not removed");
-            let _ = b.request(&Request::Hello(1));
-        }
-        drop((b, c));
-        server.join().unwrap().unwrap(); // idle -> exits after the grace
-    }
-
-    #[test]
-    fn mapped_by_a_non_client_waits_for_it() {
-        let dir = tempfile::tempdir().unwrap();
-        // File and holder exist before the server starts: its start-up sweep would
-        // (rightly) remove a file nobody holds yet.
-        let p = seg(dir.path(), "held");
-        let mut child = Command::new("sh")
-            .arg("-c")
-            .arg(format!("exec 3<{}; read line", p.display()))
-            .stdin(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let want: HashSet<PathBuf> = [p.clone()].into();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while holders(&want).is_empty() {
-            assert!(Instant::now() < deadline);
-            std::thread::yield_now();
-        }
-        let (name, server) = start(200, dir.path());
-        let mut a = TestConn::connect(&name).unwrap();
-        a.request(&Request::Use(p.clone())).unwrap();
-        a.request(&Request::Drop(p.clone())).unwrap();
-        assert!(p.exists(), "removed while another process holds it");
-        let list = a.list().unwrap();
-        assert_eq!(list.len(), 1);
-        assert!(list[0].ends_with(&child.id().to_string()), "{list:?}");
-        drop(child.stdin.take());
-        child.wait().unwrap();
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while p.exists() {
-            assert!(
-                Instant::now() < deadline,
-                "not removed after the holder exited"
-            );
-            let _ = a.request(&Request::Hello(1));
-        }
-        drop(a);
-        server.join().unwrap().unwrap();
-    }
-
-    #[test]
-    fn takeover_sweeps_orphans_at_start() {
-        let dir = tempfile::tempdir().unwrap();
-        let orphan = seg(dir.path(), "orphan");
-        let part = seg(dir.path(), "x.part-123");
-        let (_name, server) = start(50, dir.path());
-        server.join().unwrap().unwrap();
-        assert!(!orphan.exists() && !part.exists());
-    }
-
-    #[test]
-    fn second_supervisor_on_the_same_name_steps_aside() {
-        let dir = tempfile::tempdir().unwrap();
-        let (name, server) = start(300, dir.path());
-        assert!(bind(&name).unwrap().is_none());
-        server.join().unwrap().unwrap();
     }
 }

@@ -21,43 +21,87 @@ pub fn holders(paths: &HashSet<PathBuf>) -> HashMap<PathBuf, Vec<u32>> {
     holders_among(paths, pids)
 }
 
-/// `pid`'s descendants (children, their children, ...), from /proc/PID/task/*/children.
-pub fn descendants(pid: u32) -> Vec<u32> {
-    let mut out = Vec::new();
-    let mut todo = vec![pid];
-    while let Some(p) = todo.pop() {
-        let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) else {
-            continue;
-        };
-        for t in tasks.flatten() {
-            if let Ok(kids) = std::fs::read_to_string(t.path().join("children")) {
-                for k in kids
-                    .split_whitespace()
-                    .filter_map(|k| k.parse::<u32>().ok())
-                {
-                    if !out.contains(&k) && out.len() < 100_000 {
-                        out.push(k);
-                        todo.push(k);
-                    }
-                }
-            }
-        }
-    }
-    out
+/// What [`remove_if_ours`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Removal {
+    Removed,
+    /// The name is gone, or now names another file (removed and created again since the
+    /// /proc scan): that one is not touched.
+    Gone,
+    /// Not a segment shmstore made (see [`is_segment`]): never removed.
+    NotOurs,
+    /// A reader that bypasses the supervisor holds a shared `flock` on it (see
+    /// docs/lifecycle.md): kept, try again later.
+    Locked,
 }
 
-/// Unlink `path` only if it is still the file `id` names: between a /proc scan and the
-/// unlink the name may have been removed and created again (another store), and that one
-/// must not be touched. Returns whether it was removed.
-pub fn remove_if_same(path: &Path, id: FileId) -> std::io::Result<bool> {
-    if file_id(path) != Some(id) {
-        return Ok(false);
+/// Unlink `path` only if it is still the file `id` names, is a segment shmstore made
+/// ([`is_segment`]), and no process holds a `flock` on it: the exclusive lock is taken
+/// (non-blocking) on the very file, and the name removed while it is held, so a reader
+/// that locks the file (shared) before using it either keeps it or finds it unlinked.
+pub fn remove_if_ours(path: &Path, id: FileId) -> std::io::Result<Removal> {
+    use rustix::fs::{FlockOperation, Mode, OFlags};
+    let file = match rustix::fs::open(
+        path,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY,
+        Mode::empty(),
+    ) {
+        Ok(f) => f,
+        Err(rustix::io::Errno::NOENT) => return Ok(Removal::Gone),
+        Err(rustix::io::Errno::LOOP) => return Ok(Removal::NotOurs),
+        Err(e) => return Err(e.into()),
+    };
+    let st = rustix::fs::fstat(&file)?;
+    if (st.st_dev, st.st_ino) != id {
+        return Ok(Removal::Gone);
+    }
+    if !is_segment(path, &st) {
+        return Ok(Removal::NotOurs);
+    }
+    match rustix::fs::flock(&file, FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => {}
+        Err(rustix::io::Errno::WOULDBLOCK) => return Ok(Removal::Locked),
+        Err(e) => return Err(e.into()),
+    }
+    // The name may have been replaced between open and flock: check again under the lock.
+    if file_id_nofollow(path) != Some(id) {
+        return Ok(Removal::Gone);
     }
     match std::fs::remove_file(path) {
-        Ok(()) => Ok(true),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Ok(()) => Ok(Removal::Removed),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Removal::Gone),
         Err(e) => Err(e),
     }
+}
+
+/// Whether `path` (with status `st`) is a segment shmstore's writer made: named
+/// `shmstore-...`, a regular file owned by this user, and either sealed (mode 0400, set
+/// only when a segment is published) or a `.part-` file still being written (mode 0600).
+/// Saved files (`save()`) are never 0400, so a saved file attached by name is never
+/// mistaken for a segment; anything else (a symlink, another user's file, a file someone
+/// made by hand) is never removed by the supervisor or the sweep.
+pub fn is_segment(path: &Path, st: &rustix::fs::Stat) -> bool {
+    let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+        return false;
+    };
+    if !name.starts_with(PREFIX) {
+        return false;
+    }
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile
+        || st.st_uid != rustix::process::geteuid().as_raw()
+    {
+        return false;
+    }
+    let mode = st.st_mode & 0o7777;
+    mode == 0o400 || (mode == 0o600 && name.contains(".part-"))
+}
+
+/// [`file_id`] of the name itself (a symlink is not followed).
+pub fn file_id_nofollow(path: &Path) -> Option<FileId> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
 }
 
 /// A file's identity: (device, inode). Paths are not enough: a process that mapped a
@@ -131,22 +175,21 @@ pub fn holders_among(
     out
 }
 
-/// This user's shmstore files in `dir` (sealed segments and `.part-` files being built).
+/// This user's segments in `dir` (sealed segments and `.part-` files being built; see
+/// [`is_segment`]).
 pub fn segment_files(dir: &Path) -> Vec<PathBuf> {
-    let uid = rustix::process::geteuid().as_raw();
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Vec::new();
     };
     let mut out = Vec::new();
     for e in entries.flatten() {
-        let name = e.file_name();
-        if !name.to_string_lossy().starts_with(PREFIX) {
+        if !e.file_name().to_string_lossy().starts_with(PREFIX) {
             continue;
         }
-        if let Ok(meta) = e.path().symlink_metadata() {
-            use std::os::unix::fs::MetadataExt;
-            if meta.is_file() && meta.uid() == uid {
-                out.push(e.path());
+        let path = e.path();
+        if let Ok(st) = rustix::fs::lstat(&path) {
+            if is_segment(&path, &st) {
+                out.push(path);
             }
         }
     }
@@ -163,6 +206,8 @@ pub struct Swept {
     pub removed: bool,
     /// Pids that still use it (then it is kept).
     pub users: Vec<u32>,
+    /// Kept: a reader that bypasses the supervisor holds a lock on it.
+    pub locked: bool,
 }
 
 /// Remove every shmstore file in `dirs` that no live process maps or holds open, except
@@ -175,7 +220,7 @@ pub fn sweep(dirs: &[PathBuf], keep: &HashSet<PathBuf>, dry_run: bool) -> Vec<Sw
         .collect();
     let ids: HashMap<PathBuf, FileId> = candidates
         .iter()
-        .filter_map(|p| file_id(p).map(|id| (p.clone(), id)))
+        .filter_map(|p| file_id_nofollow(p).map(|id| (p.clone(), id)))
         .collect();
     let users = holders(&candidates);
     let mut out: Vec<Swept> = candidates
@@ -184,13 +229,17 @@ pub fn sweep(dirs: &[PathBuf], keep: &HashSet<PathBuf>, dry_run: bool) -> Vec<Sw
         .map(|path| {
             let size = path.metadata().map(|m| m.len()).unwrap_or(0);
             let pids = users.get(&path).cloned().unwrap_or_default();
-            let removed =
-                pids.is_empty() && (dry_run || remove_if_same(&path, ids[&path]).unwrap_or(false));
+            let outcome = match (pids.is_empty(), dry_run) {
+                (false, _) => None,
+                (true, true) => Some(Removal::Removed),
+                (true, false) => remove_if_ours(&path, ids[&path]).ok(),
+            };
             Swept {
                 path,
                 size,
-                removed,
+                removed: outcome == Some(Removal::Removed),
                 users: pids,
+                locked: outcome == Some(Removal::Locked),
             }
         })
         .collect();
@@ -199,8 +248,47 @@ pub fn sweep(dirs: &[PathBuf], keep: &HashSet<PathBuf>, dry_run: bool) -> Vec<Sw
 }
 
 #[cfg(test)]
+pub(crate) fn seal(p: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o400)).unwrap();
+}
+
+#[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_sealed_segments_of_ours_are_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let sealed = dir.path().join("shmstore-sealed");
+        let saved = dir.path().join("shmstore-saved");
+        let foreign_name = dir.path().join("data.bin");
+        for p in [&sealed, &saved, &foreign_name] {
+            std::fs::write(p, b"x").unwrap();
+        }
+        seal(&sealed);
+        seal(&foreign_name);
+        let link = dir.path().join("shmstore-link");
+        std::os::unix::fs::symlink(&sealed, &link).unwrap();
+        for (p, want) in [
+            (&saved, Removal::NotOurs),
+            (&foreign_name, Removal::NotOurs),
+            (&link, Removal::NotOurs),
+        ] {
+            let id = file_id_nofollow(p).unwrap();
+            assert_eq!(remove_if_ours(p, id).unwrap(), want, "{}", p.display());
+            assert!(p.symlink_metadata().is_ok());
+        }
+        // A shared lock held by a reader keeps it; released, it goes.
+        let id = file_id_nofollow(&sealed).unwrap();
+        let reader = std::fs::File::open(&sealed).unwrap();
+        rustix::fs::flock(&reader, rustix::fs::FlockOperation::LockShared).unwrap();
+        assert_eq!(remove_if_ours(&sealed, id).unwrap(), Removal::Locked);
+        drop(reader);
+        assert_eq!(remove_if_ours(&sealed, id).unwrap(), Removal::Removed);
+        assert!(!sealed.exists());
+        assert_eq!(remove_if_ours(&sealed, id).unwrap(), Removal::Gone);
+    }
 
     #[test]
     fn sweep_keeps_files_in_use_and_removes_orphans() {
@@ -211,7 +299,11 @@ mod tests {
         let other = dir.path().join("not-ours");
         for p in [&orphan, &open, &kept, &other] {
             std::fs::write(p, b"x").unwrap();
+            seal(p);
         }
+        // Not made by shmstore's writer (a saved file, or by hand): never swept.
+        let saved = dir.path().join("shmstore-saved");
+        std::fs::write(&saved, b"x").unwrap();
         // A child process holds `open` open: the sweep must leave it alone.
         let mut child = std::process::Command::new("sh")
             .arg("-c")
@@ -235,10 +327,9 @@ mod tests {
         assert_eq!(dry.iter().filter(|s| s.removed).count(), 1);
         let done = sweep(&[dir.path().to_owned()], &keep, false);
         assert!(!orphan.exists());
-        assert!(open.exists() && kept.exists() && other.exists());
+        assert!(open.exists() && kept.exists() && other.exists() && saved.exists());
         let o = done.iter().find(|s| s.path == open).unwrap();
         assert!(!o.removed && o.users == vec![child.id()]);
-        assert!(descendants(std::process::id()).contains(&child.id()));
         assert_eq!(holders_among(&want, [child.id()])[&open], vec![child.id()]);
         drop(child.stdin.take());
         child.wait().unwrap();
