@@ -28,7 +28,7 @@ Run as ``python tests/_lifecycle_workers.py ROLE [ARGS...]`` with the test's env
   ``build_blocking N``           start building a SharedList, print ``MID <pid>`` after N
                                  records, then block (reading stdin) inside the build
   ``create_in DIR N NAME``       build a SharedList of N records named NAME in DIR (``dir=``)
-  ``save NAME PATH``             ``save()`` that store's archive to PATH: ``OK``
+  ``save NAME PATH [MODE]``      ``save()`` that store's archive to PATH (octal MODE): ``OK``
   ``attach_in NAME DIR``         attach by name with ``dir=DIR``, check it: ``OK <path>``
   ``timed_attach NAME``          attach (a ticker thread runs meanwhile), close it again:
                                  ``OK <seconds for attach> <seconds for close> <ticks>``
@@ -36,7 +36,8 @@ Run as ``python tests/_lifecycle_workers.py ROLE [ARGS...]`` with the test's env
   ``closeall``                   drop every handle, flush the queued DROPs: ``OK <seconds>``
   ``forkstorm K``                a thread creates and unlinks stores in a loop while the main
                                  thread forks K children that each create a store and exit:
-                                 ``OK <children that hung> <stores the thread made>``
+                                 ``OK <children that hung> <that failed> <stores the thread
+                                 made>`` (a failure's traceback goes to stderr)
   ``nodump``                     make this process non-dumpable (prctl): its /proc entries
                                  become unreadable to other processes of the same user
   ``warnings``                   the shmstore WARNING log records so far, joined by ``|``
@@ -105,8 +106,8 @@ class Client:
         self.handles[h.name] = h
         return f"OK {h.name} {self.shmstore._native._store_info(h)['path']}"
 
-    def cmd_save(self, name: str, path: str) -> str:
-        self.handles[name].save(path)
+    def cmd_save(self, name: str, path: str, mode: str = "600") -> str:
+        self.handles[name].save(path, mode=int(mode, 8))
         return "OK"
 
     def cmd_attach_in(self, name: str, directory: str) -> str:
@@ -168,7 +169,7 @@ class Client:
 
         t = threading.Thread(target=churn, daemon=True)
         t.start()
-        hung = 0
+        hung = failed = 0
         try:
             for _ in range(int(k)):
                 pid = os.fork()
@@ -179,6 +180,8 @@ class Client:
                         h.unlink()
                         h.close()
                         code = 0
+                    except BaseException:
+                        traceback.print_exc()
                     finally:
                         os._exit(code)
                 deadline = time.monotonic() + 20
@@ -186,9 +189,12 @@ class Client:
                     done, status = os.waitpid(pid, os.WNOHANG)
                     if done:
                         if os.waitstatus_to_exitcode(status) != 0:
-                            hung += 1  # failed, rather: counted with the hangs
+                            failed += 1
                         break
                     if time.monotonic() > deadline:
+                        print(f"child {pid} hung", file=sys.stderr, flush=True)
+                        if os.environ.get("SHMSTORE_TEST_HANG_DEBUG"):
+                            time.sleep(3600)
                         os.kill(pid, signal.SIGKILL)
                         os.waitpid(pid, 0)
                         hung += 1
@@ -197,7 +203,7 @@ class Client:
         finally:
             stop.set()
             t.join()
-        return f"OK {hung} {made[0]}"
+        return f"OK {hung} {failed} {made[0]}"
 
     def cmd_nodump(self) -> str:
         import ctypes

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -159,7 +160,13 @@ def test_rm_errors_and_json(env: Env) -> None:
 
 
 def test_gc_json(env: Env) -> None:
-    (env.dir / "shmstore-orphan").write_bytes(b"\0" * 4096)
+    orphan = env.dir / "shmstore-orphan"
+    orphan.write_bytes(b"\0" * 4096)
+    # Sealed as shmstore's writer seals a segment (read-only, its mark in the mtime's
+    # nanoseconds, src/segment/mod.rs): gc removes nothing else.
+    now = time.time_ns()
+    os.utime(orphan, ns=(now, now // 10**9 * 10**9 + 314_159_265))
+    orphan.chmod(0o400)
     r = env.run("gc", "--dry-run", "--json")
     assert r.returncode == cli.EXIT_NOT_FOUND, r
     report = json.loads(r.stdout)

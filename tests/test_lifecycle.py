@@ -35,6 +35,20 @@ What is tested where:
   ``test_capacity_fallback_to_disk``, ``test_capacity_fallback_segment_is_supervised``.
 - CLI (``python -m shmstore``): ``test_cli_ls``, ``test_cli_gc_removes_only_orphans``,
   ``test_cli_gc_dry_run_with_a_live_supervisor_removes_nothing``, ``test_cli_inspect_and_rm``.
+- Hostile neighbours (docs/lifecycle.md; a second Unix user where root can make one):
+  per-user directories planted by another user
+  (``test_state_dir_planted_by_another_user_is_refused``,
+  ``test_fallback_dir_of_another_user_is_never_read``), squatting
+  (``test_squatted_abstract_name_does_not_stall_or_unsupervise``), what the supervisor may
+  delete (``test_failed_attach_by_another_user_keeps_a_live_store``,
+  ``test_saved_files_attached_by_name_are_never_deleted``), a stopped supervisor and a full
+  backlog (``test_stopped_supervisor_never_stalls_attach_or_release``), fork during round
+  trips (``test_fork_during_supervisor_round_trips``), many stores
+  (``test_releasing_ten_thousand_handles``,
+  ``test_list_with_a_hundred_thousand_segments_is_complete``,
+  ``test_gc_refuses_when_the_supervisor_does_not_answer``), readers /proc cannot show
+  (``test_non_client_reader_invisible_to_proc_keeps_its_segment``), floods
+  (``test_connect_close_flood_does_not_starve_clients``).
 """
 
 from __future__ import annotations
@@ -1178,29 +1192,6 @@ def test_cli_inspect_and_rm(lc: Lifecycle) -> None:
 
 # --- hostile neighbours: other users, stopped supervisors, forks, many stores ---------------
 
-OTHER_USER = "shmstore-other"
-
-
-def other_user() -> tuple[int, int]:
-    """(uid, gid) of a second Unix user, created when running as root; skip otherwise."""
-    import pwd
-
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create and act as a second Unix user (useradd)")
-    try:
-        pw = pwd.getpwnam(OTHER_USER)
-    except KeyError:
-        r = subprocess.run(
-            ["useradd", "--no-create-home", "--shell", "/usr/sbin/nologin", OTHER_USER],
-            capture_output=True,
-            text=True,
-        )
-        try:
-            pw = pwd.getpwnam(OTHER_USER)
-        except KeyError:
-            pytest.skip(f"cannot create a second user: useradd said {r.stderr.strip()!r}")
-    return pw.pw_uid, pw.pw_gid
-
 
 def other_python(uid: int, gid: int) -> tuple[str, dict[str, str]]:
     """An interpreter the other user can run that imports this shmstore (this one, or the
@@ -1265,11 +1256,13 @@ def other_world(lc: Lifecycle, shared: Path, uid: int, gid: int) -> dict[str, st
     }
 
 
-def test_state_dir_planted_by_another_user_is_refused(lc: Lifecycle, shared: Path) -> None:
+def test_state_dir_planted_by_another_user_is_refused(
+    lc: Lifecycle, shared: Path, other_user: tuple[int, int]
+) -> None:
     """Another user made our state directory first and planted a symlink where the log
     goes: shmstore must neither trust the directory nor write through the link; it runs
     unsupervised and says so once, with the reason."""
-    uid, gid = other_user()
+    uid, gid = other_user
     victim = shared / "victim-bashrc"
     victim.write_text("original\n")
     planted = shared / "shmstore"
@@ -1290,10 +1283,12 @@ def test_state_dir_planted_by_another_user_is_refused(lc: Lifecycle, shared: Pat
     assert_gone_within([path], t0)
 
 
-def test_fallback_dir_of_another_user_is_never_read(lc: Lifecycle, shared: Path) -> None:
+def test_fallback_dir_of_another_user_is_never_read(
+    lc: Lifecycle, shared: Path, other_user: tuple[int, int]
+) -> None:
     """Stores are never found in (or spilled to) a fallback directory another user
     controls: there they could be swapped under the victim."""
-    uid, gid = other_user()
+    uid, gid = other_user
     fb = shared / "fallback"
     fb.mkdir()
     fb.chmod(0o777)
@@ -1308,10 +1303,12 @@ def test_fallback_dir_of_another_user_is_never_read(lc: Lifecycle, shared: Path)
     assert not path.exists()
 
 
-def test_squatted_abstract_name_does_not_stall_or_unsupervise(lc: Lifecycle) -> None:
+def test_squatted_abstract_name_does_not_stall_or_unsupervise(
+    lc: Lifecycle, other_user: tuple[int, int]
+) -> None:
     """Another user binds the abstract name the supervisor once used and cannot reach the
     real socket: builds are supervised as usual (no wait, no fallback)."""
-    uid, gid = other_user()
+    uid, gid = other_user
     code = (
         "import socket, sys\n"
         "s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)\n"
@@ -1341,10 +1338,12 @@ def test_squatted_abstract_name_does_not_stall_or_unsupervise(lc: Lifecycle) -> 
     assert late.ok("warnings") == []
 
 
-def test_failed_attach_by_another_user_keeps_a_live_store(lc: Lifecycle, shared: Path) -> None:
+def test_failed_attach_by_another_user_keeps_a_live_store(
+    lc: Lifecycle, shared: Path, other_user: tuple[int, int]
+) -> None:
     """In a directory both users may write (no sticky bit), the other user's attach of our
     store fails (not theirs); their supervisor must not delete it afterwards."""
-    uid, gid = other_user()
+    uid, gid = other_user
     group_dir = shared / "group"
     group_dir.mkdir()
     group_dir.chmod(0o777)
@@ -1379,14 +1378,22 @@ def test_saved_files_attached_by_name_are_never_deleted(lc: Lifecycle, tmp_path:
     name, _ = creator.create(15)
     for n in ("shmstore-mine", "shmstore-other"):
         creator.ok(f"save {name} {saved_dir / n}")
+    # Even read-only (like a sealed segment) and in the segment directory itself.
+    read_only = lc.dir / f"shmstore-saved-{lc.tag}"
+    creator.ok(f"save {name} {read_only} 400")
     reader = lc.worker()
     assert reader.ok(f"attach_in mine {saved_dir}") == [str(saved_dir / "shmstore-mine")]
+    assert reader.ok(f"attach {read_only.name}") == [str(read_only)]
     reader.exit()
     killed = lc.worker()
     killed.ok(f"attach_in other {saved_dir}")
+    killed.ok(f"attach {read_only.name}")
     killed.kill()  # a client with registrations dies: the supervisor sweeps
     lc.sync()
     assert sorted(p.name for p in saved_dir.iterdir()) == ["shmstore-mine", "shmstore-other"]
+    assert read_only.exists(), "a read-only saved file in the segment directory was removed"
+    creator.exit()
+    read_only.unlink()
 
 
 def test_stopped_supervisor_never_stalls_attach_or_release(lc: Lifecycle) -> None:
@@ -1434,8 +1441,9 @@ def test_fork_during_supervisor_round_trips(lc: Lifecycle) -> None:
     """A thread talks to the supervisor all the time while the main thread forks; every
     child must be able to use shmstore (before: it inherited a locked mutex and hung)."""
     w = lc.worker()
-    hung, made = w.ok("forkstorm 150")
-    assert int(hung) == 0, f"{hung} of 150 forked children hung or failed"
+    hung, failed, made = w.ok("forkstorm 150")
+    assert int(hung) == 0, f"{hung} of 150 forked children hung"
+    assert int(failed) == 0, f"{failed} of 150 forked children failed (tracebacks above)"
     assert int(made) > 0
     w.exit()
 
@@ -1486,18 +1494,20 @@ def test_gc_refuses_when_the_supervisor_does_not_answer(lc: Lifecycle) -> None:
         r = lc.cli("gc", SHMSTORE_SUPERVISOR_TIMEOUT="0.5")
     finally:
         os.kill(sup, signal.SIGCONT)
-    assert r.returncode == 1, r
+    assert r.returncode == 4, r  # an OS error (docs/cli.md), and nothing removed
     assert "not sweeping" in r.stderr, r
     assert orphan.exists(), "gc acted on a missing answer"
     assert lc.cli("gc").returncode == 0
     assert not orphan.exists()
 
 
-def test_non_client_reader_invisible_to_proc_keeps_its_segment(lc: Lifecycle, shared: Path) -> None:
+def test_non_client_reader_invisible_to_proc_keeps_its_segment(
+    lc: Lifecycle, shared: Path, other_user: tuple[int, int]
+) -> None:
     """A reader that bypasses the supervisor and is non-dumpable (its /proc entries are
     unreadable to the supervisor of the same user) keeps the segment through its lock.
     Runs entirely as a second user: root's supervisor could read any /proc entry."""
-    uid, gid = other_user()
+    uid, gid = other_user
     python, penv = other_python(uid, gid)
     env = {**other_world(lc, shared, uid, gid), **penv}
     seg_dir = Path(env["SHMSTORE_DIR"])

@@ -118,7 +118,11 @@ def _state(row: dict[str, Any]) -> str:
 
 
 def _rows() -> list[dict[str, Any]]:
-    sup = _native.supervisor_info()
+    try:
+        sup = _native.supervisor_info()
+    except OSError as e:  # running but not answering: list the files, say what is missing
+        print(f"shmstore ls: no information from the supervisor: {e}", file=sys.stderr)
+        sup = None
     tracked: dict[str, list[int]] = sup["segments"] if sup else {}
     paths = segment_paths()
     users = segment_users(paths)
@@ -225,6 +229,8 @@ def _gc(args: argparse.Namespace) -> int:
     for r in report:
         if r["removed"]:
             print(f"{verb} {r['path']} ({human_size(r['size'])})")
+        elif args.verbose and r.get("locked"):
+            print(f"kept {r['path']}: locked by a reader that bypasses the supervisor")
         elif args.verbose:
             print(f"kept {r['path']}: used by {r['users']}")
     print(f"{verb} {len(orphans)} orphaned segment(s), {human_size(freed)}")

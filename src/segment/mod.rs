@@ -14,6 +14,32 @@ pub use writer::{preflight, save_file, SaveError, SegmentWriter};
 
 /// Every segment name starts with this, so sweeps and listings can find ours.
 pub const PREFIX: &str = "shmstore-";
+/// Nanoseconds of the modification time the writer gives a segment when it seals it. With
+/// the read-only mode (0400, or 0500 for a fetched copy) it marks "a segment shmstore made":
+/// the supervisor and `shmstore gc` remove nothing else (`supervisor::sweep::is_segment`), so
+/// a saved file (`save()`, whatever its mode) is never taken for a segment.
+pub const SEALED_MTIME_NSEC: u32 = 314_159_265;
+
+/// Set the seal mark (see [`SEALED_MTIME_NSEC`]) on a segment's file: its times become now,
+/// with the mark as the nanoseconds of the modification time.
+pub fn mark_sealed(file: &impl std::os::fd::AsFd) -> std::io::Result<()> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let at = |nsec: u32| rustix::fs::Timespec {
+        tv_sec: now.as_secs() as i64,
+        tv_nsec: nsec as _,
+    };
+    rustix::fs::futimens(
+        file,
+        &rustix::fs::Timestamps {
+            last_access: at(now.subsec_nanos()),
+            last_modification: at(SEALED_MTIME_NSEC),
+        },
+    )?;
+    Ok(())
+}
+
 /// Longest accepted name: keeps pickled handles (which carry the path) under 256 bytes.
 pub const MAX_NAME: usize = 128;
 

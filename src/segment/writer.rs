@@ -186,6 +186,7 @@ impl SegmentWriter {
         let file = self.file.take().expect("published twice");
         file.set_permissions(std::fs::Permissions::from_mode(mode))
             .map_err(|e| SegmentError::io(&tmp, e))?;
+        super::mark_sealed(&file).map_err(|e| SegmentError::io(&tmp, e))?;
         let final_path = self.final_path();
         // link() fails with EEXIST instead of replacing, so two creators of one name cannot
         // silently swap the segment under a reader.

@@ -5,7 +5,7 @@
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 
-use crate::segment::PREFIX;
+use crate::segment::{PREFIX, SEALED_MTIME_NSEC};
 
 /// For each of `paths`, the pids (other than this process) that map it or hold it open.
 pub fn holders(paths: &HashSet<PathBuf>) -> HashMap<PathBuf, Vec<u32>> {
@@ -75,11 +75,11 @@ pub fn remove_if_ours(path: &Path, id: FileId) -> std::io::Result<Removal> {
 }
 
 /// Whether `path` (with status `st`) is a segment shmstore's writer made: named
-/// `shmstore-...`, a regular file owned by this user, and either sealed (mode 0400, set
-/// only when a segment is published) or a `.part-` file still being written (mode 0600).
-/// Saved files (`save()`) are never 0400, so a saved file attached by name is never
-/// mistaken for a segment; anything else (a symlink, another user's file, a file someone
-/// made by hand) is never removed by the supervisor or the sweep.
+/// `shmstore-...`, a regular file owned by this user, and either sealed (read-only mode 0400,
+/// or 0500 for a fetched copy, with the writer's mark in its modification time, see
+/// `segment::SEALED_MTIME_NSEC`) or a `.part-` file still being written (mode 0600). A saved
+/// file (`save()`), a symlink, another user's file or a file someone made by hand is never
+/// removed by the supervisor or the sweep.
 pub fn is_segment(path: &Path, st: &rustix::fs::Stat) -> bool {
     let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
         return false;
@@ -93,7 +93,9 @@ pub fn is_segment(path: &Path, st: &rustix::fs::Stat) -> bool {
         return false;
     }
     let mode = st.st_mode & 0o7777;
-    mode == 0o400 || (mode == 0o600 && name.contains(".part-"))
+    let sealed = matches!(mode, 0o400 | 0o500)
+        && i128::from(st.st_mtime_nsec) == i128::from(SEALED_MTIME_NSEC);
+    sealed || (mode == 0o600 && name.contains(".part-"))
 }
 
 /// [`file_id`] of the name itself (a symlink is not followed).
@@ -247,10 +249,12 @@ pub fn sweep(dirs: &[PathBuf], keep: &HashSet<PathBuf>, dry_run: bool) -> Vec<Sw
     out
 }
 
+/// Seal a hand-made file as the writer seals a segment (mode 0400 + the mark).
 #[cfg(test)]
 pub(crate) fn seal(p: &Path) {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o400)).unwrap();
+    crate::segment::mark_sealed(&std::fs::File::open(p).unwrap()).unwrap();
 }
 
 #[cfg(test)]
@@ -262,16 +266,24 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let sealed = dir.path().join("shmstore-sealed");
         let saved = dir.path().join("shmstore-saved");
+        let read_only_saved = dir.path().join("shmstore-read-only");
         let foreign_name = dir.path().join("data.bin");
-        for p in [&sealed, &saved, &foreign_name] {
+        for p in [&sealed, &saved, &read_only_saved, &foreign_name] {
             std::fs::write(p, b"x").unwrap();
         }
         seal(&sealed);
         seal(&foreign_name);
+        // A saved file made read-only by its owner: mode 0400, but not the writer's mark.
+        std::fs::set_permissions(
+            &read_only_saved,
+            std::os::unix::fs::PermissionsExt::from_mode(0o400),
+        )
+        .unwrap();
         let link = dir.path().join("shmstore-link");
         std::os::unix::fs::symlink(&sealed, &link).unwrap();
         for (p, want) in [
             (&saved, Removal::NotOurs),
+            (&read_only_saved, Removal::NotOurs),
             (&foreign_name, Removal::NotOurs),
             (&link, Removal::NotOurs),
         ] {

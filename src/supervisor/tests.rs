@@ -218,13 +218,14 @@ fn files_outside_segment_dirs_and_saved_files_are_never_unlinked() {
 #[test]
 fn list_streams_a_hundred_thousand_segments() {
     let w = World::new();
-    let server = w.start(100);
-    let mut a = w.conn();
     let n = 100_000;
     // Cheap registrations (no files): the listing is about the reply, not the segments.
+    // Made before the server starts: it exits when idle for its grace period.
     let reqs: Vec<Request> = (0..n)
         .map(|i| Request::Use(w.dir().join(format!("shmstore-fake-{i:06}"))))
         .collect();
+    let server = w.start(1000);
+    let mut a = w.conn();
     for chunk in reqs.chunks(1000) {
         let text: String = chunk.iter().map(Request::encode).collect();
         a.send_raw(text.as_bytes()).unwrap();
