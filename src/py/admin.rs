@@ -223,15 +223,15 @@ pub(crate) fn _crafted_archive<'py>(py: Python<'py>, name: &str) -> PyResult<Bou
     Ok(PyBytes::new(py, &bytes))
 }
 
-/// This user's shmstore files (sealed segments and `.part-` files being built) in `dir`,
-/// or in every search directory (`_search_dirs`), sorted. Symlinks and other users' files
-/// are not listed.
+/// This user's regular files named `shmstore-*` (segments, `.part-` files being built, and
+/// anything else under such a name) in `dir`, or in every search directory (`_search_dirs`),
+/// sorted. Symlinks and other users' files are not listed.
 #[pyfunction]
 #[pyo3(signature = (dir=None))]
 pub(crate) fn _segment_paths(py: Python<'_>, dir: Option<PathBuf>) -> Vec<PathBuf> {
     let dirs = dir.map(|d| vec![d]).unwrap_or_else(segment::search_dirs);
     py.detach(|| {
-        let mut out: Vec<PathBuf> = dirs.iter().flat_map(|d| sw::segment_files(d)).collect();
+        let mut out: Vec<PathBuf> = dirs.iter().flat_map(|d| sw::named_files(d)).collect();
         out.sort();
         out
     })

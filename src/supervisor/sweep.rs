@@ -177,8 +177,31 @@ pub fn holders_among(
     out
 }
 
+/// Every regular file of this user named `shmstore-*` in `dir` (what `shmstore ls` shows:
+/// also files that are not segments shmstore made, e.g. a corrupt or hand-made one, which
+/// nothing ever removes on its own).
+pub fn named_files(dir: &Path) -> Vec<PathBuf> {
+    let uid = rustix::process::geteuid().as_raw();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out: Vec<PathBuf> = entries
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(PREFIX))
+        .map(|e| e.path())
+        .filter(|p| {
+            rustix::fs::lstat(p).is_ok_and(|st| {
+                rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::RegularFile
+                    && st.st_uid == uid
+            })
+        })
+        .collect();
+    out.sort();
+    out
+}
+
 /// This user's segments in `dir` (sealed segments and `.part-` files being built; see
-/// [`is_segment`]).
+/// [`is_segment`]): what the sweep may remove.
 pub fn segment_files(dir: &Path) -> Vec<PathBuf> {
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Vec::new();
