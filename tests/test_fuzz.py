@@ -54,11 +54,13 @@ def each(v):
             try:
                 each(v[k])
             except KeyError:
-                pass  # a forged hash index can hide a key from lookups (docs/security.md)
+                if "nan" not in repr(k):  # a NaN key is never equal to a fresh NaN
+                    raise
         try:
             list(v.items()); list(v.values())
-        except KeyError:
-            pass  # as above (and a NaN key, as in a dict, is never found by lookup)
+        except KeyError as e:
+            if "nan" not in repr(e.args):
+                raise
         len(v)
         repr(v); eq(v, v.to_python())
         pickle.loads(pickle.dumps(v))

@@ -28,6 +28,8 @@ ATTACKS = [
     "list-in-tuple-key",
     "dict-key-without-value",
     "sym-out-of-range",
+    "forged-index-hides-keys",
+    "bigint-key-fits-i64",
     "span-start-near-2^64",
     "span-end-near-2^64",
     "payload-extent-near-2^64",

@@ -275,7 +275,8 @@ fn tag_of(v: &Value) -> u8 {
 /// rkyv bytes of `depth` containers nested in one another around a `None` (root last).
 /// Each level is a list, a tuple or a small dict (whose other item is a `None`, the child
 /// in the key or the value position).
-pub fn raw_chain(rng: &mut Rng, depth: usize) -> Vec<u8> {
+/// `keys`: let a dict's child sit in its key position now and then (a malformed record).
+pub fn raw_chain(rng: &mut Rng, depth: usize, keys: bool) -> Vec<u8> {
     let none = rkyv::to_bytes::<rkyv::rancor::Error>(&Value::None).expect("serialize");
     let tags = [
         tag_of(&Value::List(vec![])),
@@ -283,7 +284,7 @@ pub fn raw_chain(rng: &mut Rng, depth: usize) -> Vec<u8> {
         tag_of(&Value::Dict(vec![])),
     ];
     let kinds: Vec<u8> = (0..depth).map(|_| rng.below(3) as u8).collect();
-    let child_is_key: Vec<bool> = (0..depth).map(|_| rng.pct(20)).collect();
+    let child_is_key: Vec<bool> = (0..depth).map(|_| keys && rng.pct(20)).collect();
     let mut out = Vec::with_capacity((depth + 1) * 2 * VALUE);
     // Level i's items must be contiguous: its extra `None` (a dict's other item) goes
     // right before or after the child value, which is written first.
@@ -366,7 +367,7 @@ fn build(rng: &mut Rng, kind: Kind) -> Vec<u8> {
         }
         if rng.pct(12) {
             let depth = gen_depth(rng);
-            let raw = raw_chain(rng, depth);
+            let raw = raw_chain(rng, depth, true);
             b.finish_raw_record(&raw).expect("in memory");
         } else {
             let v = gen_value(rng, &mut b, 0);
@@ -527,8 +528,13 @@ fn walk(r: &Reader<&[u8]>, root: Node, node: Node, depth: usize) -> Result<(), A
             };
             for (i, pair) in items.chunks(2).enumerate() {
                 let key = r.value_key(&pair[0])?;
-                if let Some(found) = r.dict_find(items, index, &key)? {
-                    let _ = items.get(2 * found + 1);
+                match r.dict_find(items, index, &key)? {
+                    Some(found) => {
+                        let _ = items.get(2 * found + 1);
+                    }
+                    // As DictView does: a miss is confirmed against a forged index.
+                    None if !index.is_empty() => r.confirm_miss(root.record() as u64)?,
+                    None => {}
                 }
                 if let Key::Str(s) = &key {
                     r.dict_find_str(items, index, s)?;
@@ -600,7 +606,7 @@ mod tests {
         let mut rng = Rng::new(3);
         for depth in [1, 2, 5, 40, MAX_VALUE_DEPTH] {
             for _ in 0..20 {
-                let raw = raw_chain(&mut rng, depth);
+                let raw = raw_chain(&mut rng, depth, false);
                 let mut b = Builder::new(Cursor::new(Vec::new()), Kind::Object, 1).unwrap();
                 b.finish_raw_record(&raw).unwrap();
                 let bytes = b.finish(0).unwrap().0.into_inner();
@@ -708,7 +714,7 @@ pub fn crafted(name: &str) -> Option<(Kind, Vec<u8>)> {
             }
             out
         } else {
-            raw_chain(&mut rng, depth)
+            raw_chain(&mut rng, depth, true)
         };
         let mut b = Builder::new(Cursor::new(Vec::new()), Kind::Object, 1).expect("in memory");
         b.finish_raw_record(&raw).expect("in memory");
@@ -738,6 +744,17 @@ pub fn crafted(name: &str) -> Option<(Kind, Vec<u8>)> {
             Value::Str("b".into()),
         ])),
         "sym-out-of-range" => object(Value::List(vec![Value::Sym(7)])),
+        // An indexed dict whose index is empty: every lookup would miss its keys.
+        "forged-index-hides-keys" => object(Value::IndexedDict(Box::new(IndexedDict {
+            items: (0..9)
+                .flat_map(|i| [Value::Str(format!("k{i}")), Value::Int(i)])
+                .collect(),
+            index: vec![0; 32],
+        }))),
+        // A big-int key holding a small int (writers store `Int`): never found by lookup.
+        "bigint-key-fits-i64" => {
+            object(Value::Dict(vec![Value::BigInt(vec![0x87; 3]), Value::None]))
+        }
         "span-start-near-2^64" | "span-end-near-2^64" => {
             let mut b = object(Value::Str("x".into()));
             let index_off = u64_at(&b, 32) as usize;
@@ -770,6 +787,8 @@ pub const CRAFTED: &[&str] = &[
     "list-in-tuple-key",
     "dict-key-without-value",
     "sym-out-of-range",
+    "forged-index-hides-keys",
+    "bigint-key-fits-i64",
     "span-start-near-2^64",
     "span-end-near-2^64",
     "payload-extent-near-2^64",

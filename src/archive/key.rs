@@ -58,6 +58,21 @@ fn as_int(k: &Key<'_>) -> Option<i64> {
     }
 }
 
+/// Whether two's-complement little-endian `b` holds an integer that fits in an i64 (or is
+/// empty): writers store those as `Int`, so such a `BigInt` in a key position is forged
+/// and would never compare equal to the int it holds.
+pub fn bigint_fits_i64(b: &[u8]) -> bool {
+    let Some(&last) = b.last() else {
+        return true;
+    };
+    let sign = if last & 0x80 != 0 { 0xff } else { 0x00 };
+    let mut n = b.len();
+    while n > 1 && b[n - 1] == sign && (b[n - 2] & 0x80) == (sign & 0x80) {
+        n -= 1;
+    }
+    n <= 8
+}
+
 /// The exact integer an integral float beyond i64 equals, as minimal two's-complement
 /// little-endian bytes (the `BigInt` form), so `float(2**64)` and `2**64` are one key.
 fn float_bigint(f: f64) -> Option<Vec<u8>> {

@@ -55,6 +55,8 @@ pub struct Reader<B> {
     header: Header,
     /// One bit per record: span checksum and structure checked in this process.
     validated: Vec<AtomicU64>,
+    /// One bit per record: its in-record dict indexes checked (`confirm_miss`).
+    indexes_checked: Vec<AtomicU64>,
     /// Absolute [start, end) of each symbol's UTF-8 bytes.
     symbols: Vec<(usize, usize)>,
 }
@@ -105,6 +107,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
         let words = header.count.div_ceil(64) as usize;
         Ok(Reader {
             validated: (0..words).map(|_| AtomicU64::new(0)).collect(),
+            indexes_checked: (0..words).map(|_| AtomicU64::new(0)).collect(),
             backing,
             header,
             symbols,
@@ -174,6 +177,45 @@ impl<B: AsRef<[u8]>> Reader<B> {
         check_value(bytes, end - start - std::mem::size_of::<ArchivedValue>())
             .map_err(|e| ArchiveError::Corrupt(format!("record {rec}: invalid structure: {e}")))?;
         self.validated[word].fetch_or(bit, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// A lookup in record `rec` missed in an indexed dict: make sure that is because the key
+    /// is absent, not because a forged index hides it. The first miss in a record checks
+    /// every indexed dict of the record (each entry must be found from its key's hash);
+    /// later misses are free. `Corrupt` if an index does not find one of its entries.
+    pub fn confirm_miss(&self, rec: u64) -> Result<(), ArchiveError> {
+        self.validate_record(rec)?;
+        let (word, bit) = ((rec / 64) as usize, 1u64 << (rec % 64));
+        if self.indexes_checked[word].load(Ordering::Acquire) & bit != 0 {
+            return Ok(());
+        }
+        let root = self.get(self.root(rec)?);
+        let mut stack = vec![root];
+        while let Some(v) = stack.pop() {
+            match v {
+                ArchivedValue::List(items) | ArchivedValue::Tuple(items) => {
+                    stack.extend(items.iter().filter(|v| is_container(v)));
+                }
+                ArchivedValue::Dict(items) => {
+                    stack.extend(items.iter().skip(1).step_by(2).filter(|v| is_container(v)));
+                }
+                ArchivedValue::IndexedDict(d) => {
+                    let (items, index) = (d.items.as_slice(), d.index.as_slice());
+                    stack.extend(items.iter().skip(1).step_by(2).filter(|v| is_container(v)));
+                    for (e, k) in items.iter().step_by(2).enumerate() {
+                        let hash = self.value_key(k)?.stable_hash();
+                        if !index_finds(index, hash, e, items.len() / 2) {
+                            return corrupt(format!(
+                                "record {rec}: a dict's hash index does not find its entry {e}"
+                            ));
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        self.indexes_checked[word].fetch_or(bit, Ordering::AcqRel);
         Ok(())
     }
 
@@ -371,7 +413,9 @@ impl<B: AsRef<[u8]>> Reader<B> {
             ArchivedValue::None => Key::None,
             ArchivedValue::Bool(b) => Key::Bool(*b),
             ArchivedValue::Int(i) => Key::Int(i.to_native()),
-            ArchivedValue::BigInt(b) => Key::BigInt(Borrowed(b.as_slice())),
+            ArchivedValue::BigInt(b) if !super::key::bigint_fits_i64(b.as_slice()) => {
+                Key::BigInt(Borrowed(b.as_slice()))
+            }
             ArchivedValue::Float(f) => Key::Float(f.to_native()),
             ArchivedValue::Str(s) => Key::Str(Borrowed(s.as_str())),
             ArchivedValue::Sym(id) => Key::Str(Borrowed(self.symbol(id.to_native())?)),
@@ -523,6 +567,36 @@ impl<B: AsRef<[u8]>> Reader<B> {
             nbytes,
         })
     }
+}
+
+/// Whether probing `index` (entry + 1 per slot, 0 = empty) from `hash` reaches `entry`.
+fn index_finds(index: &[rkyv::Archived<u32>], hash: u64, entry: usize, n: usize) -> bool {
+    let cap = index.len();
+    if cap == 0 {
+        return false;
+    }
+    let mut i = hash as usize & (cap - 1);
+    for _ in 0..cap {
+        let slot = index[i].to_native() as usize;
+        if slot == 0 || slot > n {
+            return false;
+        }
+        if slot == entry + 1 {
+            return true;
+        }
+        i = (i + 1) & (cap - 1);
+    }
+    false
+}
+
+fn is_container(v: &ArchivedValue) -> bool {
+    matches!(
+        v,
+        ArchivedValue::List(_)
+            | ArchivedValue::Tuple(_)
+            | ArchivedValue::Dict(_)
+            | ArchivedValue::IndexedDict(_)
+    )
 }
 
 /// rkyv's structural validation of the `Value` at `pos` in a record's bytes, with the

@@ -224,8 +224,22 @@ impl<'a> Map<'a> {
     }
 
     /// Entry number of `key`, or None (keys of types that cannot be stored are simply
-    /// absent; an unhashable key is a TypeError, as for dict).
+    /// absent; an unhashable key is a TypeError, as for dict). A miss in a stored dict with
+    /// a hash index is confirmed against a forged index (`Reader::confirm_miss`).
     pub(crate) fn find(self, key: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
+        let found = self.find_unconfirmed(key)?;
+        if let (None, Map::Dict(store, node)) = (found, self) {
+            if !Self::parts(store, node).1.is_empty() {
+                store
+                    .reader
+                    .confirm_miss(node.record() as u64)
+                    .map_err(store.archive_err())?;
+            }
+        }
+        Ok(found)
+    }
+
+    fn find_unconfirmed(self, key: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
         match self {
             Map::Entries(store) => {
                 let k = match key.cast::<PyString>() {
