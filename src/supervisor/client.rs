@@ -2,9 +2,11 @@
 //! starting it if none is running.
 //!
 //! Never a stall: every conversation has a short deadline ([`timeout`], 0.5 s by default;
-//! the connect is non-blocking too, so a full listen backlog cannot block it); a supervisor
-//! that misses it is given up on for [`BACKOFF`] (the caller goes on unsupervised and says
-//! so once), and callers wait for it with the GIL released. Dropping a registration does no
+//! the connect is non-blocking too, so a full listen backlog cannot block it). Past it, a
+//! supervisor that is stopped (SIGSTOP, a debugger: `/proc/PID/stat`) is given up on at once,
+//! one that is running but busy gets [`BUSY_FACTOR`] times as long in all; given up, it is
+//! not tried again for [`BACKOFF`] (the caller goes on unsupervised and says so once).
+//! Callers wait with the GIL released. Dropping a registration does no
 //! I/O at all: the `DROP` is queued and a background thread sends queued DROPs in batches
 //! (ten thousand handles released at once are one batch and one /proc scan in the
 //! supervisor).
@@ -19,7 +21,7 @@
 
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
-use std::io::{self, BufReader, Write};
+use std::io::{self, BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -61,6 +63,23 @@ pub fn timeout() -> Duration {
         .filter(|s| s.is_finite() && *s > 0.0)
         .map(|s| Duration::from_secs_f64(s.min(3600.0)))
         .unwrap_or(Duration::from_millis(500))
+}
+
+/// A supervisor that misses the deadline but is running (not stopped: busy, on a loaded
+/// machine) gets this many times the deadline in all before it is given up on.
+const BUSY_FACTOR: u32 = 10;
+
+/// Whether process `pid` is stopped (SIGSTOP, a debugger): its answer will not come.
+fn stopped(pid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    // "pid (comm) state ...": comm may contain spaces and parentheses; the state follows
+    // the last ')'.
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().next());
+    matches!(state, Some("T" | "t"))
 }
 
 /// How long a supervisor that just started may take to answer (a fresh interpreter).
@@ -129,14 +148,36 @@ impl Conn {
             self.arm(deadline)?;
             self.writer.write_all(text.as_bytes())?;
             for _ in chunk {
-                self.arm(deadline)?;
-                let reply = read_line(&mut self.reader)?;
+                let reply = self.reply(deadline)?;
                 if !reply.starts_with("OK") {
                     return Err(io::Error::other(format!("the supervisor said {reply:?}")));
                 }
             }
         }
         Ok(())
+    }
+
+    /// Read one reply line by `deadline`; past it, wait on (up to [`BUSY_FACTOR`] times as
+    /// long) only if the supervisor is running but busy, never if it is stopped.
+    fn reply(&mut self, deadline: Instant) -> io::Result<String> {
+        let mut line = String::new();
+        let mut until = deadline;
+        loop {
+            self.arm(until)?;
+            match self.reader.read_line(&mut line) {
+                Ok(0) => {
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the supervisor closed the connection",
+                    ))
+                }
+                Ok(_) => return Ok(line.trim_end().to_owned()),
+                Err(e) if is_timeout(&e) && until == deadline && !stopped(self.supervisor) => {
+                    until = deadline + timeout() * (BUSY_FACTOR - 1);
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// Socket timeouts set to what is left until `deadline`.
@@ -210,7 +251,7 @@ fn connect_in(dir: &PrivateDir, name: &str, deadline: Instant) -> Result<Conn, U
         conn.arm(deadline)?;
         conn.writer
             .write_all(Request::Hello(std::process::id()).encode().as_bytes())?;
-        read_line(&mut conn.reader)
+        conn.reply(deadline)
     })();
     match hello {
         Ok(r) if r.starts_with("OK") => Ok(conn),
