@@ -302,8 +302,7 @@ def _make(
     archive: Union[str, os.PathLike[str], None],
 ) -> Any:
     if archive is not None and os.path.exists(archive):
-        kind = shmstore._native._store_info(os.fspath(archive))["kind"]
-        return _KINDS[str(kind)].open(archive)
+        return shmstore.StoreHandle.open(archive)  # the class fits the stored kind
     made: Any = build()
     handle = made if isinstance(made, shmstore.StoreHandle) else shmstore.SharedList(made)
     if archive is not None:
