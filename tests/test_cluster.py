@@ -94,6 +94,12 @@ def test_noderef_fetches_once_per_machine_from_a_shared_file(tmp_path, records):
         assert all(o["fetched"] for o in outs)  # the copy is marked as fetched
         segs = [n for n in os.listdir(env["SHMSTORE_DIR"]) if n.startswith("shmstore-")]
         assert segs == [lst.name]
+        # The CLI shows the copy's digest and that it was fetched; the origin's, built here.
+        cli = [sys.executable, "-m", "shmstore", "inspect", lst.name, "--json"]
+        there = json.loads(subprocess.run(cli, env=env, capture_output=True, timeout=60).stdout)
+        assert (there["digest"], there["copy"]) == (ref.digest, "fetched")
+        here = json.loads(subprocess.run(cli, capture_output=True, timeout=60).stdout)
+        assert (here["digest"], here["copy"]) == (ref.digest, "built here")
     finally:
         for p in procs:
             p.communicate(timeout=60)

@@ -196,6 +196,7 @@ def _inspect(args: argparse.Namespace) -> int:
         raise UserError(f"{target}: is a directory, not a store", EXIT_UNREADABLE)
     try:
         info = dict(_native._store_info(target))
+        info.update(_copy_fields(target, info))
     except Exception as e:
         raise _classify(e, args.name) from e
     if args.json:
@@ -205,6 +206,25 @@ def _inspect(args: argparse.Namespace) -> int:
             shown = human_size(v) if k.endswith("nbytes") else v
             print(f"{k:16} {shown}")
     return EXIT_OK
+
+
+def _copy_fields(target: str, info: dict[str, Any]) -> dict[str, Any]:
+    """The archive's content digest (xxh3-128, what ``shmstore.cluster`` verifies copies
+    against; hashes the whole archive) and where this copy comes from: "built here", "fetched"
+    (a copy made by ``shmstore.cluster`` from another machine) or "saved file"."""
+    import shmstore
+
+    cls = {"list": shmstore.SharedList, "dict": shmstore.SharedDict, "object": shmstore.Ref}[
+        str(info["kind"])
+    ]
+    is_file = info["name"] == info["path"]
+    h = cls.open(str(info["path"])) if is_file else cls.attach(str(info["name"]))
+    try:
+        ident = _native._cluster_identity(h, True)
+    finally:
+        h.close()
+    copy = "saved file" if is_file else ("fetched" if ident["fetched"] else "built here")
+    return {"digest": ident["digest"], "copy": copy}
 
 
 def _gc(args: argparse.Namespace) -> int:
