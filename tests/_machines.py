@@ -203,29 +203,24 @@ def _link(head: Machine, other: Machine, bridge: str, tag: str) -> None:
     ]
     for c in cmds:
         subprocess.run(c, check=True, capture_output=True, timeout=30)
-    for c in (["ip", "link", "set", a, "master", bridge], ["ip", "link", "set", a, "up"]):
-        r = head.run(c)
-        assert r.returncode == 0, r.stderr
-    for c in (
-        ["ip", "addr", "add", f"{other.ip}/24", "dev", b],
-        ["ip", "link", "set", b, "up"],
-    ):
-        r = other.run(c)
-        assert r.returncode == 0, r.stderr
+    steps = [
+        (head, ["ip", "link", "set", a, "master", bridge]),
+        (head, ["ip", "link", "set", a, "up"]),
+        (other, ["ip", "addr", "add", f"{other.ip}/24", "dev", b]),
+        (other, ["ip", "link", "set", b, "up"]),
+    ]
+    for m, c in steps:
+        r = m.run(c)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(c)}: {r.stderr.strip()}")
 
 
-@contextlib.contextmanager
-def machines(
-    names: list[str], base: Path, *, force_env: bool = False, shm_size: str = "512m"
-) -> Iterator[tuple[list[Machine], str]]:
-    """Start the machines (the first is the head: the bridge is there); yields them and the
-    mode ("namespaces" or "SHMSTORE_NODE_ID (no namespaces: <why>)"); tears everything down."""
-    ok, why = (False, "asked for") if force_env else namespaces_available()
+def _start(names: list[str], base: Path, ns: bool, shm_size: str) -> list[Machine]:
     started: list[Machine] = []
     try:
         for i, n in enumerate(names):
-            started.append(Machine(n, i, base, ok, shm_size))
-        if ok:
+            started.append(Machine(n, i, base, ns, shm_size))
+        if ns:
             head = started[0]
             tag = uuid.uuid4().hex[:4]
             bridge = "br0"
@@ -235,9 +230,35 @@ def machines(
                 ["ip", "link", "set", bridge, "up"],
             ):
                 r = head.run(c)
-                assert r.returncode == 0, r.stderr
+                if r.returncode != 0:
+                    raise RuntimeError(f"{' '.join(c)}: {r.stderr.strip()}")
             for m in started[1:]:
                 _link(head, m, bridge, tag)
+    except BaseException:
+        for m in started:
+            m.close()
+        raise
+    return started
+
+
+@contextlib.contextmanager
+def machines(
+    names: list[str], base: Path, *, force_env: bool = False, shm_size: str = "512m"
+) -> Iterator[tuple[list[Machine], str]]:
+    """Start the machines (the first is the head: the bridge is there); yields them and the
+    mode ("namespaces" or "SHMSTORE_NODE_ID (no namespaces: <why>)"); tears everything down.
+    Namespaces that start but cannot be networked fall back to the second mode too."""
+    force_env = force_env or os.environ.get("SHMSTORE_TEST_NO_NAMESPACES") == "1"
+    ok, why = (False, "asked for") if force_env else namespaces_available()
+    started: list[Machine] = []
+    try:
+        if ok:
+            try:
+                started = _start(names, base, True, shm_size)
+            except (RuntimeError, OSError, subprocess.SubprocessError, AssertionError) as e:
+                ok, why = False, f"namespace set-up failed: {e}"
+        if not ok:
+            started = _start(names, base, False, shm_size)
         yield started, "namespaces" if ok else f"SHMSTORE_NODE_ID (no namespaces: {why})"
     finally:
         for m in started:

@@ -199,6 +199,8 @@ class DaskShare:
         with _by_path_lock:
             for r in self.refs:
                 _by_path.pop(r.origin_path, None)
+        for r in self.refs:
+            cluster.release(r)
         self.drop_chunks()
 
     def __enter__(self) -> DaskShare:

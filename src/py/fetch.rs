@@ -24,7 +24,9 @@ fn hex128(v: u128) -> String {
 }
 
 /// Digests already computed in this process, by (path, header checksum, length): a
-/// sealed archive never changes, so each is hashed at most once per process.
+/// sealed archive never changes, so each is hashed at most once per process. Computed on
+/// first need (sharing a store past its machine, `shmstore inspect`), not when sealing:
+/// single-machine builds pay nothing for it (about 0.1-0.3 s per GiB when they do).
 type DigestCache = Mutex<HashMap<(PathBuf, u64, u64), u128>>;
 
 fn digests() -> &'static DigestCache {
