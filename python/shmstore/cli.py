@@ -214,11 +214,12 @@ def _copy_fields(target: str, info: dict[str, Any]) -> dict[str, Any]:
     (a copy made by ``shmstore.cluster`` from another machine) or "saved file"."""
     import shmstore
 
-    cls = {"list": shmstore.SharedList, "dict": shmstore.SharedDict, "object": shmstore.Ref}[
-        str(info["kind"])
-    ]
     is_file = info["name"] == info["path"]
-    h = cls.open(str(info["path"])) if is_file else cls.attach(str(info["name"]))
+    h = (
+        shmstore.StoreHandle.open(str(info["path"]))
+        if is_file
+        else shmstore.StoreHandle.attach(str(info["name"]))
+    )
     try:
         ident = _native._cluster_identity(h, True)
     finally:
