@@ -172,3 +172,17 @@ def test_worker_thread_small_stack_in_process(tmp_path):
         threading.stack_size(old)
     assert len(caught) == 1 and isinstance(caught[0], shmstore.CorruptStoreError), caught
     assert "record 0" in str(caught[0])
+
+
+def test_misses_in_large_stored_dicts_are_plain_misses(tmp_path):
+    """A lookup that misses in a stored dict with a hash index (> 8 entries) checks the
+    record's indexes once; for a dict a writer made, that check passes: `in` is False, `get`
+    gives the default, `[]` raises KeyError — never CorruptStoreError."""
+    rec = {f"field{i}": i for i in range(40)} | {(1, "t"): 1, 2.5: 2, None: 3, b"b": 4}
+    with shmstore.SharedList([rec, {"inner": rec}]) as lst:
+        for v in (lst[0], lst[1]["inner"]):
+            assert "absent" not in v and 12345 not in v and (9, 9) not in v
+            assert v.get("absent", "dflt") == "dflt"
+            with pytest.raises(KeyError):
+                v["absent"]
+            assert v["field39"] == 39 and v[(1, "t")] == 1 and v[None] == 3

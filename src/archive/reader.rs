@@ -575,7 +575,8 @@ fn index_finds(index: &[rkyv::Archived<u32>], hash: u64, entry: usize, n: usize)
     if cap == 0 {
         return false;
     }
-    let mut i = hash as usize & (cap - 1);
+    // The same probe sequence as `dict_probe` (and the builder's `table::record_index`).
+    let mut i = table::home(hash, cap as u64) as usize;
     for _ in 0..cap {
         let slot = index[i].to_native() as usize;
         if slot == 0 || slot > n {
@@ -584,7 +585,7 @@ fn index_finds(index: &[rkyv::Archived<u32>], hash: u64, entry: usize, n: usize)
         if slot == entry + 1 {
             return true;
         }
-        i = (i + 1) & (cap - 1);
+        i = table::next(i, cap);
     }
     false
 }

@@ -361,3 +361,35 @@ fn record_index_lookup() {
         Value::Dict(_)
     ));
 }
+
+#[test]
+fn lookup_misses_in_a_written_dict_index_are_confirmed_clean() {
+    // An index as the writer makes it (`table::record_index`): a miss must not be taken for
+    // a forged index.
+    let keys: Vec<String> = (0..20).map(|i| format!("field{i}")).collect();
+    let hashes: Vec<u64> = keys
+        .iter()
+        .map(|k| Key::Str(k.as_str().into()).stable_hash())
+        .collect();
+    let items = keys
+        .iter()
+        .enumerate()
+        .flat_map(|(i, k)| [Value::Str(k.clone()), Value::Int(i as i64)])
+        .collect();
+    let v = Value::IndexedDict(Box::new(value::IndexedDict {
+        items,
+        index: table::record_index(&hashes),
+    }));
+    let mut b = Builder::new(Cursor::new(Vec::new()), Kind::Object, 1).unwrap();
+    b.finish_record(&v).unwrap();
+    let bytes = b.finish(0).unwrap().0.into_inner();
+    let r = Reader::open(&bytes[..]).unwrap();
+    let ArchivedValue::IndexedDict(d) = r.get(r.root(0).unwrap()) else {
+        panic!("not an indexed dict")
+    };
+    for k in &keys {
+        assert!(r.dict_find_str(&d.items, &d.index, k).unwrap().is_some());
+    }
+    assert_eq!(r.dict_find_str(&d.items, &d.index, "absent").unwrap(), None);
+    r.confirm_miss(0).unwrap();
+}
