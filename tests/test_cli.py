@@ -56,7 +56,8 @@ class Env:
 
 @pytest.fixture
 def env() -> Iterator[Env]:
-    segdir = Path(tempfile.mkdtemp(prefix="shmstore-cli-test-", dir="/dev/shm"))
+    # not named "shmstore-*": a directory in /dev/shm must not look like a segment
+    segdir = Path(tempfile.mkdtemp(prefix="cli-test-", dir="/dev/shm"))
     try:
         yield Env(segdir)
     finally:

@@ -4,13 +4,23 @@ Loaded with ``-p shmstore_backends`` by ``tests/test_joblib_suite.py``. joblib's
 names ("loky", "multiprocessing", "threading") are re-registered to
 :class:`~shmstore.joblib.ShmLokyBackend`, :class:`~shmstore.joblib.ShmMultiprocessingBackend`
 and :class:`~shmstore.joblib.GuardedThreadingBackend`, so every ``Parallel`` of joblib's tests
-(named or default backend) runs through ours. The tests whose failure is an expected
-difference are marked xfail with the reason, from :data:`EXPECTED` (one place).
+(named or default backend) runs through ours.
+
+Two lists, each entry with its reason:
+
+- :data:`EXPECTED`: the tests whose failure is an expected difference (strict xfail: each must
+  fail, nothing else may).
+- which tests run, for time (``make test`` must stay fast on 2 busy cores): every test of
+  ``test_memmapping`` but :data:`MEMMAPPING_LEFT_OUT`, and of ``test_parallel`` the functions in
+  :data:`PARALLEL_SUBSET` — those that exercise what our backends change (how task batches,
+  their arrays and their results are pickled; generators; errors; nesting; backend choice).
+  ``SHMSTORE_JOBLIB_SUITE=all`` runs both modules whole (about 6 minutes on 2 busy cores).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import os
 
 import pytest
 import shmstore.joblib as sj
@@ -61,6 +71,69 @@ def pytest_configure(config: pytest.Config) -> None:
         parallel.register_parallel_backend(name, cls)
 
 
+#: test_parallel functions that run (the rest start pools to test joblib's own machinery: BLAS
+#: thread limits, initializers, worker re-use, dispatch races, effective n_jobs, dask, ...)
+PARALLEL_SUBSET = frozenset(
+    {
+        "test_simple_parallel",
+        "test_main_thread_renamed_no_warning",
+        "test_nested_loop",
+        "test_nested_loop_with_exception_with_loky",
+        "test_mutate_input_with_threads",
+        "test_parallel_kwargs",
+        "test_parallel_as_context_manager",
+        "test_parallel_pickling",
+        "test_parallel_byteorder_corruption",
+        "test_parallel_timeout_success",
+        "test_parallel_timeout_fail",
+        "test_error_in_task_iterator",
+        "test_exception_dispatch",
+        "test_nested_exception_dispatch",
+        "test_dispatch_one_job",
+        "test_batching_auto_subprocesses",
+        "test_overwrite_default_backend",
+        "test_backend_context_manager",
+        "test_nested_backend_context_manager",
+        "test_backend_nesting_level",
+        "test_parallel_with_interactively_defined_functions",
+        "test_parallel_with_interactively_defined_functions_loky",
+        "test_parallel_with_interactively_defined_bound_method_loky",
+        "test_parallel_with_exhausted_iterator",
+        "test_auto_memmap_on_arrays_from_generator",
+        "test_memmap_with_big_offset",
+        "test_parallel_return_order_with_return_as_generator_parameter",
+        "test_deadlock_with_generator",
+        "test_multiple_generator_call",
+        "test_multiple_generator_call_separated_gc",
+        "test_memmapping_leaks",
+        "test_lambda_expression",
+        "test_backend_hinting_and_constraints",
+        "test_backend_hinting_and_constraints_with_custom_backends",
+        "test_nested_parallelism_limit",
+        "test_globals_update_at_each_parallel_call",
+    }
+)
+
+#: test_memmapping functions left out: joblib's MemmappingPool used directly (no backend
+#: involved), and Windows file-permission errors
+MEMMAPPING_LEFT_OUT = frozenset(
+    {
+        "test_pool_with_memmap",
+        "test_pool_with_memmap_array_view",
+        "test_permission_error_windows_memmap_sent_to_parent",
+        "test_permission_error_windows_reference_cycle",
+    }
+)
+
+
+def _runs(module: str, function: str) -> bool:
+    if os.environ.get("SHMSTORE_JOBLIB_SUITE") == "all":
+        return True
+    if module == "test_parallel":
+        return function in PARALLEL_SUBSET
+    return function not in MEMMAPPING_LEFT_OUT
+
+
 def _expected(module: str, test_id: str) -> str | None:
     function = test_id.split("[", 1)[0]
     for pattern, reason in EXPECTED.items():
@@ -72,8 +145,16 @@ def _expected(module: str, test_id: str) -> str | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    kept, left_out = [], []
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]  # type: ignore[attr-defined]
+        if not _runs(module, item.name.split("[", 1)[0]):
+            left_out.append(item)
+            continue
+        kept.append(item)
         reason = _expected(module, item.name)
         if reason is not None:
             item.add_marker(pytest.mark.xfail(reason=reason, strict=True))
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = kept
