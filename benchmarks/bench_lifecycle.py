@@ -129,6 +129,9 @@ class World:
             SHMSTORE_SUPERVISOR_GRACE="2",
             SHMSTORE_FALLBACK_DIR=str(self.tmp / "fallback"),
             XDG_RUNTIME_DIR=str(self.tmp / "run"),
+            # Generous: on a loaded machine a busy supervisor may miss the default deadline,
+            # and these figures are not about deadlines (section 4 uses the default).
+            SHMSTORE_SUPERVISOR_TIMEOUT="10",
         )
         for k in ("SHMSTORE_SUPERVISOR", "SHMSTORE_FALLBACK"):
             os.environ.pop(k, None)
@@ -373,9 +376,11 @@ def mass_death(world: World, clients: int) -> tuple[float, int]:
 
 
 def timed_attaches(world: World, name: str, runs: int) -> list[float]:
+    """Attach times of fresh processes with the default deadline (0.5 s)."""
+    env = {k: v for k, v in os.environ.items() if k != "SHMSTORE_SUPERVISOR_TIMEOUT"}
     out = []
     for _ in range(runs):
-        p = world.child("timed-attach", name, stdout=subprocess.PIPE, text=True)
+        p = world.child("timed-attach", name, stdout=subprocess.PIPE, text=True, env=env)
         o, _ = p.communicate(timeout=120)
         out.append(float(o.split()[0]))
     return out
@@ -685,11 +690,15 @@ tests/test_lifecycle.py).
     text += f"""
 ## Hostile conditions
 
+Sections 1-3 ran with `SHMSTORE_SUPERVISOR_TIMEOUT=10` (a busy supervisor on this loaded
+machine must not turn clients unsupervised there); this section uses the default.
+
 **Attach latency to a clear outcome.** Fresh processes attach a 1 KiB store (their first
 contact with the supervisor: connect, `HELLO`, `USE`), timed inside the process. With the
 supervisor SIGSTOPped, the connect succeeds (the kernel queues it) but no answer comes: the
-client gives up after its deadline (`SHMSTORE_SUPERVISOR_TIMEOUT`, 0.5 s) and attaches
-unsupervised, with one WARNING. With the listen backlog also full, the non-blocking connect
+client sees that the supervisor is stopped (`/proc/PID/stat`), gives up at its deadline
+(`SHMSTORE_SUPERVISOR_TIMEOUT`, default 0.5 s) and attaches unsupervised, with one
+WARNING. With the listen backlog also full, the non-blocking connect
 fails at once and is retried until the same deadline. The abstract socket name that older
 versions listened on is bound by someone else (here by the benchmark itself): it is no longer
 used, so it changes nothing. Target: <= 0.5 s.

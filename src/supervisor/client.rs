@@ -2,9 +2,11 @@
 //! starting it if none is running.
 //!
 //! Never a stall: every conversation has a short deadline ([`timeout`], 0.5 s by default;
-//! the connect is non-blocking too, so a full listen backlog cannot block it). Past it, a
-//! supervisor that is stopped (SIGSTOP, a debugger: `/proc/PID/stat`) is given up on at once,
-//! one that is running but busy gets [`BUSY_FACTOR`] times as long in all; given up, it is
+//! the connect is non-blocking too, so a full listen backlog cannot block it). A supervisor
+//! that is stopped (SIGSTOP, a debugger: `/proc/PID/stat`, looked at after [`STOPPED_CHECK`]
+//! without an answer, or through the pid in its lock file while the backlog is full) is
+//! given up on at once, one that is running but busy gets [`BUSY_FACTOR`] times the
+//! deadline in all; given up, it is
 //! not tried again for [`BACKOFF`] (the caller goes on unsupervised and says so once).
 //! Callers wait with the GIL released. Dropping a registration does no
 //! I/O at all: the `DROP` is queued and a background thread sends queued DROPs in batches
@@ -68,6 +70,9 @@ pub fn timeout() -> Duration {
 /// A supervisor that misses the deadline but is running (not stopped: busy, on a loaded
 /// machine) gets this many times the deadline in all before it is given up on.
 const BUSY_FACTOR: u32 = 10;
+
+/// How long a reply is awaited before checking whether the supervisor is stopped.
+const STOPPED_CHECK: Duration = Duration::from_millis(50);
 
 /// Whether process `pid` is stopped (SIGSTOP, a debugger): its answer will not come.
 fn stopped(pid: u32) -> bool {
@@ -161,7 +166,10 @@ impl Conn {
     /// long) only if the supervisor is running but busy, never if it is stopped.
     fn reply(&mut self, deadline: Instant) -> io::Result<String> {
         let mut line = String::new();
-        let mut until = deadline;
+        // A first short wait: a stopped supervisor is recognised then, without waiting for
+        // the whole deadline.
+        let mut until = deadline.min(Instant::now() + STOPPED_CHECK);
+        let hard = deadline + timeout() * (BUSY_FACTOR - 1);
         loop {
             self.arm(until)?;
             match self.reader.read_line(&mut line) {
@@ -172,8 +180,8 @@ impl Conn {
                     ))
                 }
                 Ok(_) => return Ok(line.trim_end().to_owned()),
-                Err(e) if is_timeout(&e) && until == deadline && !stopped(self.supervisor) => {
-                    until = deadline + timeout() * (BUSY_FACTOR - 1);
+                Err(e) if is_timeout(&e) && until < hard && !stopped(self.supervisor) => {
+                    until = if until < deadline { deadline } else { hard };
                 }
                 Err(e) => return Err(e),
             }
@@ -218,7 +226,8 @@ fn connect_in(dir: &PrivateDir, name: &str, deadline: Instant) -> Result<Conn, U
             Err(rustix::io::Errno::INTR) => continue,
             // The listen backlog is full: it is running but not accepting.
             Err(rustix::io::Errno::AGAIN) => {
-                if Instant::now() >= deadline {
+                let holder = lock_holder(dir, name);
+                if Instant::now() >= deadline || holder.is_some_and(stopped) {
                     return Err(Unavailable::NoAnswer(format!(
                         "the supervisor at {} does not accept connections (backlog full)",
                         dir.path.join(format!("{name}.sock")).display()
@@ -259,6 +268,21 @@ fn connect_in(dir: &PrivateDir, name: &str, deadline: Instant) -> Result<Conn, U
         Err(e) if is_timeout(&e) => Err(no_answer(conn.supervisor)),
         Err(e) => Err(Unavailable::NotRunning(e)),
     }
+}
+
+/// The pid the supervisor wrote into its lock file (see `server::bind`).
+fn lock_holder(dir: &PrivateDir, name: &str) -> Option<u32> {
+    use rustix::fs::{Mode, OFlags};
+    let fd = rustix::fs::openat(
+        &dir.fd,
+        format!("{name}.lock"),
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .ok()?;
+    let mut buf = [0u8; 16];
+    let n = rustix::io::read(&fd, &mut buf).ok()?;
+    std::str::from_utf8(&buf[..n]).ok()?.trim().parse().ok()
 }
 
 fn no_answer(pid: u32) -> Unavailable {

@@ -98,6 +98,9 @@ pub fn bind(state: &PrivateDir, name: &str) -> io::Result<Option<Bound>> {
         Err(rustix::io::Errno::WOULDBLOCK) => return Ok(None),
         Err(e) => return Err(e.into()),
     }
+    // Our pid, for clients that cannot get an answer (is the supervisor stopped?).
+    rustix::fs::ftruncate(&lock, 0)?;
+    rustix::io::pwrite(&lock, format!("{}\n", std::process::id()).as_bytes(), 0)?;
     match rustix::fs::unlinkat(&state.fd, format!("{name}.sock"), AtFlags::empty()) {
         Ok(()) | Err(rustix::io::Errno::NOENT) => {}
         Err(e) => return Err(e.into()),
