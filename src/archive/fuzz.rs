@@ -154,6 +154,25 @@ fn gen_key(rng: &mut Rng, depth: usize) -> Value {
     }
 }
 
+/// The `Key` of a generated key value, as a reader would see it (symbols: those `build`
+/// interns); `None` for a value that cannot be a key.
+fn value_key(v: &Value) -> Option<Key<'static>> {
+    Some(match v {
+        Value::None => Key::None,
+        Value::Bool(b) => Key::Bool(*b),
+        Value::Int(i) => Key::Int(*i),
+        Value::Float(f) => Key::Float(*f),
+        Value::Str(s) => Key::Str(s.clone().into()),
+        Value::Sym(id) => Key::Str(SYMBOLS.get(*id as usize)?.to_string().into()),
+        Value::Bytes(b) => Key::Bytes(b.clone().into()),
+        Value::Tuple(items) => Key::Tuple(items.iter().map(value_key).collect::<Option<_>>()?),
+        _ => return None,
+    })
+}
+
+/// The strings `build` interns, in order (symbol ids 0, 1, 2).
+const SYMBOLS: &[&str] = &["id", "é", "name"];
+
 /// A payload for an array or out-of-line bytes; its extent is sometimes replaced.
 fn gen_extent(rng: &mut Rng, b: &mut Builder<Cursor<Vec<u8>>>, len: u64) -> Extent {
     let mut ext = if len <= 4096 && rng.pct(80) {
@@ -242,6 +261,17 @@ fn gen_value(rng: &mut Rng, b: &mut Builder<Cursor<Vec<u8>>>, depth: usize) -> V
                 items.push(Value::None); // a key without its value
             }
             if k == 4 {
+                // Half the time the index a writer would make (so lookups, hits and misses,
+                // run their real course), else a forged one.
+                let hashes: Option<Vec<u64>> = items
+                    .iter()
+                    .step_by(2)
+                    .map(|k| value_key(k).map(|k| k.stable_hash()))
+                    .collect();
+                if let Some(hashes) = hashes.filter(|_| rng.pct(50)) {
+                    let index = super::table::record_index(&hashes);
+                    return Value::IndexedDict(Box::new(IndexedDict { items, index }));
+                }
                 let cap = if rng.pct(85) {
                     (2 * n).next_power_of_two()
                 } else {
@@ -353,7 +383,7 @@ fn gen_depth(rng: &mut Rng) -> usize {
 
 fn build(rng: &mut Rng, kind: Kind) -> Vec<u8> {
     let mut b = Builder::new(Cursor::new(Vec::new()), kind, 1).expect("in memory");
-    for s in ["id", "é", "name"] {
+    for s in SYMBOLS {
         b.intern(s);
     }
     let n = if kind == Kind::Object {
