@@ -1,22 +1,43 @@
 """Shared fixtures of the test suite (no tests here).
 
+- Isolation (autouse, nothing to opt into): this pytest process gets a private root
+  directory under /dev/shm (mode 0700, removed at exit), its own supervisor
+  (``SHMSTORE_SUPERVISOR_NAME``, its log under ``XDG_RUNTIME_DIR`` in the root), its own
+  disk-fallback directory and joblib temp folder; every test gets its own segment directory
+  (``SHMSTORE_DIR``) inside that root. Set up by ``pytest_configure`` in the pytest process;
+  subprocesses inherit all of it through the environment. So no test sees stores that
+  another test, another pytest run or any other process on the machine creates, and
+  concurrent runs never share a supervisor.
+  `segment_dir()` is the current test's directory.
 - `records`: a small COCO-like dataset (the workload shmstore is built for).
-- `no_leftover_segments`: fails a test that leaves new `/dev/shm/shmstore-*` files behind
-  (sealed segments or `*.part-*` files). Not autouse: modules opt in with
+- `no_leftover_segments`: fails a test that leaves new segment files behind (sealed segments
+  or `*.part-*` files) anywhere in this run's private root. Not autouse: modules opt in with
   `pytestmark = pytest.mark.usefixtures("no_leftover_segments")`.
+- `run_checked`: `subprocess.run` with a generous timeout whose failures (non-zero exit or
+  timeout) report the child's output.
 - hypothesis profiles "ci" (the default) and "fast", chosen with `HYPOTHESIS_PROFILE`.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
+import glob
+import itertools
+import multiprocessing.forkserver as mp_forkserver
 import os
-import struct
+import re
+import shutil
+import signal
+import stat
 import subprocess
+import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -72,76 +93,127 @@ def records() -> list[dict]:
     return make_records()
 
 
-# --- leftover segments ---------------------------------------------------------------------
+# --- private segment directories ------------------------------------------------------------
 
 SHM_DIR = Path("/dev/shm")
-LEFTOVER_WAIT = 5.0  # seconds
-_PID_AT = 96  # creator pid (u32 LE) in the 128-byte header (src/archive/header.rs)
+_ROOT_PREFIX = "shmstore_tests-"  # not "shmstore-": no sweep of /dev/shm ever looks at it
 
 
-def _watched_dirs() -> list[Path]:
-    """/dev/shm and the disk fallback directory (docs/lifecycle.md)."""
-    fallback = os.environ.get("SHMSTORE_FALLBACK_DIR") or f"/var/tmp/shmstore-{os.geteuid()}"
-    return [SHM_DIR, Path(fallback)]
+def _remove_stale_roots() -> None:
+    """Remove the private roots of earlier runs that were killed before cleaning up: this
+    user's directories named like ours whose pytest process is gone."""
+    for entry in SHM_DIR.glob(f"{_ROOT_PREFIX}*"):
+        try:
+            st = entry.lstat()
+            pid = int(entry.name[len(_ROOT_PREFIX) :].split("-")[0])
+        except (OSError, ValueError):
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not pid_alive(pid):
+            shutil.rmtree(entry, ignore_errors=True)  # fd-based: never follows a symlink
+
+
+def _make_private_root() -> Path:
+    """This run's root directory (mode 0700) in /dev/shm, and the environment that points
+    shmstore (here and in every subprocess) at it."""
+    _remove_stale_roots()
+    root = Path(tempfile.mkdtemp(prefix=f"{_ROOT_PREFIX}{os.getpid()}-", dir=SHM_DIR))
+    fallback = root / "fallback"
+    fallback.mkdir(mode=0o700)
+    (root / "session").mkdir(mode=0o700)  # stores made outside any test (module set-up)
+    (root / "joblib").mkdir(mode=0o700)  # joblib's own memmapping folders
+    os.environ["SHMSTORE_DIR"] = str(root / "session")
+    os.environ["SHMSTORE_FALLBACK_DIR"] = str(fallback)
+    os.environ["SHMSTORE_SUPERVISOR_NAME"] = f"shmstore-supervisor-{root.name}"
+    os.environ["JOBLIB_TEMP_FOLDER"] = str(root / "joblib")
+    (root / "run").mkdir(mode=0o700)  # the supervisors' logs (docs/lifecycle.md)
+    os.environ["XDG_RUNTIME_DIR"] = str(root / "run")
+    creator = os.getpid()
+
+    def remove_root() -> None:
+        if os.getpid() == creator:  # not in a forked child that exits through atexit
+            shutil.rmtree(root, ignore_errors=True)
+
+    atexit.register(remove_root)
+    return root
+
+
+PRIVATE_ROOT = Path("/nonexistent")  # set by pytest_configure
+_test_numbers = itertools.count()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Set up the private root in the pytest process only: a hook, not import-time code,
+    because other processes import this file too (spawned workers re-importing a test
+    module, helper scripts using ``make_records``), and they must keep the environment
+    they inherited."""
+    global PRIVATE_ROOT
+    PRIVATE_ROOT = _make_private_root()
+
+
+def segment_dir() -> Path:
+    """The current test's segment directory (``$SHMSTORE_DIR``)."""
+    return Path(os.environ["SHMSTORE_DIR"])
+
+
+def _stop_forkserver() -> None:
+    """Stop multiprocessing's forkserver if one runs: it keeps the environment it was started
+    with, so the next test that uses it gets a fresh one with that test's ``SHMSTORE_DIR``
+    (a child that creates a store by name must create it where its parent looks).
+
+    ``_stop`` (what CPython's own tests use) closes the "alive" pipe and waits for the server.
+    A forkserver child that a test left running holds that pipe too, and the server would
+    not exit before it: after a bounded wait the server is killed."""
+    server = getattr(mp_forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None or not hasattr(server, "_stop"):
+        return
+    stopper = threading.Thread(target=server._stop, daemon=True)
+    stopper.start()
+    stopper.join(60)
+    if stopper.is_alive():
+        os.kill(pid, signal.SIGKILL)
+        stopper.join(60)
+
+
+@pytest.fixture(autouse=True)
+def _private_segment_dir(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Path]:
+    """Every test its own segment directory (mode 0700) in this run's private root. Tests
+    that need another one (a small tmpfs, ...) set ``SHMSTORE_DIR`` themselves.
+
+    The directories stay until the end of the run: a reused joblib worker started by an
+    earlier test keeps that test's ``SHMSTORE_DIR`` in its environment."""
+    tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", request.node.name)[:60]
+    d = PRIVATE_ROOT / f"{next(_test_numbers):04d}-{tag}"
+    d.mkdir(mode=0o700)
+    monkeypatch.setenv("SHMSTORE_DIR", str(d))
+    yield d
+    _stop_forkserver()
+
+
+# --- leftover segments ---------------------------------------------------------------------
+
+LEFTOVER_WAIT = 30.0  # seconds; waited only while something is left (the supervisor's unlink)
 
 
 def _segment_files() -> set[Path]:
-    return {p for d in _watched_dirs() for p in d.glob("shmstore-*")}
-
-
-def _descendants() -> set[int]:
-    try:
-        import psutil
-    except ImportError:  # pragma: no cover - psutil is a dev dependency
-        return set()
-    return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
-def _holders(path: Path) -> set[int]:
-    """Pids that have `path` open (scan of /proc/*/fd)."""
-    target = str(path)
-    pids = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            for fd in (proc / "fd").iterdir():
-                try:
-                    if os.readlink(fd) == target:
-                        pids.add(int(proc.name))
-                        break
-                except OSError:
-                    continue
-        except OSError:
-            continue
-    return pids
-
-
-def _is_ours(path: Path) -> bool:
-    """Whether a new file was left by this test (not by an unrelated, concurrent process,
-    e.g. a benchmark someone else runs on this machine)."""
-    mine = {os.getpid()} | _descendants()
-    if ".part-" in path.name:
-        # A file being written: foreign if only a live foreign process has it open.
-        holders = _holders(path)
-        return not holders or bool(holders & mine)
-    try:
-        with open(path, "rb") as f:
-            head = f.read(128)
-    except FileNotFoundError:
-        return False  # removed meanwhile
-    except OSError:
-        return True
-    if len(head) < _PID_AT + 4:
-        return True
-    (pid,) = struct.unpack_from("<I", head, _PID_AT)
-    return pid in mine or not pid_alive(pid)
+    """Segment files (sealed or ``.part-``) anywhere in this run's private root, and in the
+    current ``SHMSTORE_DIR`` / fallback directory if a test pointed them elsewhere."""
+    dirs = {PRIVATE_ROOT / "*"}
+    for var in ("SHMSTORE_DIR", "SHMSTORE_FALLBACK_DIR"):
+        if os.environ.get(var):
+            dirs.add(Path(os.environ[var]))
+    found: set[Path] = set()
+    for d in dirs:
+        found.update(Path(p) for p in glob.glob(str(d / "shmstore-*")))
+    return found
 
 
 @pytest.fixture
-def no_leftover_segments():
-    """Assert that the test leaves no new shmstore segment (or partial segment) in /dev/shm
-    (or in the disk fallback directory)."""
+def no_leftover_segments() -> Iterator[None]:
+    """Assert that the test leaves no new shmstore segment (or partial segment) behind.
+    Everything in the private root belongs to this run, so every new file counts."""
     before = _segment_files()
     yield
     gc.collect()
@@ -149,16 +221,50 @@ def no_leftover_segments():
     # exited (docs/lifecycle.md), a moment after the test: wait for that, bounded.
     deadline = time.monotonic() + LEFTOVER_WAIT
     while True:
-        leftovers = [p for p in sorted(_segment_files() - before) if _is_ours(p)]
+        leftovers = sorted(_segment_files() - before)
         if not leftovers or time.monotonic() > deadline:
             break
-        time.sleep(0.02)
+        time.sleep(0.05)
     for p in leftovers:  # clean up so that one failure does not cascade into the next tests
         try:
             p.unlink()
         except OSError:
             pass
     assert not leftovers, f"test left segments behind: {[str(p) for p in leftovers]}"
+
+
+# --- subprocesses ----------------------------------------------------------------------------
+
+SUBPROCESS_TIMEOUT = 900.0  # seconds: generous, for a machine busy with other work
+
+
+def _text(out: str | bytes | None, limit: int = 6000) -> str:
+    if out is None:
+        return ""
+    if isinstance(out, bytes):
+        out = out.decode(errors="replace")
+    return out if len(out) <= limit else f"[... {len(out) - limit} chars cut]\n{out[-limit:]}"
+
+
+def run_checked(
+    args: list[str], *, timeout: float = SUBPROCESS_TIMEOUT, check: bool = True, **kwargs: Any
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(args)`` capturing text output. A timeout, or (with ``check``) a
+    non-zero exit, fails the test with the child's exit status, stdout and stderr."""
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout, **kwargs)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(
+            f"{args!r} still running after {timeout:.0f} s (killed)\n"
+            f"--- stdout\n{_text(e.stdout)}\n--- stderr\n{_text(e.stderr)}"
+        )
+    if check and proc.returncode != 0:
+        how = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
+        pytest.fail(
+            f"{args!r} failed ({how})\n"
+            f"--- stdout\n{_text(proc.stdout)}\n--- stderr\n{_text(proc.stderr)}"
+        )
+    return proc
 
 
 @contextlib.contextmanager
@@ -225,3 +331,15 @@ def neighbour_dir(other_user: tuple[int, int]) -> Iterator[Path]:
         yield d
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def pytest_report_header() -> list[str]:
+    """Which shmstore the suite tests (the working tree's build or an installed wheel), and
+    where its private directories are."""
+    import shmstore
+
+    native = Path(shmstore._native.__file__).name
+    return [
+        f"shmstore: {shmstore.__file__} ({native})",
+        f"shmstore test root: {PRIVATE_ROOT}",
+    ]

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_checked
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -25,9 +26,7 @@ SCRIPTS = {
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    return run_checked([sys.executable, *args], cwd=ROOT)
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
@@ -36,13 +35,11 @@ def test_example_runs(script: str) -> None:
     for module in needs:
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} is not installed (requirements-dev.txt has it)")
-    proc = _run([str(EXAMPLES / script), *args])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _run([str(EXAMPLES / script), *args])
 
 
 def test_pytest_guide_example() -> None:
     proc = _run(["-m", "pytest", "-q", "-p", "no:cacheprovider", "examples/pytest_guide_test.py"])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 passed, 1 xfailed" in proc.stdout
 
 

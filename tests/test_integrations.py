@@ -17,6 +17,7 @@ import weakref
 import numpy as np
 import pytest
 import shmstore
+from conftest import segment_dir
 
 joblib = pytest.importorskip("joblib", reason="joblib is in requirements-dev.txt")
 import shmstore.joblib as sj  # noqa: E402
@@ -56,7 +57,9 @@ def _backing_file(x):
 
 
 def _slice_task(x, i, parent_pid):
-    joblib_files = glob.glob(f"/dev/shm/joblib_memmapping_folder_{parent_pid}_*/*")
+    # joblib's memmapping folder is under JOBLIB_TEMP_FOLDER (this run's private root)
+    folder = os.environ["JOBLIB_TEMP_FOLDER"]
+    joblib_files = glob.glob(f"{folder}/joblib_memmapping_folder_{parent_pid}_*/*")
     return float(x.sum()), x.flags.writeable, _backing_file(x), len(joblib_files)
 
 
@@ -118,10 +121,10 @@ def _rank_worker(local_rank, rendezvous, q, done):
     handle = st.shared_per_machine(
         lambda: pytest.fail("only local rank 0 builds"),
         local_rank=local_rank,
-        broadcast=st.file_broadcast(rendezvous, timeout=60),
+        broadcast=st.file_broadcast(rendezvous, timeout=300),
     )
     q.put((local_rank, handle.name, handle[3]["image_id"], len(handle)))
-    done.wait(60)  # hold the handle until the parent is done
+    done.wait(300)  # hold the handle until the parent is done
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,11 +144,11 @@ def test_queue_both_ways_with_a_result_made_by_the_worker(method, records):
         p = ctx.Process(target=_queue_worker, args=(inbox, outbox, ack))
         p.start()
         inbox.put((lst, d, ref, lst[0]))
-        n, k, total, fname, rec1 = outbox.get(timeout=60)
-        made = outbox.get(timeout=60)
+        n, k, total, fname, rec1 = outbox.get(timeout=300)
+        made = outbox.get(timeout=300)
         values = made.get()
         ack.put(None)
-        p.join(60)
+        p.join(300)
     assert (n, k.to_python(), total, fname) == (len(records), [1, 2, 3], 1000.0, "000000000000.jpg")
     assert rec1 == records[1]
     assert isinstance(made, shmstore.Ref) and float(values.sum()) == 499500.0
@@ -204,7 +207,7 @@ def test_joblib_large_results_come_back_by_name(backend, big):
         states = joblib.Parallel()(delayed(_cache_state)(i) for i in range(6))
         assert all(held == 0 for _, held, _ in states)
         del doubled, heads
-    assert not glob.glob(f"/dev/shm/{segment}")
+    assert not (segment_dir() / segment).exists()
     if backend == "loky":  # the same reusable workers: the context's mappings are gone
         states = sj.Parallel(n_jobs=2)(delayed(_cache_state)(i) for i in range(6))
         assert all(buffers == 0 for _, _, buffers in states)
@@ -230,28 +233,34 @@ def test_joblib_shmstore_objects_and_store_arrays_go_by_name(records):
         par = sj.Parallel(n_jobs=2, backend="multiprocessing")
         out = par(delayed(_slice_task)(stored[i::2], i, os.getpid()) for i in range(2))
         assert [o[0] for o in out] == [float(arr[0::2].sum()), float(arr[1::2].sum())]
-        assert {o[2] for o in out} == {f"/dev/shm/{ref.name}"}  # the store's own segment
+        assert {o[2] for o in out} == {str(segment_dir() / ref.name)}  # the store's own segment
         assert par.stats.segments == 0 and par.stats.in_place == 1  # nothing copied
         views = sj.Parallel(n_jobs=2)(delayed(_record)((lst, i)) for i in range(3))
         assert [v.to_python() for v in views] == records[:3]
 
 
 def test_joblib_threading_backend_collects_cycles_with_gc_guard():
-    guard = leaks.GcGuard(min_growth=8 * MiB, max_gc_fraction=1.0)
+    # the time budget is unlimited (burst): this test is about what the guard frees
+    guard = leaks.GcGuard(min_growth=8 * MiB, max_gc_fraction=1.0, burst=float("inf"))
     gc.collect()
     gc.disable()  # as if the automatic gc never ran (threads allocate few objects)
     try:
-        live = sj.Parallel(n_jobs=2, backend="threading", guard=guard)(
+        joblib.Parallel(n_jobs=2, backend="threading")(delayed(_make_cycle)(i) for i in range(40))
+        unguarded = len(_LIVE)
+        gc.collect()
+        sj.Parallel(n_jobs=2, backend="threading", guard=guard)(
             delayed(_make_cycle)(i) for i in range(40)
         )
         left = len(_LIVE)
     finally:
         gc.enable()
+        gc.collect()
+    assert unguarded == 40  # plain joblib threads: every cycle (2 MiB each) is still there
     assert guard.stats.tasks == 40
-    assert guard.stats.collections >= 1
-    # without the guard every task would see all the earlier cycles (up to 39); with it the
-    # count stays bounded (RSS is a coarse signal: glibc may serve a task from freed memory)
-    assert max(live) <= 25, live
+    # 80 MiB of cycles cannot all fit in memory glibc already had, so RSS grows past
+    # min_growth and the guard collects during the call (how often depends on how the
+    # threads interleave and on glibc's reuse of freed memory: only "at least once")
+    assert guard.stats.collections >= 1 and guard.stats.collected_objects >= 1
     assert left == 0  # and the end of the call collects what the last tasks left
 
 
@@ -313,7 +322,7 @@ def test_watcher_reports_an_unlinked_segment():
     watcher = _watch.Watcher(lambda p: seen.set() if p == path else None)
     assert watcher.watch(path)
     ref.unlink()
-    assert seen.wait(30)
+    assert seen.wait(300)
     ref.close()
 
 
@@ -357,7 +366,7 @@ def test_dataset_in_a_dataloader_shaped_harness(records):
                 except EOFError:
                     break
         for p in procs:
-            p.join(60)
+            p.join(300)
     assert sorted(got) == [(r["image_id"], len(r["annotations"])) for r in records]
     assert all(p.exitcode == 0 for p in procs)
 
@@ -432,10 +441,10 @@ def test_shared_per_machine_one_copy(records, tmp_path, from_archive):
         archive=archive if from_archive else None,
         broadcast=st.file_broadcast(rendezvous),
     )
-    reports = sorted(q.get(timeout=60) for _ in procs)
+    reports = sorted(q.get(timeout=300) for _ in procs)
     done.set()
     for p in procs:
-        p.join(60)
+        p.join(300)
     assert built == ([] if from_archive else [1])
     assert {name for _, name, _, _ in reports} == {handle.name}
     assert all(img == 3 and n == len(records) for _, _, img, n in reports)
@@ -475,9 +484,9 @@ def test_shared_per_machine_over_real_torch_distributed(tmp_path):
     ]
     for p in procs:
         p.start()
-    reports = sorted(q.get(timeout=120) for _ in procs)
+    reports = sorted(q.get(timeout=300) for _ in procs)
     for p in procs:
-        p.join(60)
+        p.join(300)
     assert all(p.exitcode == 0 for p in procs)
     assert len({name for _, name, _ in reports}) == 1  # one store for the machine
     assert [total for _, _, total in reports] == [sum(range(n))] * world

@@ -181,7 +181,7 @@ def test_leak_report(leak_report):
 
 def test_memory_monitor(memory_monitor):
     data = b"z" * (32 << 20)
-    snap = memory_monitor.wait_until(lambda s: s.total.uss >= 32 << 20, timeout=30)
+    snap = memory_monitor.wait_until(lambda s: s.total.uss >= 32 << 20, timeout=300)
     assert snap.by_pid(os.getpid()).uss >= 32 << 20
     del data
 

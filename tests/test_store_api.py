@@ -9,15 +9,14 @@ import pickle
 import re
 import stat
 import weakref
-from pathlib import Path
 
 import numpy as np
 import pytest
 import shmstore
+from conftest import segment_dir
 
 pytestmark = pytest.mark.usefixtures("no_leftover_segments")
 
-SHM = Path("/dev/shm")
 NAME_RE = re.compile(r"^shmstore-[0-9a-f]{32}$")
 
 
@@ -73,7 +72,7 @@ def data_address(arr: np.ndarray) -> int:
 def test_name_nbytes_and_segment_file(kind):
     with make(kind) as s:
         assert NAME_RE.match(s.name), s.name
-        path = SHM / s.name
+        path = segment_dir() / s.name
         st = path.stat()
         assert s.nbytes == st.st_size > 128  # header + records
         assert stat.S_ISREG(st.st_mode)
@@ -114,11 +113,11 @@ def test_user_name_gets_prefix_and_can_be_attached(kind):
     }[kind]
     with build() as s:
         assert s.name == f"shmstore-{short}"
-        assert (SHM / s.name).exists()
+        assert (segment_dir() / s.name).exists()
         for n in (short, s.name):
             with CLASSES[kind].attach(n) as a:
                 assert a.name == s.name and a.nbytes == s.nbytes
-    assert not (SHM / f"shmstore-{short}").exists()
+    assert not (segment_dir() / f"shmstore-{short}").exists()
 
 
 def test_user_name_with_prefix_is_kept():
@@ -131,7 +130,7 @@ def test_user_name_with_prefix_is_kept():
 def test_duplicate_name_raises_store_exists(kind):
     short = f"test-dup-{kind}-{os.getpid()}"
     with shmstore.SharedList(["original"], name=short) as s:
-        before = sorted(p.name for p in SHM.iterdir())
+        before = sorted(p.name for p in segment_dir().iterdir())
         with pytest.raises(shmstore.StoreExistsError) as e:
             if kind == "list":
                 shmstore.SharedList(["other"], name=short)
@@ -141,7 +140,7 @@ def test_duplicate_name_raises_store_exists(kind):
                 shmstore.put(np.zeros(1000), name=short)
         assert isinstance(e.value, FileExistsError)
         assert s.name in str(e.value)
-        assert sorted(p.name for p in SHM.iterdir()) == before  # no *.part-* left
+        assert sorted(p.name for p in segment_dir().iterdir()) == before  # no *.part-* left
         assert s[0] == "original"
         with shmstore.SharedList.attach(short) as a:
             assert a.to_python() == ["original"]
@@ -210,7 +209,7 @@ def test_unlink_removes_name_but_mappings_keep_working(kind):
     attached = CLASSES[kind].attach(name)
     view = first(s)
     s.unlink()
-    assert not (SHM / name).exists()
+    assert not (segment_dir() / name).exists()
     s.unlink()  # idempotent
     with pytest.raises(shmstore.StoreNotFoundError):
         CLASSES[kind].attach(name)
@@ -245,9 +244,9 @@ def test_context_manager_of_creator_unlinks(kind):
     with make(kind) as s:
         name = s.name
         view = first(s)
-        assert (SHM / name).exists()
+        assert (segment_dir() / name).exists()
     assert s.closed
-    assert not (SHM / name).exists()
+    assert not (segment_dir() / name).exists()
     assert view == [1, 2]
 
 
@@ -256,7 +255,7 @@ def test_context_manager_unlinks_on_exception():
         with shmstore.SharedList([1]) as s:
             name = s.name
             raise KeyError("boom")
-    assert not (SHM / name).exists()
+    assert not (segment_dir() / name).exists()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -265,7 +264,7 @@ def test_context_manager_of_attached_handle_only_closes(kind):
         with CLASSES[kind].attach(s.name) as a:
             assert a.nbytes == s.nbytes
         assert a.closed
-        assert (SHM / s.name).exists()  # an attached handle does not unlink
+        assert (segment_dir() / s.name).exists()  # an attached handle does not unlink
         assert not s.closed and first(s) == [1, 2]
 
 
@@ -396,7 +395,7 @@ def test_attach_missing_name():
 
 def test_attach_many_times_shares_one_mapping():
     with shmstore.SharedList([{"arr": np.arange(1000)}]) as s:
-        path = str(SHM / s.name)
+        path = str(segment_dir() / s.name)
         handles = [shmstore.SharedList.attach(s.name) for _ in range(10)]
         handles += [pickle.loads(pickle.dumps(s)) for _ in range(5)]
         assert len(mappings_of(path)) == 1
@@ -430,7 +429,7 @@ def test_arrays_are_read_only_zero_copy_views_of_the_mapping(kind):
             np.add(a1, 1, out=a1)
         # Zero copy: both reads point at the same bytes, inside this process's mapping.
         assert data_address(a1) == data_address(a2)
-        (lo, hi, perms) = mappings_of(str(SHM / s.name))[0]
+        (lo, hi, perms) = mappings_of(str(segment_dir() / s.name))[0]
         assert lo <= data_address(a1) and data_address(a1) + a1.nbytes <= hi
         assert perms.startswith("r-"), perms  # mapped read-only
         assert data_address(a1) % 64 == 0
@@ -440,7 +439,7 @@ def test_arrays_are_read_only_zero_copy_views_of_the_mapping(kind):
 def test_array_keeps_the_mapping_alive():
     s = shmstore.put(np.arange(100, dtype=np.int32))
     arr = s.get()
-    path = os.stat(SHM / s.name)
+    path = os.stat(segment_dir() / s.name)
     s.unlink()
     s.close()
     del s
@@ -540,7 +539,7 @@ def test_unpickled_handle_reads_the_same_store(records):
         assert type(back) is shmstore.SharedList
         assert back.name == s.name and back.to_python() == records
         back.close()
-        assert (SHM / s.name).exists()  # an unpickled handle does not own the name
+        assert (segment_dir() / s.name).exists()  # an unpickled handle does not own the name
 
 
 def test_verify_accepts_a_fresh_store(records):

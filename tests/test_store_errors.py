@@ -11,17 +11,14 @@ import os
 import re
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 import shmstore
-from conftest import mounted_tmpfs
+from conftest import mounted_tmpfs, segment_dir
 
 pytestmark = pytest.mark.usefixtures("no_leftover_segments")
-
-SHM = Path("/dev/shm")
 
 
 class Foo:
@@ -29,23 +26,16 @@ class Foo:
 
 
 def shm_files() -> set[str]:
-    """Segment files in this test's own segment directory (see `private_shm`)."""
-    d = Path(os.environ.get("SHMSTORE_DIR") or SHM)
-    return {p.name for p in d.iterdir() if p.name.startswith("shmstore-")}
+    """Segment files in this test's own segment directory."""
+    return {p.name for p in segment_dir().iterdir() if p.name.startswith("shmstore-")}
 
 
 @pytest.fixture
-def private_shm(tmp_path_factory, monkeypatch):
-    """A segment directory of this test's own (a tmpfs directory): before/after comparisons
-    of its files cannot see stores other processes create meanwhile."""
-    d = SHM / f"shmstore_test_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-    d.mkdir()
-    monkeypatch.setenv("SHMSTORE_DIR", str(d))
+def private_shm(monkeypatch):
+    """This test's own segment directory (every test has one, see conftest.py), with the
+    disk fallback off: before/after comparisons of its files see only what the test made."""
     monkeypatch.setenv("SHMSTORE_FALLBACK", "0")
-    yield d
-    for f in d.iterdir():
-        f.unlink()
-    d.rmdir()
+    return segment_dir()
 
 
 # --- unsupported values ----------------------------------------------------------------------
@@ -281,7 +271,7 @@ def test_user_named_store_failing_leaves_the_name_free():
     name = f"test-failing-{os.getpid()}"
     with pytest.raises(shmstore.UnsupportedTypeError):
         shmstore.SharedList([Foo()], name=name)
-    assert not (SHM / f"shmstore-{name}").exists()
+    assert not (segment_dir() / f"shmstore-{name}").exists()
     with shmstore.SharedList([1], name=name) as s:  # the name can be used now
         assert s[0] == 1
 
@@ -445,7 +435,7 @@ def test_corrupt_segment_in_shared_memory(saved):
     """The same checks apply to a segment attached by name."""
     _, data = saved
     name = f"shmstore-test-corrupt-{os.getpid()}"
-    path = SHM / name
+    path = segment_dir() / name
     try:
         for mutate in (
             lambda b: b[: len(b) // 2],
@@ -821,8 +811,10 @@ def test_out_of_shared_memory(small_tmpfs, build):
     assert list(small_tmpfs.iterdir()) == []
 
 
-def test_save_to_a_full_filesystem_leaves_nothing(small_tmpfs, tmp_path, monkeypatch):
-    monkeypatch.delenv("SHMSTORE_DIR")
+def test_save_to_a_full_filesystem_leaves_nothing(
+    small_tmpfs, tmp_path, monkeypatch, _private_segment_dir
+):
+    monkeypatch.setenv("SHMSTORE_DIR", str(_private_segment_dir))  # the store fits there
     with shmstore.put(np.zeros(6 << 20, dtype=np.uint8)) as r:
         with pytest.raises((shmstore.ShmStoreError, OSError, MemoryError)):
             r.save(small_tmpfs / "big.shmstore")

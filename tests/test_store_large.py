@@ -9,22 +9,21 @@ from __future__ import annotations
 import gc
 import os
 import pickle
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import shmstore
+from conftest import run_checked, segment_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_segments")]
 
 GiB = 1 << 30
-SHM = Path("/dev/shm")
 
 
 def _room_for(nbytes: int) -> None:
-    st = os.statvfs(SHM)
+    st = os.statvfs(segment_dir())
     free = st.f_bavail * st.f_frsize
     if free < nbytes + GiB:
         pytest.fail(f"/dev/shm has {free} bytes free, the test needs {nbytes + GiB}")
@@ -60,10 +59,10 @@ def test_shared_list_larger_than_4gib():
         # A last, small record that lies entirely past 4 GiB.
         yield {"i": n, "data": _marked(1000, 10 + n), "tail": [n, "x" * n]}
 
-    with shmstore.SharedList(records(), dir=SHM) as lst:
+    with shmstore.SharedList(records(), dir=segment_dir()) as lst:
         assert lst.nbytes > 4 * GiB
         assert len(lst) == n + 1
-        base = _mapping_start(SHM / lst.name)
+        base = _mapping_start(segment_dir() / lst.name)
         for i in (0, n - 1, n, -1, -2):
             j = i % (n + 1)
             rec = lst[i]
@@ -92,10 +91,7 @@ def test_shared_list_larger_than_4gib():
             "d = lst[-2]['data']\n"
             "print(lst[-1]['i'], int(d[-1]), int(d[len(d) // 2]), lst.nbytes)\n"
         )
-        proc = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
-        )
-        assert proc.returncode == 0, proc.stderr
+        proc = run_checked([sys.executable, "-c", code])
         expected = [str(n), str(10 + n - 1), str(10 + n - 1), str(lst.nbytes)]
         assert proc.stdout.split() == expected
         del rec, data, last, big_end, view
@@ -108,7 +104,7 @@ def test_put_of_one_array_larger_than_4gib():
     arr = _marked(size, 7)
     arr[(1 << 32) - 1] = 1  # around the 32-bit boundary
     arr[1 << 32] = 2
-    with shmstore.put(arr, dir=SHM) as ref:
+    with shmstore.put(arr, dir=segment_dir()) as ref:
         del arr
         gc.collect()
         assert ref.nbytes > size

@@ -10,7 +10,6 @@ import json
 import multiprocessing as mp
 import os
 import pickle
-import subprocess
 import sys
 import textwrap
 from concurrent.futures import ProcessPoolExecutor
@@ -19,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import shmstore
+from conftest import run_checked, segment_dir
 
 pytestmark = pytest.mark.usefixtures("no_leftover_segments")
 
-SHM = Path("/dev/shm")
 METHODS = ["fork", "spawn", "forkserver"]
 
 # --- worker functions (module level: importable under spawn and forkserver) --------------------
@@ -209,7 +208,7 @@ def test_views_returned_from_workers_work_in_the_parent(method, records):
         assert handle[0] == records[0]
         handle.close()
         # Results share the parent's mapping of the store (no second copy).
-        assert _count_mappings(SHM / lst.name) == 1
+        assert _count_mappings(segment_dir() / lst.name) == 1
 
 
 def _count_mappings(path: Path) -> int:
@@ -239,8 +238,8 @@ CHILD = textwrap.dedent(
     out["dict"] = d.to_python()
     r = shmstore.Ref.attach(names["ref"])
     out["ref"] = r.get()["arr"].tolist()
-    # A pickled handle and a pickled view, read from stdin.
-    handle, view = pickle.loads(sys.stdin.buffer.read())
+    # A pickled handle and a pickled view, hex-encoded in argv.
+    handle, view = pickle.loads(bytes.fromhex(sys.argv[2]))
     out["pickled_handle"] = handle[1]["image_id"]
     out["pickled_view"] = view.to_python()
     try:
@@ -260,13 +259,7 @@ def test_unrelated_process_attaches_by_name(records):
         names = {"list": lst.name, "dict": d.name, "ref": r.name, "missing": "not-there"}
         payload = pickle.dumps((lst, lst[4]["annotations"]))
         assert len(payload) < 512
-        proc = subprocess.run(
-            [sys.executable, "-c", CHILD, json.dumps(names)],
-            input=payload,
-            capture_output=True,
-            timeout=120,
-        )
-        assert proc.returncode == 0, proc.stderr.decode()
+        proc = run_checked([sys.executable, "-c", CHILD, json.dumps(names), payload.hex()])
         out = json.loads(proc.stdout)
         assert out["list"] == records
         assert out["dict"] == {"a": records[0], "b": [1, 2]}
@@ -275,7 +268,7 @@ def test_unrelated_process_attaches_by_name(records):
         assert out["pickled_view"] == records[4]["annotations"]
         assert "shmstore-not-there" in out["missing"]
         # The other process only attached: the store is still there for us.
-        assert (SHM / lst.name).exists() and lst[2] == records[2]
+        assert (segment_dir() / lst.name).exists() and lst[2] == records[2]
 
 
 def test_unrelated_process_cannot_attach_after_unlink():
@@ -290,8 +283,8 @@ def test_unrelated_process_cannot_attach_after_unlink():
         "    print(type(e).__name__, e)\n"
         "    sys.exit(3)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 3, proc.stderr
+    proc = run_checked([sys.executable, "-c", code], check=False)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
     assert proc.stdout.startswith("StoreNotFoundError") and name in proc.stdout
     assert s[2] == 3  # this process's mapping still works
     s.close()
@@ -356,12 +349,11 @@ def test_forked_child_dropping_inherited_handles_keeps_the_parents_store(records
             assert p.exitcode == 0
         finally:
             INHERITED.clear()
-        assert (SHM / lst.name).exists()
+        assert (segment_dir() / lst.name).exists()
         assert lst.to_python() == records
         # Another process can still attach.
         code = f"import shmstore; print(len(shmstore.SharedList.attach({lst.name!r})))"
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-        assert proc.returncode == 0, proc.stderr
+        proc = run_checked([sys.executable, "-c", code])
         assert proc.stdout.strip() == str(len(records))
         attached.close()
 
@@ -380,7 +372,8 @@ FORK_AND_EXIT = textwrap.dedent(
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     # The child's exit did not remove the parent's store.
-    assert os.path.exists("/dev/shm/" + s.name), "removed by the child's exit"
+    path = os.path.join(os.environ.get("SHMSTORE_DIR") or "/dev/shm", s.name)
+    assert os.path.exists(path), "removed by the child's exit"
     assert shmstore.SharedList.attach(s.name)[0] == "parent's"
     print("ok")
     """
@@ -388,8 +381,44 @@ FORK_AND_EXIT = textwrap.dedent(
 
 
 def test_forked_child_exit_does_not_remove_the_parents_store():
-    proc = subprocess.run(
-        [sys.executable, "-c", FORK_AND_EXIT], capture_output=True, text=True, timeout=60
-    )
-    assert proc.returncode == 0, proc.stderr
+    proc = run_checked([sys.executable, "-c", FORK_AND_EXIT])
     assert proc.stdout.strip() == "ok"
+
+
+STARTED_BY_A_FORKSERVER_CHILD = textwrap.dedent(
+    """
+    import json, multiprocessing as mp, os
+    import shmstore
+    from shmstore import _native
+
+    def child(conn):
+        with shmstore.SharedList([1]):  # the first store of this run: starts the supervisor
+            conn.send(_native.supervisor_info()["pid"])
+            conn.recv()  # keep the store (and so the supervisor) until the parent has looked
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("forkserver")
+        ours, theirs = ctx.Pipe()
+        p = ctx.Process(target=child, args=(theirs,))
+        p.start()
+        theirs.close()
+        pid = ours.recv()
+        fds = f"/proc/{pid}/fd"
+        kinds = [os.readlink(f"{fds}/{fd}").split(":")[0] for fd in os.listdir(fds)]
+        print(json.dumps(sorted(kinds)))
+        ours.send("done")
+        p.join()
+    """
+)
+
+
+def test_supervisor_keeps_no_descriptor_of_the_process_that_started_it(tmp_path):
+    """A forkserver child receives the forkserver's "alive" pipe without close-on-exec; a
+    supervisor started from there used to keep it, and the forkserver then never exited."""
+    script = tmp_path / "starter.py"
+    script.write_text(STARTED_BY_A_FORKSERVER_CHILD)
+    name = os.environ["SHMSTORE_SUPERVISOR_NAME"] + "-starter"  # a supervisor of its own
+    env = {**os.environ, "SHMSTORE_SUPERVISOR_NAME": name}
+    proc = run_checked([sys.executable, str(script)], env=env)
+    kinds = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "pipe" not in kinds, kinds

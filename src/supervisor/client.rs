@@ -25,6 +25,7 @@ use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::io::{self, BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{Condvar, Mutex, MutexGuard, Once, OnceLock};
@@ -294,17 +295,65 @@ fn connect(deadline: Instant) -> Result<Conn, Unavailable> {
     connect_in(&dir, &super::socket_name(), deadline)
 }
 
+/// Mark every descriptor above stderr close-on-exec, so that the supervisor (which outlives
+/// the process that starts it) holds none of its starter's files, pipes or sockets. Without
+/// this it kept, for example, the write end of multiprocessing's forkserver "alive" pipe
+/// that a forkserver child receives without close-on-exec: the forkserver never saw EOF and
+/// never exited while the supervisor ran.
+fn inherit_no_descriptors() -> io::Result<()> {
+    // SAFETY: close_range only changes descriptor flags; CLOSE_RANGE_CLOEXEC (Linux >= 5.11)
+    // marks instead of closing, so the pipe Command uses to report exec errors still works.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            3 as libc::c_uint,
+            libc::c_uint::MAX,
+            libc::CLOSE_RANGE_CLOEXEC,
+        )
+    };
+    if r == 0 {
+        return Ok(());
+    }
+    // Older kernels: every descriptor number below the soft limit (bounded).
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the struct we pass.
+    let max = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 {
+        lim.rlim_cur.min(1 << 20) as libc::c_int
+    } else {
+        1024
+    };
+    for fd in 3..max {
+        // SAFETY: fcntl on a number that may not be an open descriptor just fails (EBADF).
+        unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFD);
+            if flags >= 0 && flags & libc::FD_CLOEXEC == 0 {
+                libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+            }
+        }
+    }
+    Ok(())
+}
+
 fn spawn_supervisor() -> Result<(), Unavailable> {
     let cmd = SPAWN
         .get()
         .ok_or_else(|| Unavailable::Other("no way to start a supervisor was configured".into()))?;
     // The started process forks once and exits (the real supervisor is its child, in its
     // own session): waiting for it leaves no zombie behind.
-    let status = Command::new(&cmd.program)
+    let mut command = Command::new(&cmd.program);
+    command
         .args(&cmd.args)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(Stdio::null());
+    // SAFETY: the hook runs in the forked child between fork and exec; it only makes
+    // syscalls (close_range, getrlimit, fcntl), which are async-signal-safe, and allocates
+    // nothing.
+    unsafe { command.pre_exec(inherit_no_descriptors) };
+    let status = command
         .status()
         .map_err(|e| Unavailable::Other(format!("starting the supervisor: {e}")))?;
     if !status.success() {
