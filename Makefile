@@ -7,7 +7,7 @@ PYTHON ?= python3
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 
-.PHONY: help venv build test test-rust test-python test-torch fuzz demo bench lint doctest format clean
+.PHONY: help venv build test test-rust test-python test-torch fuzz wheels test-wheel demo bench lint doctest format clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -21,6 +21,7 @@ $(VENV)/.deps: requirements-dev.txt
 venv: $(VENV)/.deps ## create .venv with the build and test dependencies
 
 build: venv ## release build of the extension, installed into .venv
+	rm -f python/shmstore/_native.*.so  # an older version-specific build would shadow the abi3 one
 	$(VENV)/bin/maturin develop --release -q
 
 test-rust: ## cargo test of the pure-Rust layers (no Python needed)
@@ -51,13 +52,34 @@ fuzz: build ## structure-aware fuzzing of the readers (FUZZ_CASES Rust cases, 1/
 	SHMSTORE_FUZZ_CASES=$$(( $(FUZZ_CASES) / 10 )) SHMSTORE_FUZZ_SEED=$(FUZZ_SEED) \
 		$(PY) -m pytest -q -s tests/test_fuzz.py
 
+# Release artifacts (docs/install.md): one abi3 wheel for CPython >= 3.11, linked for glibc 2.17
+# (manylinux2014) with zig as the linker (ziglang from PyPI), and the sdist.
+wheels: venv ## manylinux2014 x86_64 abi3 wheel + sdist into dist/
+	$(PY) -m pip install -q "ziglang>=0.13"
+	rm -rf dist
+	$(VENV)/bin/maturin build --release --zig --compatibility manylinux2014 \
+		--target x86_64-unknown-linux-gnu -i $(PY) -o dist
+	$(VENV)/bin/maturin sdist -o dist
+	ls -l dist
+
+# The wheel as a user gets it: a fresh venv of WHEEL_PYTHON (any CPython >= 3.11), the wheel
+# from dist/ and the test dependencies, then the suite against the installed package.
+WHEEL_PYTHON ?= $(PYTHON)
+WHEEL_VENV ?= target/venv-wheel
+test-wheel: ## the suite against dist/*.whl in a fresh venv of WHEEL_PYTHON
+	rm -rf $(WHEEL_VENV)
+	$(WHEEL_PYTHON) -m venv $(WHEEL_VENV)
+	$(WHEEL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(WHEEL_VENV)/bin/python -m pip install -q -r requirements-dev.txt dist/*-manylinux*_x86_64.whl
+	$(WHEEL_VENV)/bin/python -m pytest -q -p no:cacheprovider
+
 demo: build ## memory: plain list vs pickle buffer vs shmstore, fork/spawn/forkserver (~3 min)
 	$(PY) benchmarks/demo.py
 
 bench: build ## all acceptance benchmarks; results go to benchmarks/results/
 	$(PY) benchmarks/run_all.py
 
-PY_SOURCES := python tests benchmarks examples
+PY_SOURCES := python tests benchmarks examples build_backend
 
 lint: build ## everything CI checks besides the tests (also run by pre-commit)
 	cargo fmt --check
@@ -67,6 +89,8 @@ lint: build ## everything CI checks besides the tests (also run by pre-commit)
 	$(VENV)/bin/ruff check $(PY_SOURCES)
 	$(VENV)/bin/ruff format --check $(PY_SOURCES)
 	$(PY) -m mypy --strict python
+	MYPYPATH=typings $(PY) -m mypy --strict examples/typed_usage.py
+	$(VENV)/bin/basedpyright examples/typed_usage.py
 	$(PY) -m mypy.stubtest shmstore._native
 	$(MAKE) --no-print-directory doctest
 
@@ -80,4 +104,4 @@ format: venv ## format Rust and Python
 
 clean: ## remove build products and the venv
 	cargo clean
-	rm -rf $(VENV) $(TORCH_VENV) target
+	rm -rf $(VENV) $(TORCH_VENV) target dist

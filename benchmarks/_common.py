@@ -94,7 +94,7 @@ def machine_info() -> dict[str, str]:
     else:
         shm_version = f"not importable ({shmstore_error()})"
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "nproc": str(os.cpu_count()),
         "cpu": _cpu_model(),
         "ram": f"{_ram_gib():.1f} GiB",

@@ -714,7 +714,7 @@ def test_g4_supervisor_serves_more_clients_than_its_soft_fd_limit(lc: Lifecycle)
             try:
                 if s.recv(64).startswith(b"OK"):
                     answered += 1
-            except socket.timeout:
+            except TimeoutError:
                 pass
     finally:
         for s in socks:

@@ -8,13 +8,13 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import shmstore
-import tomllib
 from shmstore import _segments, _util, cli
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -47,11 +47,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Iterator, Union
 
-from dask.sizeof import sizeof
-from distributed import Client, NannyPlugin, WorkerPlugin
-
 import shmstore
-from shmstore import cluster
+from shmstore import _versions, cluster
+
+_versions.require("dask", "shmstore.dask")
+_versions.require("distributed", "shmstore.dask")
+
+from dask.sizeof import sizeof  # noqa: E402
+from distributed import Client, NannyPlugin, WorkerPlugin  # noqa: E402
 
 __all__ = ["DaskShare", "DaskSource", "KeepOnNanny", "PreAttach", "held_here", "share"]
 

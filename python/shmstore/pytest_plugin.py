@@ -38,10 +38,14 @@ from typing import Any, Callable, Optional
 
 import pytest
 
-from . import _segments
+from . import _segments, _versions
 from . import memory as _memory
 from ._util import format_bytes, parse_size
 from .leaks import detect
+
+# Loaded into every pytest run of an environment that has shmstore (the pytest11 entry point):
+# on a pytest this plugin cannot serve, say so plainly instead of failing on a hook below.
+_versions.require("pytest", "shmstore's pytest plugin (turn it off with -p no:shmstore)")
 
 __all__ = ["SegmentTracker", "list_segments"]
 

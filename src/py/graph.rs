@@ -23,6 +23,37 @@ unsafe extern "C" fn push_referent(obj: *mut ffi::PyObject, arg: *mut c_void) ->
     0
 }
 
+/// A type's `tp_traverse` and `tp_is_gc`.
+struct GcSlots {
+    traverse: Option<ffi::traverseproc>,
+    is_gc: Option<ffi::inquiry>,
+}
+
+/// Read through `PyType_GetSlot`, not the `PyTypeObject` fields: the stable ABI (abi3) hides
+/// the struct, and since 3.10 `PyType_GetSlot` also answers for static (non-heap) types.
+///
+/// # Safety
+/// `tp` must be a live type object and the caller must hold the GIL.
+unsafe fn gc_slots(tp: *mut ffi::PyTypeObject) -> GcSlots {
+    // SAFETY: the caller guarantees `tp` is live and the GIL is held; both slot ids are
+    // valid, so PyType_GetSlot returns the slot's function pointer or NULL (never an error).
+    let (traverse, is_gc) = unsafe {
+        (
+            ffi::PyType_GetSlot(tp, ffi::Py_tp_traverse),
+            ffi::PyType_GetSlot(tp, ffi::Py_tp_is_gc),
+        )
+    };
+    // SAFETY: a non-NULL `Py_tp_traverse` slot holds a `traverseproc` and a non-NULL
+    // `Py_tp_is_gc` slot an `inquiry` (CPython's slot table); `Option<fn>` has the same
+    // layout as a nullable pointer, so NULL becomes `None`.
+    unsafe {
+        GcSlots {
+            traverse: std::mem::transmute::<*mut c_void, Option<ffi::traverseproc>>(traverse),
+            is_gc: std::mem::transmute::<*mut c_void, Option<ffi::inquiry>>(is_gc),
+        }
+    }
+}
+
 /// gc_unreachable(objects, /)
 /// --
 ///
@@ -91,15 +122,16 @@ fn gc_unreachable(objects: &Bound<'_, PyList>) -> PyResult<Vec<usize>> {
         unsafe {
             refcounts.push(ffi::Py_REFCNT(p) - base);
             let tp = ffi::Py_TYPE(p);
-            let is_gc =
-                ffi::PyType_IS_GC(tp) != 0 && (*tp).tp_is_gc.is_none_or(|is_gc| is_gc(p) != 0);
-            if is_gc {
-                if let Some(traverse) = (*tp).tp_traverse {
-                    traverse(
-                        p,
-                        push_referent,
-                        &mut scratch as *mut Vec<usize> as *mut c_void,
-                    );
+            if ffi::PyType_IS_GC(tp) != 0 {
+                let slots = gc_slots(tp);
+                if slots.is_gc.is_none_or(|is_gc| is_gc(p) != 0) {
+                    if let Some(traverse) = slots.traverse {
+                        traverse(
+                            p,
+                            push_referent,
+                            &mut scratch as *mut Vec<usize> as *mut c_void,
+                        );
+                    }
                 }
             }
         }

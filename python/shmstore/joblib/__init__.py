@@ -57,7 +57,13 @@ results), ``_cache`` (what a process keeps mapped), ``_watch`` (inotify), ``_bac
 
 from __future__ import annotations
 
-from ._backends import (
+from .. import _versions
+
+# joblib 1.4 ran the calls without ever using these backends: checked, not silently ignored.
+_versions.require("joblib", "shmstore.joblib")
+_versions.require("cloudpickle", "shmstore.joblib")
+
+from ._backends import (  # noqa: E402
     GuardedThreadingBackend,
     Parallel,
     ShmLokyBackend,
@@ -65,7 +71,7 @@ from ._backends import (
     WritableMemmapWarning,
     sharing,
 )
-from ._reduce import DEFAULT_THRESHOLD, Sharer, SharingStats
+from ._reduce import DEFAULT_THRESHOLD, Sharer, SharingStats  # noqa: E402
 
 __all__ = [
     "DEFAULT_THRESHOLD",
