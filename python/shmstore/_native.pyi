@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
+from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, Sequence, ValuesView
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, SupportsIndex, TypeVar, final, overload
+from typing import Any, Generic, Literal, SupportsIndex, TypeVar, final, overload
 
 from typing_extensions import disjoint_base
 
@@ -59,6 +59,11 @@ __version__: str
 _SEGMENT_PREFIX: str
 
 _S = TypeVar("_S", bound="StoreHandle")
+_T_co = TypeVar("_T_co", covariant=True)
+_K = TypeVar("_K")
+# Records that read back as the same type (a stored str is a str again, ...). Containers read
+# back as views (a dict as a DictView, a list or tuple as a ListView), other values as Any.
+_Scalar = TypeVar("_Scalar", bool, int, float, complex, str, bytes)
 
 _Path = str | os.PathLike[str]
 
@@ -135,35 +140,62 @@ class StoreHandle:
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
         tb: TracebackType | None,
-    ) -> bool:
-        """Close; a handle that created the store also unlinks it."""
+    ) -> Literal[False]:
+        """Close; a handle that created the store also unlinks it. Never swallows the
+        exception."""
     def __reduce__(self) -> tuple[Any, tuple[str, str, str]]: ...
 
 @final
-class SharedList(StoreHandle):
+class SharedList(StoreHandle, Sequence[_T_co], Generic[_T_co]):
     """A list of records in shared memory (a read-only ``Sequence``).
+
+    Typed by what its records read back as: ``SharedList[int]`` from ints (likewise bool,
+    float, complex, str, bytes), ``SharedList[DictView]`` from dicts, ``SharedList[ListView]``
+    from lists or tuples, ``SharedList[Any]`` otherwise.
 
     >>> with SharedList([{"a": 1}, {"a": 2}]) as lst:
     ...     lst[1]["a"]
     2
     """
 
+    @overload
+    def __new__(
+        cls, iterable: Iterable[_Scalar], *, name: str | None = None, dir: _Path | None = None
+    ) -> SharedList[_Scalar]: ...
+    @overload
+    def __new__(
+        cls,
+        iterable: Iterable[Mapping[Any, Any]],
+        *,
+        name: str | None = None,
+        dir: _Path | None = None,
+    ) -> SharedList[DictView]: ...
+    @overload
+    def __new__(
+        cls,
+        iterable: Iterable[list[Any] | tuple[Any, ...]],
+        *,
+        name: str | None = None,
+        dir: _Path | None = None,
+    ) -> SharedList[ListView]: ...
+    @overload
     def __new__(
         cls, iterable: Iterable[Any], *, name: str | None = None, dir: _Path | None = None
-    ) -> SharedList: ...
+    ) -> SharedList[Any]: ...
     @classmethod
-    def attach(cls, name: str, *, dir: _Path | None = None) -> SharedList:
+    def attach(cls, name: str, *, dir: _Path | None = None) -> SharedList[Any]:
         """Attach to an existing SharedList by name."""
     @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> SharedList:
+    def open(cls, path: str | os.PathLike[str]) -> SharedList[Any]:
         """Map a SharedList saved with ``save(path)``."""
+    def __class_getitem__(cls, item: Any) -> Any: ...
     def __len__(self) -> int: ...
     @overload
-    def __getitem__(self, index: SupportsIndex, /) -> Any: ...
+    def __getitem__(self, index: SupportsIndex, /) -> _T_co: ...
     @overload
-    def __getitem__(self, index: slice, /) -> list[Any]: ...
-    def __iter__(self) -> Iterator[Any]: ...
-    def __reversed__(self) -> Iterator[Any]: ...
+    def __getitem__(self, index: slice, /) -> list[_T_co]: ...
+    def __iter__(self) -> Iterator[_T_co]: ...
+    def __reversed__(self) -> Iterator[_T_co]: ...
     def __contains__(self, value: object, /) -> bool: ...
     def index(self, value: Any, start: int = 0, stop: int | None = None) -> int: ...
     def count(self, value: Any) -> int: ...
@@ -171,8 +203,11 @@ class SharedList(StoreHandle):
         """All records as plain Python objects."""
 
 @final
-class SharedDict(StoreHandle):
+class SharedDict(StoreHandle, Mapping[_K, Any], Generic[_K]):
     """A dict of records in shared memory (a read-only ``Mapping``), O(1) lookups.
+
+    Typed by its key type (keys read back as the same plain objects); values are views or
+    scalars (``Any``).
 
     >>> with SharedDict({"doc-1": "text"}) as d:
     ...     d["doc-1"]
@@ -181,25 +216,26 @@ class SharedDict(StoreHandle):
 
     def __new__(
         cls,
-        mapping_or_pairs: Mapping[_Key, Any] | Iterable[tuple[_Key, Any]],
+        mapping_or_pairs: Mapping[_K, Any] | Iterable[tuple[_K, Any]],
         *,
         name: str | None = None,
         dir: _Path | None = None,
-    ) -> SharedDict: ...
+    ) -> SharedDict[_K]: ...
     @classmethod
-    def attach(cls, name: str, *, dir: _Path | None = None) -> SharedDict:
+    def attach(cls, name: str, *, dir: _Path | None = None) -> SharedDict[Any]:
         """Attach to an existing SharedDict by name."""
     @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> SharedDict:
+    def open(cls, path: str | os.PathLike[str]) -> SharedDict[Any]:
         """Map a SharedDict saved with ``save(path)``."""
+    def __class_getitem__(cls, item: Any) -> Any: ...
     def __len__(self) -> int: ...
     def __getitem__(self, key: _Key, /) -> Any: ...
     def get(self, key: _Key, default: Any = None) -> Any: ...
     def __contains__(self, key: object, /) -> bool: ...
-    def __iter__(self) -> Iterator[Any]: ...
-    def keys(self) -> KeysView[Any]: ...
+    def __iter__(self) -> Iterator[_K]: ...
+    def keys(self) -> KeysView[_K]: ...
     def values(self) -> ValuesView[Any]: ...
-    def items(self) -> ItemsView[Any, Any]: ...
+    def items(self) -> ItemsView[_K, Any]: ...
     def to_python(self) -> dict[Any, Any]:
         """All entries as a plain dict."""
     def __eq__(self, other: object, /) -> bool: ...
@@ -232,7 +268,7 @@ def put(obj: Any, *, name: str | None = None, dir: _Path | None = None) -> Ref:
     """
 
 @final
-class ListView:
+class ListView(Sequence[Any]):
     """A stored list or tuple: a lazy, read-only ``Sequence``."""
 
     def __len__(self) -> int: ...
@@ -253,8 +289,8 @@ class ListView:
     def __reduce__(self) -> tuple[Any, tuple[str, str, int, int]]: ...
 
 @final
-class DictView:
-    """A stored dict: a lazy, read-only ``Mapping``."""
+class DictView(Mapping[Any, Any]):
+    """A stored dict: a lazy, read-only ``Mapping`` (keys as stored: usually ``str``)."""
 
     def __len__(self) -> int: ...
     def __getitem__(self, key: _Key, /) -> Any: ...

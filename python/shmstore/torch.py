@@ -33,9 +33,30 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Union
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Callable,
+    Generic,
+    Iterable,
+    Iterator,
+    Optional,
+    Protocol,
+    TypeVar,
+    Union,
+    cast,
+    overload,
+)
 
 import shmstore
+
+_T = TypeVar("_T")
+_T_co = TypeVar("_T_co", covariant=True)
+
+if TYPE_CHECKING:
+    from torch.utils.data import Dataset as _Dataset
+else:
+    _Dataset = Generic  # at run time a plain generic class: torch is not imported
 
 __all__ = [
     "Collective",
@@ -51,7 +72,7 @@ Payload = tuple[str, str, str, str]
 Broadcast = Callable[[Optional[Payload]], Payload]
 
 
-def _open_list(data: Union[str, os.PathLike[str]]) -> shmstore.SharedList:
+def _open_list(data: Union[str, os.PathLike[str]]) -> shmstore.SharedList[Any]:
     """A path-like, or a string with a ``/``, is a saved archive; a bare string is a store
     name, or a file in the current directory when no store has that name (both: ValueError,
     since either reading would be a guess)."""
@@ -73,7 +94,7 @@ def _open_list(data: Union[str, os.PathLike[str]]) -> shmstore.SharedList:
     return attached
 
 
-class SharedListDataset:
+class SharedListDataset(_Dataset[_T_co]):
     """A map-style dataset over a :class:`shmstore.SharedList`.
 
     ``data`` is a SharedList, the name of one (attached), or the path of a saved archive
@@ -87,11 +108,27 @@ class SharedListDataset:
     make tensors with ``torch.tensor(x)`` (a copy) or copy with ``np.array(x)``.
 
     Pickles by name: DataLoader workers attach to the same pages under every start method.
+
+    For type checkers it is a ``torch.utils.data.Dataset[T]``, ``T`` being what ``transform``
+    returns (``Any`` without one), so ``DataLoader(SharedListDataset(...))`` type-checks; at
+    run time it is a plain generic class (torch is not imported).
     """
 
+    @overload
+    def __init__(
+        self: SharedListDataset[Any],
+        data: Union[shmstore.SharedList[Any], str, os.PathLike[str]],
+        transform: None = None,
+    ) -> None: ...
+    @overload
+    def __init__(
+        self: SharedListDataset[_T],
+        data: Union[shmstore.SharedList[Any], str, os.PathLike[str]],
+        transform: Callable[[Any], _T],
+    ) -> None: ...
     def __init__(
         self,
-        data: Union[shmstore.SharedList, str, os.PathLike[str]],
+        data: Union[shmstore.SharedList[Any], str, os.PathLike[str]],
         transform: Optional[Callable[[Any], Any]] = None,
     ) -> None:
         if isinstance(data, (str, os.PathLike)):
@@ -102,9 +139,9 @@ class SharedListDataset:
     def __len__(self) -> int:
         return len(self.data)
 
-    def __getitem__(self, index: int) -> Any:
+    def __getitem__(self, index: int) -> _T_co:
         record = self.data[index]
-        return record if self.transform is None else self.transform(record)
+        return cast("_T_co", record if self.transform is None else self.transform(record))
 
     def __repr__(self) -> str:
         return f"SharedListDataset({self.data.name!r}, {len(self)} records)"

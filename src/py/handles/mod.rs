@@ -278,3 +278,14 @@ pub(crate) fn handle_for(py: Python<'_>, store: Arc<Store>) -> PyResult<Bound<'_
         Kind::Object => new_handle(py, store, false, Ref)?.into_any(),
     })
 }
+
+/// `types.GenericAlias(cls, item)`: what `list[int]` is.
+fn generic_alias<'py>(
+    cls: &Bound<'py, pyo3::types::PyType>,
+    item: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    cls.py()
+        .import("types")?
+        .getattr("GenericAlias")?
+        .call1((cls, item))
+}

@@ -100,6 +100,15 @@ impl SharedDict {
         new_handle(py, store, true, SharedDict)
     }
 
+    /// `SharedDict[T]` in annotations evaluated at run time: a `types.GenericAlias`, as for the
+    /// builtin containers (the class is generic for type checkers, see _native.pyi).
+    #[classmethod]
+    fn __class_getitem__<'py>(
+        cls: &Bound<'py, pyo3::types::PyType>,
+        item: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        super::generic_alias(cls, item)
+    }
     fn __len__(slf: &Bound<'_, Self>) -> PyResult<usize> {
         Ok(Map::Entries(&*open_of(slf)?).len())
     }

@@ -43,6 +43,15 @@ impl SharedList {
         new_handle(py, store, true, SharedList)
     }
 
+    /// `SharedList[T]` in annotations evaluated at run time: a `types.GenericAlias`, as for the
+    /// builtin containers (the class is generic for type checkers, see _native.pyi).
+    #[classmethod]
+    fn __class_getitem__<'py>(
+        cls: &Bound<'py, pyo3::types::PyType>,
+        item: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        super::generic_alias(cls, item)
+    }
     fn __len__(slf: &Bound<'_, Self>) -> PyResult<usize> {
         Ok(Seq::Records(&*open_of(slf)?).len())
     }
