@@ -123,7 +123,10 @@ def _make_private_root() -> Path:
     (root / "joblib").mkdir(mode=0o700)  # joblib's own memmapping folders
     os.environ["SHMSTORE_DIR"] = str(root / "session")
     os.environ["SHMSTORE_FALLBACK_DIR"] = str(fallback)
-    os.environ["SHMSTORE_SUPERVISOR_NAME"] = f"shmstore-supervisor-{root.name}"
+    # short: the name also names the supervisor's socket file, and socket paths are limited
+    os.environ["SHMSTORE_SUPERVISOR_NAME"] = f"shmstore-test-{os.getpid()}"
+    # a supervisor round trip may take long on a busy machine (the default is tuned for users)
+    os.environ.setdefault("SHMSTORE_SUPERVISOR_TIMEOUT", "10")
     os.environ["JOBLIB_TEMP_FOLDER"] = str(root / "joblib")
     (root / "run").mkdir(mode=0o700)  # the supervisors' logs (docs/lifecycle.md)
     os.environ["XDG_RUNTIME_DIR"] = str(root / "run")
