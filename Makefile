@@ -21,7 +21,7 @@ $(VENV)/.deps: requirements-dev.txt
 venv: $(VENV)/.deps ## create .venv with the build and test dependencies
 
 build: venv ## release build of the extension, installed into .venv
-	rm -f python/shmstore/_native.*.so  # an older version-specific build would shadow the abi3 one
+	rm -f python/shmstore/_native.*.so  # a stale build of the other kind (abi3 or not) would shadow it
 	$(VENV)/bin/maturin develop --release -q
 
 test-rust: ## cargo test of the pure-Rust layers (no Python needed)
@@ -52,25 +52,35 @@ fuzz: build ## structure-aware fuzzing of the readers (FUZZ_CASES Rust cases, 1/
 	SHMSTORE_FUZZ_CASES=$$(( $(FUZZ_CASES) / 10 )) SHMSTORE_FUZZ_SEED=$(FUZZ_SEED) \
 		$(PY) -m pytest -q -s tests/test_fuzz.py
 
-# Release artifacts (docs/install.md): one abi3 wheel for CPython >= 3.11, linked for glibc 2.17
-# (manylinux2014) with zig as the linker (ziglang from PyPI), and the sdist.
-wheels: venv ## manylinux2014 x86_64 abi3 wheel + sdist into dist/
+# Release artifacts (docs/install.md), linked for glibc 2.17 (manylinux2014) with zig (ziglang
+# from PyPI): one version-specific wheel per CPython found here (the fast build), one abi3 wheel
+# that every later CPython installs (the fallback: a little slower, benchmarks/results/abi3.md),
+# and the sdist.
+WHEEL_INTERPRETERS ?= $(shell for v in 3.11 3.12 3.13 3.14; do \
+	for p in python$$v $$HOME/.pyenv/versions/$$v*/bin/python$$v /usr/bin/python$$v; do \
+	if $$p -c "" 2>/dev/null; then command -v $$p; break; fi; done; done)
+ZIG_BUILD = $(VENV)/bin/maturin build --release --zig --compatibility manylinux2014 \
+	--target x86_64-unknown-linux-gnu -o dist
+wheels: venv ## manylinux2014 x86_64 wheels (per CPython found + abi3 fallback) and sdist into dist/
 	$(PY) -m pip install -q "ziglang>=0.13"
 	rm -rf dist
-	$(VENV)/bin/maturin build --release --zig --compatibility manylinux2014 \
-		--target x86_64-unknown-linux-gnu -i $(PY) -o dist
+	$(ZIG_BUILD) -i $(WHEEL_INTERPRETERS)
+	$(ZIG_BUILD) --features abi3 -i $(PY)
 	$(VENV)/bin/maturin sdist -o dist
 	ls -l dist
 
-# The wheel as a user gets it: a fresh venv of WHEEL_PYTHON (any CPython >= 3.11), the wheel
-# from dist/ and the test dependencies, then the suite against the installed package.
+# The wheel as a user gets it: a fresh venv of WHEEL_PYTHON (any CPython >= 3.11), the test
+# dependencies, then shmstore from dist/ as pip picks it (or WHEEL=dist/<file>.whl), and the
+# suite against the installed package.
 WHEEL_PYTHON ?= $(PYTHON)
 WHEEL_VENV ?= target/venv-wheel
-test-wheel: ## the suite against dist/*.whl in a fresh venv of WHEEL_PYTHON
+WHEEL ?= shmstore
+test-wheel: ## the suite against a wheel from dist/ in a fresh venv of WHEEL_PYTHON
 	rm -rf $(WHEEL_VENV)
 	$(WHEEL_PYTHON) -m venv $(WHEEL_VENV)
 	$(WHEEL_VENV)/bin/python -m pip install -q --upgrade pip
-	$(WHEEL_VENV)/bin/python -m pip install -q -r requirements-dev.txt dist/*-manylinux*_x86_64.whl
+	$(WHEEL_VENV)/bin/python -m pip install -q -r requirements-dev.txt
+	$(WHEEL_VENV)/bin/python -m pip install -q --no-index --find-links dist $(WHEEL)
 	$(WHEEL_VENV)/bin/python -m pytest -q -p no:cacheprovider
 
 demo: build ## memory: plain list vs pickle buffer vs shmstore, fork/spawn/forkserver (~3 min)

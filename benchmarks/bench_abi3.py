@@ -1,13 +1,18 @@
 """Does the abi3 (stable ABI) build slow the hot paths? Two builds of shmstore, side by side.
 
-Runs ``bench_speed.run`` (build, field-touch loop, ``to_python``; see bench_speed.py) in fresh
-processes, alternating between two installed copies of the package (``--a`` and ``--b``: a
-directory holding ``shmstore/``, e.g. an unpacked wheel), ``--rounds`` times. Each process also
-times the pickle baseline, so every shmstore time is taken both raw and as a ratio to pickle in
-the same process (which cancels most of the machine's load drift). Medians over the rounds.
+Two installed copies of the package (``--a`` and ``--b``: a directory holding ``shmstore/``,
+e.g. an unpacked wheel) run the same work in fresh processes, alternating, ``--rounds`` times:
+build ``SharedList(records)``, the field-touch loop over every record (bench_speed.py's), and
+``to_python()`` of every record, on benchmarks/coco.py records. Each operation is timed in
+**CPU time of the thread** (``time.thread_time``), best of ``--repeats`` in a process, so that
+time spent waiting for a CPU on a busy machine does not count; the table gives the medians over
+the rounds of those per-process bests, and the fastest of all.
 
-    python benchmarks/bench_abi3.py --a DIR_VERSION_SPECIFIC --b DIR_ABI3 \\
-        [--n 100000] [--rounds 5] [--out benchmarks/results/abi3.md]
+    python benchmarks/bench_abi3.py [--a DIR_VERSION_SPECIFIC --b DIR_ABI3] \\
+        [--n 50000] [--rounds 7] [--repeats 3] [--out benchmarks/results/abi3.md]
+
+Without ``--a``/``--b`` it unpacks this interpreter's version-specific wheel and the abi3
+wheel from ``dist/`` (``make wheels``), and says so and stops if they are not there.
 """
 
 from __future__ import annotations
@@ -21,29 +26,54 @@ import argparse
 import json
 import os
 import subprocess
+import tempfile
+import zipfile
 from typing import Any
 
 import _common as C
 
 BENCH_DIR = Path(__file__).resolve().parent
 METRICS = [
-    ("build", "build_shmstore", "build_pickle"),
-    ("field-touch loop", "touch_shmstore", "touch_pickle"),
-    ("to_python", "to_python_shmstore", "to_python_pickle"),
+    ("build: `SharedList(records)`", "build_shmstore"),
+    ("field-touch loop: `lst[i]` views", "touch_shmstore"),
+    ("`lst[i].to_python()` of every record", "to_python_shmstore"),
 ]
 CHILD = """
-import json, sys
+import gc, json, sys, time
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
-import shmstore, bench_speed
-res = bench_speed.run(int(sys.argv[3]), 1)
-print(json.dumps({"native": shmstore._native.__file__, "median": res["median"]}))
+import shmstore, _common as C
+from coco import make_records
+
+n, repeats = int(sys.argv[3]), int(sys.argv[4])
+records = make_records(n)
+best = {}
+
+def timed(key, fn):
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.thread_time()
+        out = fn()
+        dt = time.thread_time() - t0
+    finally:
+        gc.enable()
+    best[key] = min(best.get(key, dt), dt)
+    return out
+
+for _ in range(repeats):
+    lst = timed("build_shmstore", lambda: shmstore.SharedList(records))
+    timed("touch_shmstore", lambda: C.touch_sequence(lst))
+    timed("to_python_shmstore", lambda: C.materialize_shmstore(lst))
+    lst.unlink()
+    lst.close()
+print(json.dumps({"native": shmstore._native.__file__, "best": best}))
 """
 
 
-def one(pkg_dir: Path, n: int) -> dict[str, Any]:
+def one(pkg_dir: Path, n: int, repeats: int) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(pkg_dir), str(BENCH_DIR), str(n)],
+        [sys.executable, "-c", CHILD, str(pkg_dir), str(BENCH_DIR), str(n), str(repeats)],
         capture_output=True,
         text=True,
         env=env,
@@ -57,36 +87,59 @@ def one(pkg_dir: Path, n: int) -> dict[str, Any]:
     return out
 
 
+def _unpacked_wheels(dist: Path, into: Path) -> dict[str, Path] | None:
+    """This interpreter's version-specific wheel and the abi3 wheel from ``dist``, unpacked."""
+    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    found = {
+        "a": sorted(dist.glob(f"shmstore-*-{tag}-{tag}-*.whl")),
+        "b": sorted(dist.glob("shmstore-*-abi3-*.whl")),
+    }
+    if not all(found.values()):
+        return None
+    out = {}
+    for key, wheels in found.items():
+        out[key] = into / key
+        with zipfile.ZipFile(wheels[-1]) as z:
+            z.extractall(out[key])
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    ap.add_argument("--a", type=Path, required=True, help="the version-specific build")
-    ap.add_argument("--b", type=Path, required=True, help="the abi3 build")
-    ap.add_argument("--n", type=int, default=100_000)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--a", type=Path, help="the version-specific build (default: from dist/)")
+    ap.add_argument("--b", type=Path, help="the abi3 build (default: from dist/)")
+    ap.add_argument("--n", type=int, default=50_000)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=C.RESULTS_DIR / "abi3.md")
     args = ap.parse_args(argv)
+    if args.a is None or args.b is None:
+        tmp = Path(tempfile.mkdtemp(prefix="bench-abi3-"))
+        unpacked = _unpacked_wheels(BENCH_DIR.parent / "dist", tmp)
+        if unpacked is None:
+            print("bench_abi3: skipped: no version-specific + abi3 wheels in dist/ (make wheels)")
+            return 0
+        args.a, args.b = unpacked["a"], unpacked["b"]
     dirs = {"a": args.a.resolve(), "b": args.b.resolve()}
     runs: dict[str, list[dict[str, float]]] = {"a": [], "b": []}
     natives: dict[str, str] = {}
     for r in range(args.rounds):
         for key in ("a", "b") if r % 2 == 0 else ("b", "a"):
-            out = one(dirs[key], args.n)
+            out = one(dirs[key], args.n, args.repeats)
             natives[key] = Path(out["native"]).name
-            runs[key].append(out["median"])
-            print(f"round {r + 1}/{args.rounds} {key}: {out['median']}", file=sys.stderr)
+            runs[key].append(out["best"])
+            print(f"round {r + 1}/{args.rounds} {key}: {out['best']}", file=sys.stderr)
     rows = []
-    for label, shm, base in METRICS:
-        raw = {k: C.median([m[shm] for m in runs[k]]) for k in runs}
-        rel = {k: C.median([m[shm] / m[base] for m in runs[k]]) for k in runs}
-        best = {k: min(m[shm] for m in runs[k]) for k in runs}
+    for label, key in METRICS:
+        med = {k: C.median([m[key] for m in runs[k]]) for k in runs}
+        best = {k: min(m[key] for m in runs[k]) for k in runs}
         rows.append(
             [
                 label,
-                f"{raw['a'] * 1e3:,.0f} ms",
-                f"{raw['b'] * 1e3:,.0f} ms",
-                f"{raw['b'] / raw['a']:.3f}",
-                f"{rel['b'] / rel['a']:.3f}",
-                f"{best['a'] * 1e3:,.0f} / {best['b'] * 1e3:,.0f} ms",
+                f"{med['a'] * 1e3:,.1f} ms",
+                f"{med['b'] * 1e3:,.1f} ms",
+                f"{med['b'] / med['a']:.3f}",
+                f"{best['a'] * 1e3:,.1f} / {best['b'] * 1e3:,.1f} ms",
                 f"{best['b'] / best['a']:.3f}",
             ]
         )
@@ -96,30 +149,27 @@ def main(argv: list[str] | None = None) -> int:
             "",
             C.machine_md(),
             "",
-            f"`bench_speed.run({args.n}, repeats=1)` in a fresh process per run, alternating "
-            f"between the two builds, {args.rounds} rounds; medians over the rounds.",
+            f"{args.n:,} COCO-like records; each operation timed in CPU time of the thread, best "
+            f"of {args.repeats} in a fresh process; {args.rounds} rounds alternating between the "
+            "builds; medians over the rounds of those bests.",
             f"A = `{natives['a']}` from `{args.a}`; B = `{natives['b']}` from `{args.b}`.",
-            "The pickle-normalised ratio divides each shmstore time by the pickle baseline timed "
-            "in the same process first; the fastest runs are the ones other load on the machine "
-            "disturbed least.",
             "",
             C.md_table(
                 [
-                    "shmstore operation",
-                    "A (version-specific)",
-                    "B (abi3)",
+                    "operation",
+                    "A (version-specific), median",
+                    "B (abi3), median",
                     "B / A",
-                    "B / A (pickle-normalised)",
-                    "fastest run A / B",
-                    "B / A (fastest runs)",
+                    "fastest A / B",
+                    "B / A (fastest)",
                 ],
                 rows,
             ),
             "",
-            "All runs (s), in order: "
+            "All per-process bests (ms), in order: "
             + "; ".join(
-                f"{k.upper()} {shm}: " + ", ".join(f"{m[shm]:.3f}" for m in runs[k])
-                for _, shm, _ in METRICS
+                f"{k.upper()} {key}: " + ", ".join(f"{m[key] * 1e3:.1f}" for m in runs[k])
+                for _, key in METRICS
                 for k in runs
             ),
             "",
