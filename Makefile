@@ -65,7 +65,7 @@ wheels: venv ## manylinux2014 x86_64 wheels (per CPython found + abi3 fallback) 
 	$(PY) -m pip install -q "ziglang>=0.13"
 	rm -rf dist
 	$(ZIG_BUILD) -i $(WHEEL_INTERPRETERS)
-	$(ZIG_BUILD) --features abi3 -i $(PY)
+	$(ZIG_BUILD) --features python,abi3 -i $(PY)
 	$(VENV)/bin/maturin sdist -o dist
 	ls -l dist
 
