@@ -707,9 +707,9 @@ used, so it changes nothing. Target: <= 0.5 s.
 
 **Releasing 10k handles.** One process holds 10 000 stores (`put`) and drops them all:
 the handles are gone after {released:.3f} s (no I/O: each release queues a DROP), the DROPs
-are sent (in batches of 512) after {sent:.3f} s, and the supervisor has unlinked all 10 000
-files {gone:.3f} s after the release started (one /proc scan per batch). Target: <= 2 s
-({verdict(gone <= 2.0)}).
+are sent (up to ~1 MiB of paths per `DROP` line) after {sent:.3f} s, and the supervisor has
+unlinked all 10 000 files {gone:.3f} s after the release started (one /proc scan per line).
+Target: <= 2 s ({verdict(gone <= 2.0)}).
 
 **LIST with 100k segments.** 100 000 registrations (names only) on one connection, then
 `supervisor_info()`: complete = **{"yes" if list_ok else "no"}**, in {list_s:.2f} s (the

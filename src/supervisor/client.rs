@@ -94,6 +94,9 @@ const SPAWN_WAIT: Duration = Duration::from_secs(10);
 pub const BACKOFF: Duration = Duration::from_secs(5);
 /// Requests written before their replies are read.
 const BATCH: usize = 512;
+/// Bytes of paths per `DROP` line (under the server's line limit, 4 MiB, with room for one
+/// more path of at most 4 KiB).
+const DROP_LINE_BYTES: usize = 1 << 20;
 
 /// Why there is no supervisor to talk to.
 #[derive(Debug)]
@@ -654,7 +657,24 @@ fn send_drops() {
 /// Send every queued DROP now (what the sender thread does; tests call it to wait).
 pub fn flush_drops() {
     let mut io = lock(&IO);
-    let batch: Vec<Request> = lock(state()).drops.drain().map(Request::Drop).collect();
+    let paths: Vec<PathBuf> = lock(state()).drops.drain().collect();
+    // Many DROPs per line (up to ~1 MiB): the supervisor settles a line with one /proc scan.
+    let mut batch: Vec<Request> = Vec::new();
+    let mut line: Vec<PathBuf> = Vec::new();
+    let mut bytes = 0;
+    for p in paths {
+        bytes += p.as_os_str().len() + 1;
+        line.push(p);
+        if bytes >= DROP_LINE_BYTES {
+            batch.push(Request::DropMany(std::mem::take(&mut line)));
+            bytes = 0;
+        }
+    }
+    match line.len() {
+        0 => {}
+        1 => batch.push(Request::Drop(line.remove(0))),
+        _ => batch.push(Request::DropMany(line)),
+    }
     if batch.is_empty() || io.pid != std::process::id() {
         return;
     }

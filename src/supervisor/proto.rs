@@ -8,6 +8,8 @@
 //!                                        directory becomes a segment directory)
 //! USE <path>             -> OK           this client uses (attached) the file at <path>
 //! DROP <path>            -> OK           ... no longer
+//! DROP <path>\0<path>... -> OK           ... none of these (one line, one settling: a path
+//!                                        never contains NUL)
 //! LIST                   -> SEG <path> <pid>,<pid>...  (one per segment)  then END <count>
 //! ```
 //!
@@ -24,6 +26,8 @@ pub enum Request {
     New(PathBuf),
     Use(PathBuf),
     Drop(PathBuf),
+    /// Many DROPs in one line (settled together by the supervisor).
+    DropMany(Vec<PathBuf>),
     List,
 }
 
@@ -35,6 +39,13 @@ impl Request {
             "HELLO" => arg.parse().ok().map(Request::Hello),
             "NEW" => path().map(Request::New),
             "USE" => path().map(Request::Use),
+            "DROP" if arg.contains('\0') => {
+                let paths: Vec<PathBuf> = arg.split('\0').map(PathBuf::from).collect();
+                paths
+                    .iter()
+                    .all(|p| p.is_absolute())
+                    .then_some(Request::DropMany(paths))
+            }
             "DROP" => path().map(Request::Drop),
             "LIST" => Some(Request::List),
             _ => None,
@@ -47,6 +58,10 @@ impl Request {
             Request::New(p) => format!("NEW {}\n", p.display()),
             Request::Use(p) => format!("USE {}\n", p.display()),
             Request::Drop(p) => format!("DROP {}\n", p.display()),
+            Request::DropMany(ps) => {
+                let ps: Vec<String> = ps.iter().map(|p| p.display().to_string()).collect();
+                format!("DROP {}\n", ps.join("\0"))
+            }
             Request::List => "LIST\n".into(),
         }
     }
@@ -102,6 +117,7 @@ mod tests {
             Request::New("/dev/shm/shmstore-n".into()),
             Request::Use("/dev/shm/shmstore-a".into()),
             Request::Drop("/dev/shm/shmstore-b".into()),
+            Request::DropMany(vec!["/dev/shm/shmstore-c".into(), "/x/shmstore-d".into()]),
             Request::List,
         ] {
             assert_eq!(Request::parse(r.encode().trim_end()), Some(r));

@@ -40,8 +40,8 @@ const ACCEPT_PER_ROUND: usize = 64;
 const READ_PER_ROUND: usize = 64 << 10;
 /// A client whose unread replies exceed this is not read from until it catches up.
 const OUT_HIGH: usize = 256 << 10;
-/// Longest request line (a path is at most 4096 bytes).
-const LINE_MAX: usize = 16 << 10;
+/// Longest request line (a `DROP` of many paths; one path is at most 4096 bytes).
+const LINE_MAX: usize = 4 << 20;
 /// How often a segment kept because a reader holds a lock on it is looked at again.
 const LOCKED_RETRY: Duration = Duration::from_secs(1);
 /// Longest supervisor name: `/proc/self/fd/NNNN/<name>.sock` must fit a socket address.
@@ -577,12 +577,12 @@ impl State {
                 "OK\n".into()
             }
             Some(Request::Drop(path)) => {
-                let c = self.clients.get_mut(&id).expect("live client");
-                if c.uses.remove(&path) {
-                    if let Some(seg) = self.segments.get_mut(&path) {
-                        seg.clients.remove(&id);
-                    }
-                    self.pending.insert(path);
+                self.drop_use(id, path);
+                "OK\n".into()
+            }
+            Some(Request::DropMany(paths)) => {
+                for path in paths {
+                    self.drop_use(id, path);
                 }
                 "OK\n".into()
             }
@@ -606,6 +606,16 @@ impl State {
                 out
             }
             None => "ERR unknown request\n".into(),
+        }
+    }
+
+    fn drop_use(&mut self, id: u64, path: PathBuf) {
+        let c = self.clients.get_mut(&id).expect("live client");
+        if c.uses.remove(&path) {
+            if let Some(seg) = self.segments.get_mut(&path) {
+                seg.clients.remove(&id);
+            }
+            self.pending.insert(path);
         }
     }
 
