@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def private_segment_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """Every store of these tests in a segment directory of their own: nothing here reads
     /dev/shm as a whole, and each test checks it left nothing behind in its directory."""
-    d = Path("/dev/shm") / f"shmstore-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    d = Path("/dev/shm") / f"private-shmstore-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     d.mkdir(mode=0o700)
     monkeypatch.setenv("SHMSTORE_DIR", str(d))
     monkeypatch.setenv("SHMSTORE_FALLBACK", "0")
