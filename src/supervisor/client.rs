@@ -716,25 +716,49 @@ fn query_timeout() -> Duration {
 /// What the running supervisor tracks; `Ok(None)` if none is running (never starts one).
 /// An error if one is running but its answer is missing or incomplete: a caller deciding
 /// what to delete must not mistake that for "nothing is in use".
+///
+/// A supervisor that closes the connection before answering anything is one that was
+/// exiting (it exits only when it tracks nothing): the question is asked once more, and
+/// the second answer (or "none is running") stands.
 pub fn list() -> io::Result<Option<Vec<SegmentUse>>> {
+    match list_once() {
+        Err(e) if e.kind() == io::ErrorKind::Interrupted => list_once(),
+        r => r,
+    }
+}
+
+/// One LIST round trip. `ErrorKind::Interrupted`: the connection closed before any answer.
+fn list_once() -> io::Result<Option<Vec<SegmentUse>>> {
     let Some(mut c) = query(Instant::now() + query_timeout())? else {
         return Ok(None);
     };
+    let closed_early = |e: io::Error| match e.kind() {
+        io::ErrorKind::BrokenPipe
+        | io::ErrorKind::ConnectionReset
+        | io::ErrorKind::UnexpectedEof => io::Error::new(io::ErrorKind::Interrupted, e),
+        _ => e,
+    };
     c.arm(Instant::now() + query_timeout())?;
-    c.writer.write_all(Request::List.encode().as_bytes())?;
+    c.writer
+        .write_all(Request::List.encode().as_bytes())
+        .map_err(closed_early)?;
     let mut out = Vec::new();
     loop {
         // A long listing streams: the deadline is per line, not for the whole.
         c.arm(Instant::now() + query_timeout())?;
-        let line = read_line(&mut c.reader).map_err(|e| {
-            io::Error::new(
-                e.kind(),
-                format!(
-                    "the supervisor's list was cut after {} segments: {e}",
-                    out.len()
-                ),
-            )
-        })?;
+        let line = match read_line(&mut c.reader) {
+            Ok(line) => line,
+            Err(e) if out.is_empty() => return Err(closed_early(e)),
+            Err(e) => {
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!(
+                        "the supervisor's list was cut after {} segments: {e}",
+                        out.len()
+                    ),
+                ))
+            }
+        };
         if let Some(n) = parse_end(&line) {
             if n != out.len() {
                 return Err(io::Error::other(format!(
