@@ -136,7 +136,10 @@ def _rows() -> list[dict[str, Any]]:
             "name": path.name,
             "path": str(path),
             "size": st.st_size,
-            "age_s": round(time.time() - st.st_mtime, 1),
+            # Whole seconds of the mtime: a segment's sub-second part is the writer's seal
+            # mark (src/segment/mod.rs), not a time, and could make a new store look younger
+            # than 0.
+            "age_s": round(time.time() - st.st_mtime_ns // 1_000_000_000, 1),
             "kind": None,
             "records": None,
             "creator_pid": None,
