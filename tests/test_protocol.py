@@ -5,11 +5,6 @@ exceptions raised by the user's `__eq__`."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -18,20 +13,8 @@ import shmstore
 from hypothesis import given
 from hypothesis import strategies as st
 
-
-@pytest.fixture(autouse=True)
-def private_segment_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """Every store of these tests in a segment directory of their own: nothing here reads
-    /dev/shm as a whole, and each test checks it left nothing behind in its directory."""
-    d = Path("/dev/shm") / f"private-shmstore-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    d.mkdir(mode=0o700)
-    monkeypatch.setenv("SHMSTORE_DIR", str(d))
-    monkeypatch.setenv("SHMSTORE_FALLBACK", "0")
-    try:
-        yield d
-        assert sorted(p.name for p in d.iterdir()) == [], "stores left behind"
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
+# Each test has its own segment directory (conftest); it must leave nothing behind there.
+pytestmark = pytest.mark.usefixtures("no_leftover_segments")
 
 
 scalars = st.one_of(
