@@ -141,7 +141,37 @@ pub(crate) struct Log {
     written: u64,
     tokens: f64,
     refilled: Instant,
-    suppressed: u64,
+    /// Lines left out by the rate limit since the last line written, per [`Kind`].
+    suppressed: [u64; Kind::ALL.len()],
+}
+
+/// What a log line reports. Lines left out by the rate limit are counted per kind, so that
+/// whoever reads the log can still total the removals exactly (a line saying that a segment
+/// is still mapped is not a removal).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// A tracked segment removed: `unlinked <path> (no user left)`.
+    Unlinked,
+    /// An orphan removed by the sweep: `sweep: removed orphan <path>`.
+    Orphan,
+    /// A segment kept for a process that still maps it or a reader holding its lock.
+    Waiting,
+    /// Everything else (start, refused connections, errors).
+    Other,
+}
+
+impl Kind {
+    pub(crate) const ALL: [Kind; 4] = [Kind::Unlinked, Kind::Orphan, Kind::Waiting, Kind::Other];
+
+    /// How the kind is named in a "lines left out" summary.
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Kind::Unlinked => "unlinked",
+            Kind::Orphan => "removed orphan",
+            Kind::Waiting => "waiting",
+            Kind::Other => "other",
+        }
+    }
 }
 
 impl Log {
@@ -155,7 +185,7 @@ impl Log {
             written: 0,
             tokens: LOG_BURST,
             refilled: Instant::now(),
-            suppressed: 0,
+            suppressed: [0; Kind::ALL.len()],
         };
         log.reopen();
         log
@@ -202,8 +232,11 @@ impl Log {
         }
     }
 
-    /// Write `msg` unless over the rate (`always`: the last line, written regardless).
-    pub(crate) fn line(&mut self, msg: &str, always: bool) {
+    /// Write `msg` (a line of kind `kind`) unless over the rate (`always`: the last line,
+    /// written regardless). The first line written after some were left out is preceded by
+    /// `(N lines left out, more than 50 a second: 37 unlinked, 2 removed orphan, 1 waiting)`
+    /// (the kinds with a count above zero, in [`Kind::ALL`] order).
+    pub(crate) fn line(&mut self, kind: Kind, msg: &str, always: bool) {
         if self.file.is_none() {
             return;
         }
@@ -212,7 +245,7 @@ impl Log {
         self.refilled = now;
         self.tokens = (self.tokens + dt * LOG_RATE).min(LOG_BURST);
         if self.tokens < 1.0 && !always {
-            self.suppressed += 1;
+            self.suppressed[kind as usize] += 1;
             return;
         }
         self.tokens = (self.tokens - 1.0).max(0.0);
@@ -221,10 +254,18 @@ impl Log {
             .map(|d| d.as_secs_f64())
             .unwrap_or(0.0);
         let mut text = String::new();
-        if self.suppressed > 0 {
+        let left_out = std::mem::take(&mut self.suppressed);
+        let total: u64 = left_out.iter().sum();
+        if total > 0 {
+            let kinds: Vec<String> = Kind::ALL
+                .iter()
+                .zip(left_out)
+                .filter(|(_, n)| *n > 0)
+                .map(|(k, n)| format!("{n} {}", k.label()))
+                .collect();
             text.push_str(&format!(
-                "{t:.3} ({} lines left out: more than {LOG_RATE} a second)\n",
-                std::mem::take(&mut self.suppressed)
+                "{t:.3} ({total} lines left out, more than {LOG_RATE} a second: {})\n",
+                kinds.join(", ")
             ));
         }
         text.push_str(&format!("{t:.3} {msg}\n"));
@@ -319,11 +360,14 @@ pub fn serve(bound: Bound, cfg: ServerConfig) -> io::Result<()> {
         locked: HashSet::new(),
         locked_checked: Instant::now(),
     };
-    st.note(&format!(
-        "supervisor {} started ({})",
-        std::process::id(),
-        st.cfg.name
-    ));
+    st.note(
+        Kind::Other,
+        &format!(
+            "supervisor {} started ({})",
+            std::process::id(),
+            st.cfg.name
+        ),
+    );
     st.flush();
     let mut idle_since = Some(Instant::now());
     loop {
@@ -335,7 +379,7 @@ pub fn serve(bound: Bound, cfg: ServerConfig) -> io::Result<()> {
         if idle {
             let since = *idle_since.get_or_insert_with(Instant::now);
             if since.elapsed() >= st.cfg.grace {
-                st.log.line("no segments left: exiting", true);
+                st.log.line(Kind::Other, "no segments left: exiting", true);
                 // Still holding the lock: no other supervisor has bound a socket there.
                 let _ = rustix::fs::unlinkat(
                     &st.cfg.state.fd,
@@ -425,8 +469,8 @@ pub fn serve(bound: Bound, cfg: ServerConfig) -> io::Result<()> {
 }
 
 impl State {
-    fn note(&mut self, msg: &str) {
-        self.log.line(msg, false);
+    fn note(&mut self, kind: Kind, msg: &str) {
+        self.log.line(kind, msg, false);
     }
 
     fn accept(&mut self, listener: &UnixListener) {
@@ -441,14 +485,14 @@ impl State {
                     // Out of descriptors: waiting clients stay queued in the backlog until
                     // one leaves; don't spin on a listener we cannot drain.
                     self.accept_paused = true;
-                    self.note(&format!(
-                        "accept paused: {e} ({} clients)",
-                        self.clients.len()
-                    ));
+                    self.note(
+                        Kind::Other,
+                        &format!("accept paused: {e} ({} clients)", self.clients.len()),
+                    );
                     return;
                 }
                 Err(e) => {
-                    self.note(&format!("accept failed: {e}"));
+                    self.note(Kind::Other, &format!("accept failed: {e}"));
                     return;
                 }
             };
@@ -459,10 +503,10 @@ impl State {
             // Only this user's processes may talk to this user's supervisor (the socket's
             // directory already keeps others out; this holds even if it did not).
             if cred.uid != rustix::process::geteuid() {
-                self.note(&format!(
-                    "refused a connection from uid {}",
-                    cred.uid.as_raw()
-                ));
+                self.note(
+                    Kind::Other,
+                    &format!("refused a connection from uid {}", cred.uid.as_raw()),
+                );
                 continue;
             }
             if stream.set_nonblocking(true).is_err() {
@@ -706,7 +750,7 @@ impl State {
                     "{} is mapped by {pids:?} (not clients): waiting",
                     path.display()
                 );
-                self.note(&msg);
+                self.note(Kind::Waiting, &msg);
             } else {
                 self.remove(&path, ids[&path]);
             }
@@ -753,24 +797,37 @@ impl State {
         }
         let tracked = self.segments.remove(path).is_some();
         match remove_if_ours(path, id) {
-            Ok(Removal::Removed) if tracked => {
-                self.note(&format!("unlinked {} (no user left)", path.display()))
-            }
-            Ok(Removal::Removed) => self.note(&format!("sweep: removed orphan {}", path.display())),
+            Ok(Removal::Removed) if tracked => self.note(
+                Kind::Unlinked,
+                &format!("unlinked {} (no user left)", path.display()),
+            ),
+            Ok(Removal::Removed) => self.note(
+                Kind::Orphan,
+                &format!("sweep: removed orphan {}", path.display()),
+            ),
             Ok(Removal::Gone) => {}
-            Ok(Removal::NotOurs) => self.note(&format!(
-                "left {} in place: not a segment shmstore made (a saved file, or not ours)",
-                path.display()
-            )),
+            Ok(Removal::NotOurs) => self.note(
+                Kind::Other,
+                &format!(
+                    "left {} in place: not a segment shmstore made (a saved file, or not ours)",
+                    path.display()
+                ),
+            ),
             Ok(Removal::Locked) => {
                 if self.locked.insert(path.to_owned()) {
-                    self.note(&format!(
-                        "{} is locked by a reader that is not a client: waiting",
-                        path.display()
-                    ));
+                    self.note(
+                        Kind::Waiting,
+                        &format!(
+                            "{} is locked by a reader that is not a client: waiting",
+                            path.display()
+                        ),
+                    );
                 }
             }
-            Err(e) => self.note(&format!("could not unlink {}: {e}", path.display())),
+            Err(e) => self.note(
+                Kind::Other,
+                &format!("could not unlink {}: {e}", path.display()),
+            ),
         }
     }
 }
