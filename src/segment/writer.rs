@@ -9,7 +9,12 @@ use std::path::{Path, PathBuf};
 
 use super::SegmentError;
 
+/// Small writes (records, metadata) are collected into a buffer of this size.
 const BUF: usize = 1 << 20;
+/// Writes of at least `BUF` bytes skip the buffer and go to the file in `write()`s of at most
+/// this size (one capacity check each). No `fallocate` first: on tmpfs it zeroes every page
+/// that the write then overwrites (measured 5 % slower for 256 MiB).
+const DIRECT: usize = 16 << 20;
 /// Space left free in the directory after a write (tmpfs needs some slack for metadata).
 const RESERVE: u64 = 1 << 20;
 
@@ -136,10 +141,19 @@ impl SegmentWriter {
         if self.buf.is_empty() {
             return Ok(());
         }
+        let buf = std::mem::take(&mut self.buf);
+        let res = self.write_checked(&buf);
+        self.buf = buf;
+        self.buf.clear();
+        res
+    }
+
+    /// Write `data` to the file at its end, after checking that the directory can hold it.
+    fn write_checked(&mut self, data: &[u8]) -> io::Result<()> {
         // Check capacity before every chunk: tmpfs would otherwise fail mid-write with
         // ENOSPC (or, for mapped writes, SIGBUS); this way the error says how much is needed.
         let mut free = free_bytes(&self.dir).map_err(io::Error::other)?;
-        let need = self.buf.len() as u64;
+        let need = data.len() as u64;
         if free < need.saturating_add(RESERVE) && self.spill(need)? {
             free = free_bytes(&self.dir).map_err(io::Error::other)?;
         }
@@ -156,7 +170,7 @@ impl SegmentWriter {
                 ),
             ));
         }
-        file.write_all(&self.buf).map_err(|e| {
+        file.write_all(data).map_err(|e| {
             if e.raw_os_error() == Some(rustix::io::Errno::NOSPC.raw_os_error()) {
                 io::Error::new(
                     io::ErrorKind::StorageFull,
@@ -171,7 +185,6 @@ impl SegmentWriter {
             }
         })?;
         self.written += need;
-        self.buf.clear();
         Ok(())
     }
 
@@ -257,6 +270,16 @@ impl Write for SegmentWriter {
     }
 
     fn write_all(&mut self, mut data: &[u8]) -> io::Result<()> {
+        if data.len() >= BUF {
+            // Large data (an array payload) goes from the caller's memory straight to the
+            // file in DIRECT-sized write()s, each capacity-checked: no copy into the buffer,
+            // no extra memory. What is buffered goes first, to keep the order.
+            self.flush_buf()?;
+            for chunk in data.chunks(DIRECT) {
+                self.write_checked(chunk)?;
+            }
+            return Ok(());
+        }
         while !data.is_empty() {
             let room = BUF - self.buf.len();
             let n = room.min(data.len());
@@ -310,6 +333,28 @@ mod tests {
         assert_eq!(path, dir.path().join("shmstore-w"));
         let shown = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd())).unwrap();
         assert_eq!(shown, path);
+    }
+
+    /// Large writes bypass the 1 MiB buffer (no copy, no growth) and keep the byte order
+    /// with the small writes around them.
+    #[test]
+    fn large_writes_go_straight_to_the_file_in_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = SegmentWriter::create(dir.path(), "shmstore-big", None).unwrap();
+        let big: Vec<u8> = (0..DIRECT + BUF + 17).map(|i| (i % 251) as u8).collect();
+        w.write_all(b"head").unwrap();
+        w.write_all(&big).unwrap();
+        // Nothing of the large write was buffered, and the buffer never grew.
+        assert!(w.buf.is_empty());
+        assert_eq!(w.buf.capacity(), BUF);
+        w.write_all(b"tail").unwrap();
+        assert_eq!(w.buf.len(), 4);
+        let (path, _) = w.publish_mode(0o400).unwrap();
+        let got = std::fs::read(path).unwrap();
+        assert_eq!(got.len(), 8 + big.len());
+        assert_eq!(&got[..4], b"head");
+        assert!(got[4..4 + big.len()] == big[..]);
+        assert_eq!(&got[4 + big.len()..], b"tail");
     }
 }
 

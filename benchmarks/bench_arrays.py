@@ -1,0 +1,262 @@
+"""Large arrays: `put` throughput against the plain way to fill a /dev/shm file, the extra memory
+`put` needs, and the first attach + get of an array in a fresh process against
+`SharedMemory(name)` + `np.ndarray`.
+
+Run: .venv/bin/python benchmarks/bench_arrays.py  ->  benchmarks/results/arrays.md
+(`--sizes 256,1024` in MiB; `--repeats 5`). Every ratio is measured side by side in one run:
+the approaches alternate within each repeat and the table shows medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import shmstore
+from _common import machine_md, md_table, verdict
+
+MiB = 1 << 20
+CHUNK = 16 * MiB
+
+
+def seg_dir() -> Path:
+    d = Path(os.environ.get("SHMSTORE_DIR", "/dev/shm"))
+    d.mkdir(mode=0o700, exist_ok=True)
+    return d
+
+
+# --- put throughput -----------------------------------------------------------------------
+
+
+def fallocate_write(a: np.ndarray, d: Path) -> float:
+    """The plain way: open a new file in `d`, fallocate, write() the buffer in 16 MiB pieces."""
+    path = d / f"bench-arrays-plain-{os.getpid()}"
+    mv = memoryview(a).cast("B")
+    t = time.perf_counter()
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, len(mv))
+        for off in range(0, len(mv), CHUNK):
+            view = mv[off : off + CHUNK]
+            while view:
+                view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+    dt = time.perf_counter() - t
+    path.unlink()
+    return dt
+
+
+def shmstore_put(a: np.ndarray, d: Path) -> float:
+    t = time.perf_counter()
+    ref = shmstore.put(a, dir=str(d))
+    dt = time.perf_counter() - t
+    ref.unlink()
+    ref.close()
+    return dt
+
+
+PEAK_CHILD = r"""
+import os, sys, numpy as np, shmstore
+n, d = int(sys.argv[1]), sys.argv[2]
+a = np.ones(n, dtype=np.uint8)          # faulted in: part of the baseline
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+open("/proc/self/clear_refs", "w").write("5")   # reset VmHWM to the current RSS
+before = status("VmRSS:")
+ref = shmstore.put(a, dir=d)
+peak = status("VmHWM:")
+ref.unlink(); ref.close()
+print(peak - before)
+"""
+
+
+def peak_extra(nbytes: int, d: Path) -> int:
+    """Peak RSS growth of a fresh process while it puts an array of `nbytes` (array excluded)."""
+    out = subprocess.run(
+        [sys.executable, "-c", PEAK_CHILD, str(nbytes), str(d)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return int(out.stdout.strip())
+
+
+# --- first attach + get in a fresh process ------------------------------------------------------
+
+ATTACH_CHILD = r"""
+import sys, time, numpy as np, shmstore
+from multiprocessing import resource_tracker, shared_memory
+# Attaching must not register the segment (the tracker would unlink it at exit, and starting
+# the tracker process would be timed): what `track=False` of Python 3.13 does.
+resource_tracker.register = lambda *args: None
+how, name, d, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+t = time.perf_counter()
+if how == "shmstore":
+    a = shmstore.Ref.attach(name, dir=d).get()
+    x = int(a[n // 2])
+else:
+    shm = shared_memory.SharedMemory(name)
+    a = np.ndarray((n,), dtype=np.uint8, buffer=shm.buf)
+    x = int(a[n // 2])
+dt = time.perf_counter() - t
+print(dt)
+"""
+
+
+def first_attach(how: str, name: str, d: Path, n: int) -> float:
+    out = subprocess.run(
+        [sys.executable, "-c", ATTACH_CHILD, how, name, str(d), str(n)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    # Only the child's own measurement counts (not interpreter start-up or imports).
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def fmt_ms(s: float) -> str:
+    return f"{s * 1e3:,.2f} ms"
+
+
+def bench_large(sizes_mib: list[int], repeats: int) -> tuple[str, list[str]]:
+    from multiprocessing import shared_memory
+
+    d = seg_dir()
+    rows: list[list[Any]] = []
+    raw: list[str] = []
+    attach_rows: list[list[Any]] = []
+    for size in sizes_mib:
+        n = size * MiB
+        a = np.random.default_rng(0).integers(0, 255, n, dtype=np.uint8)
+        plain, put = [], []
+        for r in range(repeats + 1):
+            pair = (fallocate_write, shmstore_put) if r % 2 else (shmstore_put, fallocate_write)
+            res = {f: f(a, d) for f in pair}
+            if r == 0:
+                continue  # warm-up: first faults of the allocator, page cache
+            plain.append(res[fallocate_write])
+            put.append(res[shmstore_put])
+        mp, mu = statistics.median(plain), statistics.median(put)
+        ratio = (n / mu) / (n / mp)
+        extra = peak_extra(n, d)
+        rows.append(
+            [
+                f"{size} MiB",
+                f"{n / mp / 1e9:.2f} GB/s",
+                f"{n / mu / 1e9:.2f} GB/s",
+                f"{ratio:.2f}x",
+                verdict(ratio >= 1.0),
+                f"{extra / MiB:.2f} MiB ({extra / n:.2%})",
+                verdict(extra <= n / 100),
+            ]
+        )
+        raw.append(
+            f"{size} MiB: fallocate+write {', '.join(f'{x:.3f}' for x in plain)}; "
+            f"put {', '.join(f'{x:.3f}' for x in put)}"
+        )
+
+        # First attach + get of the array in a fresh process.
+        ref = shmstore.put(a, dir=str(d))
+        shm = shared_memory.SharedMemory(create=True, size=n)
+        np.ndarray((n,), dtype=np.uint8, buffer=shm.buf)[:] = a
+        sa, sb = [], []
+        try:
+            for r in range(repeats):
+                order = ("shmstore", "shm") if r % 2 else ("shm", "shmstore")
+                for how in order:
+                    name = ref.name if how == "shmstore" else shm.name
+                    (sa if how == "shmstore" else sb).append(first_attach(how, name, d, n))
+        finally:
+            ref.unlink()
+            ref.close()
+            shm.close()
+            shm.unlink()
+        ma, mb = statistics.median(sa), statistics.median(sb)
+        attach_rows.append(
+            [
+                f"{size} MiB",
+                fmt_ms(mb),
+                fmt_ms(ma),
+                f"{ma / mb:.1f}x",
+                verdict(ma <= 1e-3 and ma <= 5 * mb),
+            ]
+        )
+        raw.append(
+            f"{size} MiB attach: shmstore {', '.join(f'{x * 1e3:.2f}' for x in sa)} ms; "
+            f"SharedMemory {', '.join(f'{x * 1e3:.2f}' for x in sb)} ms"
+        )
+        del a
+    text = "## put of a large uint8 array\n\n"
+    text += (
+        "`shmstore.put(a)` against the plain way to fill a file in the same directory "
+        "(`open` + `posix_fallocate` + `write()` of 16 MiB pieces), alternating, median of "
+        f"{repeats} (after one warm-up pair). Peak extra memory: the growth of VmHWM over VmRSS "
+        "of a fresh process that holds the (faulted-in) array while it puts it.\n\n"
+    )
+    text += md_table(
+        [
+            "size",
+            "fallocate + write",
+            "put",
+            "put vs plain",
+            "target >= 1.0x",
+            "peak extra memory",
+            "target <= 1 %",
+        ],
+        rows,
+    )
+    text += "\n\n## first `Ref.attach(name).get()` in a fresh process\n\n"
+    text += (
+        "Timed inside a freshly started process (numpy and shmstore already imported), up to "
+        "reading one element of the array: `shmstore.Ref.attach(name).get()` against "
+        "`SharedMemory(name)` + `np.ndarray`. Median of "
+        f"{repeats}, alternating.\n\n"
+    )
+    text += md_table(
+        [
+            "size",
+            "SharedMemory + ndarray",
+            "Ref.attach().get()",
+            "ratio",
+            "target <= 1 ms and <= 5x",
+        ],
+        attach_rows,
+    )
+    return text, raw
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--sizes", default="256,1024", help="array sizes in MiB, comma-separated")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "arrays.md"))
+    ap.add_argument("--skip-large", action="store_true")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    parts = ["# Arrays and small objects\n", machine_md(), ""]
+    raw: list[str] = []
+    if not args.skip_large:
+        text, r = bench_large(sizes, args.repeats)
+        parts.append(text)
+        raw += r
+    parts.append("\n## raw timings (s unless marked)\n")
+    parts += [f"- {line}" for line in raw]
+    out = Path(args.out)
+    out.write_text("\n".join(parts) + "\n")
+    print(out.read_text())
+
+
+if __name__ == "__main__":
+    main()
