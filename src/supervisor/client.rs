@@ -721,16 +721,25 @@ fn query_timeout() -> Duration {
 /// exiting (it exits only when it tracks nothing): the question is asked once more, and
 /// the second answer (or "none is running") stands.
 pub fn list() -> io::Result<Option<Vec<SegmentUse>>> {
-    match list_once() {
-        Err(e) if e.kind() == io::ErrorKind::Interrupted => list_once(),
+    let dir =
+        super::state_dir().map_err(|e| io::Error::from(Unavailable::UnsafeDir(e.to_string())))?;
+    list_in(&dir, &super::socket_name())
+}
+
+/// [`list`] from the supervisor named `name` whose socket is in `dir`.
+pub(crate) fn list_in(dir: &PrivateDir, name: &str) -> io::Result<Option<Vec<SegmentUse>>> {
+    match list_once(dir, name) {
+        Err(e) if e.kind() == io::ErrorKind::Interrupted => list_once(dir, name),
         r => r,
     }
 }
 
 /// One LIST round trip. `ErrorKind::Interrupted`: the connection closed before any answer.
-fn list_once() -> io::Result<Option<Vec<SegmentUse>>> {
-    let Some(mut c) = query(Instant::now() + query_timeout())? else {
-        return Ok(None);
+fn list_once(dir: &PrivateDir, name: &str) -> io::Result<Option<Vec<SegmentUse>>> {
+    let mut c = match connect_in(dir, name, Instant::now() + query_timeout()) {
+        Ok(c) => c,
+        Err(Unavailable::NotRunning(_)) => return Ok(None),
+        Err(e) => return Err(e.into()),
     };
     let closed_early = |e: io::Error| match e.kind() {
         io::ErrorKind::BrokenPipe

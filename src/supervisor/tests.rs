@@ -322,3 +322,108 @@ fn log_is_rate_limited_and_counts_what_it_leaves_out_per_kind() {
     assert_eq!(counts["last"], 1);
     assert!(text.ends_with("last\n"));
 }
+
+/// What a stand-in supervisor does with one connection's `LIST`.
+enum OnList {
+    /// Close the connection without answering (a supervisor exiting while idle).
+    Close,
+    /// Remove the socket, then close without answering (it exited: none is running now).
+    Exit,
+    /// Write these lines, then close.
+    Answer(&'static str),
+}
+
+/// Run `list_in` against a stand-in supervisor on `w`'s socket that answers `HELLO` and
+/// treats the `LIST` of its n-th connection as `plan[n]`. Fails if the client connects more
+/// often than `plan` says.
+fn list_against(w: &World, plan: &[OnList]) -> io::Result<Option<Vec<super::proto::SegmentUse>>> {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    use std::io::{BufReader, Write};
+    use std::os::unix::net::UnixListener;
+    let state = w.state();
+    let listener =
+        UnixListener::bind(super::server::socket_path(&state, &w.name).unwrap()).unwrap();
+    let socket_file = w.dir().join("state").join(format!("{}.sock", w.name));
+    let (dir, name) = (w.state(), w.name.clone());
+    let client = std::thread::spawn(move || super::client::list_in(&dir, &name));
+    for (n, step) in plan.iter().enumerate() {
+        // A failure bound: the client connects at once.
+        let mut fds = [PollFd::new(&listener, PollFlags::IN)];
+        let bound = Timespec {
+            tv_sec: 30,
+            tv_nsec: 0,
+        };
+        poll(&mut fds, Some(&bound)).unwrap();
+        assert!(!fds[0].revents().is_empty(), "connection {n} never came");
+        let (mut conn, _) = listener.accept().unwrap();
+        let mut reader = BufReader::new(conn.try_clone().unwrap());
+        let hello = super::proto::read_line(&mut reader).unwrap();
+        assert!(hello.starts_with("HELLO "), "{hello:?}");
+        conn.write_all(format!("OK {}\n", std::process::id()).as_bytes())
+            .unwrap();
+        assert_eq!(super::proto::read_line(&mut reader).unwrap(), "LIST");
+        match step {
+            OnList::Close => {}
+            OnList::Exit => std::fs::remove_file(&socket_file).unwrap(),
+            OnList::Answer(text) => conn.write_all(text.as_bytes()).unwrap(),
+        }
+        // Dropping `conn` and `reader` closes the connection.
+    }
+    let got = client.join().unwrap();
+    // Every connection the client made was queued before it returned.
+    listener.set_nonblocking(true).unwrap();
+    match listener.accept() {
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+        other => panic!("asked more often than {} times: {other:?}", plan.len()),
+    }
+    got
+}
+
+#[test]
+fn list_asks_once_more_when_the_connection_closes_before_any_answer() {
+    let w = World::new();
+    let got = list_against(
+        &w,
+        &[
+            OnList::Close,
+            OnList::Answer("SEG /s/shmstore-a 5,6\nEND 1\n"),
+        ],
+    );
+    let segs = got.unwrap().expect("the second answer stands");
+    assert_eq!(segs.len(), 1);
+    assert_eq!(segs[0].path, Path::new("/s/shmstore-a"));
+    assert_eq!(segs[0].pids, [5, 6]);
+}
+
+#[test]
+fn list_after_an_exiting_supervisor_says_none_is_running() {
+    let w = World::new();
+    assert!(list_against(&w, &[OnList::Exit]).unwrap().is_none());
+}
+
+#[test]
+fn list_asks_only_once_more() {
+    let w = World::new();
+    let err = list_against(&w, &[OnList::Close, OnList::Close]).unwrap_err();
+    assert!(err.to_string().contains("closed the connection"), "{err}");
+}
+
+#[test]
+fn list_cut_after_an_answer_began_is_an_error_not_asked_again() {
+    let w = World::new();
+    let err = list_against(&w, &[OnList::Answer("SEG /s/shmstore-a 5\n")]).unwrap_err();
+    assert!(err.to_string().contains("cut after 1 segments"), "{err}");
+    let err = list_against(
+        &World::new(),
+        &[OnList::Answer("SEG /s/shmstore-a 5\nEND 2\n")],
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("incomplete: 1 of 2"), "{err}");
+}
+
+#[test]
+fn list_answered_at_once_is_asked_once() {
+    let w = World::new();
+    let segs = list_against(&w, &[OnList::Answer("END 0\n")]).unwrap();
+    assert_eq!(segs, Some(vec![]));
+}
