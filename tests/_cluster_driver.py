@@ -1,13 +1,16 @@
 """The client of the multi-machine Dask test (tests/test_cluster.py), run on the head machine.
 
 argv: scheduler file, number of workers, shared directory, output JSON path. Shares a SharedList
-(by Dask chunks) and an array (by a file in the shared directory), has every worker read them,
-kills one worker that did not fetch (its Nanny restarts it), reads again, writes what it saw
-as JSON, then waits for stdin to close (the test SIGKILLs it with everything else).
+(by Dask chunks) and an array (by a file in the shared directory), has every worker read them
+through ``client.submit``, then again through joblib's Dask backend (``Parallel()`` under
+``parallel_config(backend="dask")``, the user's joblib code unchanged), kills one worker that did
+not fetch (its Nanny restarts it), reads again, writes what it saw as JSON, then waits for stdin
+to close (the test SIGKILLs it with everything else).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -19,19 +22,24 @@ import numpy as np
 import shmstore
 import shmstore.cluster as sc
 import shmstore.dask
+import shmstore.joblib
 from distributed import Client
+from joblib import Parallel, delayed, parallel_config
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import make_records
 
 
-def read_all(lst: shmstore.SharedList, ref: shmstore.Ref) -> dict:
-    """What a worker sees: a digest of every record and of the array, and where it runs."""
+def read_all(lst: shmstore.SharedList, ref: shmstore.Ref, extra: np.ndarray | None = None) -> dict:
+    """What a worker sees: a digest of every record and of the array (and of ``extra``, a
+    plain array argument), and where it runs."""
     h = hashlib.sha256()
     for rec in lst:
         h.update(repr(rec.to_python()).encode())
     arr = ref.get()
     h.update(arr.tobytes())
+    if extra is not None:
+        h.update(extra.tobytes())
     return {"node": sc.node_id(), "pid": os.getpid(), "sha": h.hexdigest()}
 
 
@@ -58,21 +66,37 @@ def main() -> None:
     records = make_records(300)
     lst = shmstore.SharedList(records)
     arr = shmstore.put(np.arange(100_000, dtype=np.float64))
+    big = np.linspace(0.0, 1.0, 300_000)  # 2.4 MB: above joblib's and shmstore.joblib's thresholds
     expect = read_all(lst, arr)["sha"]
-    result: dict = {"expect": expect}
+    result: dict = {"expect": expect, "expect_joblib": read_all(lst, arr, big[::2])["sha"]}
     s1 = shmstore.dask.share(client, lst, chunk=16 << 10)
     s2 = shmstore.dask.share(client, arr, path=os.path.join(shared, "arr.shm"), scatter=False)
     result["digests"] = [s1.ref.digest, s2.ref.digest]
 
-    def round_(tag: str) -> None:
+    def round_(tag: str, joblib: bool = False) -> None:
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
-        futs = [client.submit(read_all, lst, arr, workers=[w], pure=False) for w in workers]
-        result[tag + "_reads"] = client.gather(futs)
+        if joblib:
+            # Code written for shmstore.joblib (sharing(), a plain array argument too) run on
+            # joblib's Dask backend, sharing() outside and inside parallel_config in turn. One
+            # call per worker (the backend passes `workers=` on to client.submit), so that
+            # every worker of both machines runs one.
+            reads = []
+            for i, w in enumerate(workers):
+                scopes = [shmstore.joblib.sharing(), parallel_config(backend="dask", workers=[w])]
+                with contextlib.ExitStack() as stack:
+                    for scope in scopes if i % 2 else scopes[::-1]:
+                        stack.enter_context(scope)
+                    reads += Parallel()(delayed(read_all)(lst, arr, big[::2]) for _ in "x")
+            result[tag + "_reads"] = reads
+        else:
+            futs = [client.submit(read_all, lst, arr, workers=[w], pure=False) for w in workers]
+            result[tag + "_reads"] = client.gather(futs)
         result[tag + "_segments"] = client.run(segment_state)
         result[tag + "_worker_stats"] = client.run(sc.stats)
         result[tag + "_nanny_stats"] = client.run(pid_stats, nanny=True)
 
     round_("first")
+    round_("joblib", joblib=True)
     # Kill (SIGKILL) a worker that attached (did not fetch); its Nanny starts a new one.
     stats = result["first_worker_stats"]
     victim = next(w for w, s in sorted(stats.items()) if s["fetched"] == 0)

@@ -292,10 +292,13 @@ def test_dask_two_machines_one_copy_each(tmp_path, capsys):
         assert line.strip() == b"done", f"driver failed (exit {driver.poll()}): {_tails(logs)}"
         res = json.loads(out.read_text())
         nodes = {m.name: None for m in (a, b)}
-        for tag in ("first", "second"):
+        # "joblib": the same reads through joblib's Dask backend, one call per worker
+        for tag in ("first", "joblib", "second"):
             reads = res[tag + "_reads"]
             assert len(reads) == 4
-            assert {r["sha"] for r in reads} == {res["expect"]}  # identical records everywhere
+            want = res["expect_joblib" if tag == "joblib" else "expect"]
+            assert {r["sha"] for r in reads} == {want}  # identical records everywhere
+            assert len({r["node"] for r in reads}) == 2  # tasks ran on both machines
             by_node: dict[str, dict] = {}
             for seg in res[tag + "_segments"].values():
                 by_node.setdefault(seg["node"], seg["files"])
@@ -309,7 +312,8 @@ def test_dask_two_machines_one_copy_each(tmp_path, capsys):
             if tag == "first":
                 first_files = by_node
             else:
-                # the Nanny restart re-attached: same files (inodes) as before, no refetch
+                # joblib's calls and the Nanny restart attached: the same files (inodes) as
+                # before, no refetch, no other copy
                 assert by_node == first_files
             # exactly one fetch per machine per store: counted over every process there
             per_node: dict[str, int] = {}

@@ -285,6 +285,43 @@ def test_joblib_prefer_threads_is_honoured_inside_sharing():
     assert me not in explicit(delayed(_pid)(i) for i in range(4))
 
 
+def _on_a_dask_worker(_: int) -> bool:
+    from distributed import get_worker
+
+    try:
+        get_worker()
+    except ValueError:
+        return False
+    return True
+
+
+def test_joblib_dask_backend_is_kept_inside_and_around_sharing():
+    """Code written for shmstore.joblib run under ``parallel_config(backend="dask")`` runs on
+    the Dask cluster, whichever way the two are nested (``sharing()`` inside used to put the
+    calls on local loky workers); an explicit ``backend`` still wins."""
+    pytest.importorskip("distributed", reason="distributed is in requirements-dev.txt")
+    from distributed import Client, LocalCluster
+
+    tasks = [delayed(_on_a_dask_worker)(i) for i in range(4)]
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None
+        ) as cluster,
+        Client(cluster),
+    ):
+        with joblib.parallel_config(backend="dask"):
+            with sj.sharing() as stats:
+                assert joblib.Parallel()(tasks) == [True] * 4
+                assert sj.Parallel()(tasks) == [True] * 4
+                assert sj.Parallel(n_jobs=2, backend="threading")(tasks) == [False] * 4
+            assert stats.segments == 0
+            assert sj.Parallel()(tasks) == [True] * 4
+        with sj.sharing(), joblib.parallel_config(backend="dask"):
+            assert joblib.Parallel()(tasks) == [True] * 4
+    with sj.sharing(n_jobs=2):  # no Dask backend around: ours, as before
+        assert joblib.Parallel()(tasks) == [False] * 4
+
+
 @pytest.mark.parametrize("mode", ["r+", "w+", "c"])
 def test_joblib_writable_mmap_mode_warns(mode, big):
     """Arrays arrive read-only whatever ``mmap_mode`` asks: a writable mode warns."""

@@ -187,6 +187,16 @@ for _name, _cls in _BACKENDS.items():
     register_parallel_backend(f"shmstore-{_name}", _cls)
 
 
+def _enclosing_dask_backend() -> bool:
+    """Whether an enclosing ``joblib.parallel_config`` (or ``parallel_backend``) chose joblib's
+    Dask backend (``backend="dask"``)."""
+    dask = sys.modules.get("joblib._dask")
+    if dask is None:
+        return False  # joblib imports it when "dask" is first asked for
+    active, _ = joblib.parallel.get_active_backend()
+    return isinstance(active, dask.DaskDistributedBackend)
+
+
 def _make_backend(
     backend: Any,
     threshold: Union[int, str, None],
@@ -220,7 +230,9 @@ class Parallel(joblib.Parallel):  # type: ignore[misc]
     the call ends, or with the enclosing :func:`sharing` context. ``max_nbytes``/``mmap_mode``
     have no effect (nothing is left for joblib's memmapping): arrays arrive read-only, and a
     writable ``mmap_mode`` (``"r+"``, ``"w+"``, ``"c"``) warns (:class:`WritableMemmapWarning`).
-    Without ``backend``, ``prefer="threads"`` gets the threading backend, as in joblib.
+    Without ``backend``, ``prefer="threads"`` gets the threading backend, as in joblib, and
+    inside ``joblib.parallel_config(backend="dask")`` the call runs on joblib's Dask backend (on
+    the cluster, arrays sent the way Dask sends them: see docs/guides/dask.md).
     """
 
     def __init__(
@@ -233,7 +245,8 @@ class Parallel(joblib.Parallel):  # type: ignore[misc]
         **kwargs: Any,
     ) -> None:
         explicit = backend is not None
-        backend = _make_backend(backend, threshold, None, guard, honour_prefer=not explicit)
+        if explicit or not _enclosing_dask_backend():
+            backend = _make_backend(backend, threshold, None, guard, honour_prefer=not explicit)
         super().__init__(n_jobs=n_jobs, backend=backend, **kwargs)
 
     @property
@@ -244,7 +257,7 @@ class Parallel(joblib.Parallel):  # type: ignore[misc]
 
 @contextlib.contextmanager
 def sharing(
-    backend: Any = "loky",
+    backend: Any = None,
     *,
     threshold: Union[int, str, None] = DEFAULT_THRESHOLD,
     n_jobs: Optional[int] = None,
@@ -254,10 +267,17 @@ def sharing(
     """Make every ``joblib.Parallel`` call in the block send arrays by name.
 
     Within the block, ``joblib.Parallel(...)`` without an explicit ``backend`` uses ours (via
-    ``joblib.parallel_config``); all calls share the same segments, so an array passed to
-    several calls is copied once. The segments are unlinked when the block ends. Yields the
-    :class:`SharingStats` of the block. ``guard`` is the threading backend's
+    ``joblib.parallel_config``; ``backend``: ``"loky"``, the default, ``"multiprocessing"``,
+    ``"threading"`` or a multiprocessing context); all calls share the same segments, so an
+    array passed to several calls is copied once. The segments are unlinked when the block
+    ends. Yields the :class:`SharingStats` of the block. ``guard`` is the threading backend's
     :class:`~shmstore.leaks.GcGuard`. Extra keyword arguments go to ``parallel_config``.
+
+    Inside ``joblib.parallel_config(backend="dask")``, a block without ``backend`` keeps
+    joblib's Dask backend: the calls run on the cluster, as the enclosing code asked, and
+    arrays go the way Dask sends them (this module's segments exist on one machine only; to
+    share an array once per machine, ``shmstore.put`` it and pass the ``Ref`` inside
+    ``shmstore.dask.share``: docs/guides/dask.md).
 
     A call that prefers threads (``joblib.Parallel(prefer="threads")``, as scikit-learn does
     where its tasks release the GIL) runs on the gc-guarded threading backend, as it would
@@ -265,12 +285,19 @@ def sharing(
     it). A call asking for writable memmaps (``mmap_mode="r+"``, ``"w+"`` or ``"c"``) warns
     (:class:`WritableMemmapWarning`): its arrays arrive read-only.
     """
+    keep_dask = backend is None and _enclosing_dask_backend()
     sharer = Sharer(threshold)
     token = _ACTIVE.set(sharer)
     try:
-        with joblib.parallel_config(
-            backend=_make_backend(backend, threshold, sharer, guard), n_jobs=n_jobs, **config
-        ):
+        if keep_dask:
+            if n_jobs is not None:
+                config["n_jobs"] = n_jobs
+            scope = joblib.parallel_config(**config)  # the enclosing Dask backend stays
+        else:
+            scope = joblib.parallel_config(
+                backend=_make_backend(backend, threshold, sharer, guard), n_jobs=n_jobs, **config
+            )
+        with scope:
             yield sharer.stats
     finally:
         _ACTIVE.reset(token)
