@@ -30,8 +30,9 @@ What :func:`share` does:
 treating the handle specially; each machine's copy goes once no process there uses it.
 
 Memory limits: the pages of a store count in each worker's RSS once touched, although they
-exist once per machine. Dask's memory thresholds (``distributed.worker.memory.*``) act on RSS,
-so 4 workers reading a 10 GiB store each *look* 10 GiB heavy. Give each worker
+exist once per machine. Dask's spill, pause and terminate thresholds
+(``distributed.worker.memory.*``) act on RSS, so 4 workers reading a 10 GiB store each *look*
+10 GiB heavy. Give each worker
 ``memory_limit`` = its own working memory + the store's size, or measure with PSS
 (``shmstore.memory``): docs/guides/dask.md.
 """
