@@ -7,7 +7,7 @@ PYTHON ?= python3
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 
-.PHONY: help venv build test test-rust test-python test-torch fuzz wheels test-wheel demo bench lint doctest format clean
+.PHONY: help venv build test test-rust test-python test-torch fuzz wheels test-wheel demo bench bench-format lint doctest format clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -86,8 +86,17 @@ test-wheel: ## the suite against a wheel from dist/ in a fresh venv of WHEEL_PYT
 demo: build ## memory: plain list vs pickle buffer vs shmstore, fork/spawn/forkserver (~3 min)
 	$(PY) benchmarks/demo.py
 
-bench: build ## all acceptance benchmarks; results go to benchmarks/results/
+# Baselines only the benchmarks need (msgpack, pyarrow), kept out of the test dependencies.
+$(VENV)/.bench-deps: benchmarks/requirements.txt $(VENV)/.deps
+	$(PY) -m pip install -q -r benchmarks/requirements.txt
+	touch $@
+
+bench: build $(VENV)/.bench-deps ## all acceptance benchmarks; results go to benchmarks/results/
 	$(PY) benchmarks/run_all.py
+
+BENCH_FORMAT_ARGS ?=
+bench-format: build $(VENV)/.bench-deps ## the compact-format targets in one run (~10 min) -> benchmarks/results/format.md
+	$(PY) benchmarks/bench_format.py $(BENCH_FORMAT_ARGS)
 
 PY_SOURCES := python tests benchmarks examples build_backend
 

@@ -422,3 +422,85 @@ def read_task(data: Any, command: Any) -> Any:
 def payload_size(data: Any) -> int:
     """Bytes a spawn/forkserver worker receives for ``data`` (its pickle)."""
     return len(pickle.dumps(data, protocol=PICKLE_PROTOCOL))
+
+
+def touch_indices(seq: Any, indices: Sequence[int]) -> float:
+    """The field-touch loop of ``touch_sequence``, over the records at ``indices`` in that order
+    (a permutation: random order)."""
+    acc = 0.0
+    for i in indices:
+        rec = seq[i]
+        acc += len(rec["file_name"]) + rec["height"]
+        for a in rec["annotations"]:
+            acc += a["bbox"][0] + a["category_id"]
+    return acc
+
+
+def touch_pickle_indices(pb: PickleBuffer, indices: Sequence[int]) -> float:
+    """``touch_pickle`` over the records at ``indices``, in that order."""
+    loads = pickle.loads
+    mv = memoryview(pb.buf)
+    off = memoryview(pb.offsets)
+    acc = 0.0
+    for i in indices:
+        rec = loads(mv[off[i] : off[i + 1]])
+        acc += len(rec["file_name"]) + rec["height"]
+        for a in rec["annotations"]:
+            acc += a["bbox"][0] + a["category_id"]
+    return acc
+
+
+def paired_samples(
+    fns: dict[str, Callable[[], Any]],
+    repeats: int,
+    gc_collect: bool = True,
+    after: Callable[[str, Any], None] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """Time every function of ``fns`` once per repeat, alternating: the order is reversed every
+    other repeat, so that a drift of the machine's load hits every function alike. Returns the
+    times per function (seconds, in repeat order: sample ``k`` of every function comes from the
+    same round) and each function's last result. ``gc_collect=False`` skips the collection
+    before each call (micro-benchmarks; the GC is off during every call either way).
+    ``after(key, result)``, if given, runs after each call, untimed (e.g. to free a store that
+    the call built, keeping only the last)."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    results: dict[str, Any] = {}
+    keys = list(fns)
+    for rep in range(repeats):
+        for k in keys if rep % 2 == 0 else reversed(keys):
+            if gc_collect:
+                gc.collect()
+            was_enabled = gc.isenabled()
+            gc.disable()
+            try:
+                t0 = clock()
+                results[k] = fns[k]()
+                dt = clock() - t0
+            finally:
+                if was_enabled:
+                    gc.enable()
+            times[k].append(dt)
+            if after is not None:
+                after(k, results[k])
+    return times, results
+
+
+def paired_ratio(times: dict[str, list[float]], num: str, den: str) -> float:
+    """Median over the rounds of ``times[num][k] / times[den][k]`` (paired samples)."""
+    return median([a / b for a, b in zip(times[num], times[den])])
+
+
+def per_record_buffer_size(records: Iterable[Any], dumps: Callable[[Any], bytes]) -> int:
+    """Bytes of every record serialised by ``dumps`` into one buffer + int64 offsets (n + 1)."""
+    total = 0
+    n = 0
+    for r in records:
+        total += len(dumps(r))
+        n += 1
+    return total + 8 * (n + 1)
+
+
+def log(message: str) -> None:
+    """Progress on stderr (the results go to stdout and the results file)."""
+    print(message, file=sys.stderr, flush=True)
