@@ -593,7 +593,7 @@ def _time_table(
         [k, _ms(v), _us_per(v, n), ", ".join(f"{t:.3f}" for t in times[k])] for k, v in med.items()
     ]
     return f"**{title}**\n\n" + C.md_table(
-        ["approach", "median", unit_name, "all samples (s)"], rows
+        ["approach", "median CPU time", unit_name, "all samples (s, CPU)"], rows
     )
 
 
