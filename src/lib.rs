@@ -10,6 +10,7 @@
 #![cfg_attr(not(feature = "python"), allow(dead_code, unused_imports))]
 
 mod archive;
+mod arena;
 mod graph;
 mod segment;
 mod supervisor;

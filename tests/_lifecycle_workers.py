@@ -248,6 +248,11 @@ class Client:
         self.handles[h.name] = h
         return f"OK {h.name} {self.shmstore._native._store_info(h)['path']}"
 
+    def cmd_putarena(self, nbytes: str) -> str:
+        h = self.shmstore.put(b"\x5a" * int(nbytes), arena=True)
+        self.handles[h.name] = h
+        return f"OK {h.name} {self.shmstore._native._store_info(h)['path']}"
+
     def cmd_build_blocking(self, n: str) -> str:
         def records():
             for i in range(int(n)):

@@ -1587,3 +1587,75 @@ def test_connect_close_flood_does_not_starve_clients(lc: Lifecycle) -> None:
     assert flooded[0] > 0
     lc.sync()
     assert len(lc.log()) < 64 * 1024
+
+
+# --- Arenas: chunks of small objects (docs/arena.md) -----------------------------------------
+
+
+def chunk_of(name: str) -> tuple[str, int, int]:
+    """(arena name, offset, generation) of an arena Ref's name."""
+    arena, rest = name.split("@")
+    offset, _size, generation = rest.split(":")
+    return arena, int(offset), int(generation)
+
+
+def test_arena_sigkilled_holder_frees_its_chunk(lc: Lifecycle) -> None:
+    creator = lc.worker()
+    first, path = creator.ok("putarena 1000")
+    holder = lc.worker()
+    assert holder.ok(f"attachref {first}")[1] == "1000"
+    creator.ok(f"close {first}")
+    # The creator let go, the holder has not: the chunk is not reused.
+    second, _ = creator.ok("putarena 1000")
+    assert chunk_of(second)[1] != chunk_of(first)[1]
+    holder.kill()
+    # Its lease died with it: the next put of that size reuses the chunk, with a new
+    # generation, and the old handle can never read it.
+    third, _ = creator.ok("putarena 1000")
+    assert chunk_of(third)[1] == chunk_of(first)[1]
+    assert chunk_of(third)[2] != chunk_of(first)[2]
+    late = lc.worker()
+    reply = late(f"attachref {first}")
+    assert reply.startswith("ERR StoreClosedError"), reply
+    assert late.ok(f"attachref {third}")[1] == "1000"
+    late.exit()
+    t0 = time.monotonic()
+    creator.kill()
+    assert_gone_within([Path(path)], t0)
+
+
+@pytest.mark.parametrize("how", ["sigkill", "exit"])
+def test_arena_outlives_its_creator_while_a_reader_holds_a_chunk(lc: Lifecycle, how: str) -> None:
+    creator = lc.worker()
+    name, path = creator.ok("putarena 5000")
+    reader = lc.worker()
+    assert reader.ok(f"attachref {name}")[1] == "5000"
+    if how == "sigkill":
+        creator.kill()
+    else:
+        creator.exit()
+    wait_until(lambda: creator.pid not in lc.users(Path(path)), 30, "the creator's end is handled")
+    assert Path(path).exists(), "arena removed while a reader holds a chunk"
+    assert reader.ok(f"attachref {name}")[1] == "5000"
+    t0 = time.monotonic()
+    reader.kill()
+    assert_gone_within([Path(path)], t0)
+
+
+@pytest.mark.parametrize("how", ["sigkill", "exit", "close"])
+def test_arena_alone_is_removed_with_its_creator(lc: Lifecycle, how: str) -> None:
+    creator = lc.worker()
+    names = [creator.ok(f"putarena {n}") for n in (10, 100_000, 10)]
+    paths = {Path(p) for _, p in names}
+    assert len(paths) == 1, "one arena for all three"
+    if how == "close":
+        for n, _ in names:
+            creator.ok(f"close {n}")
+        # Closed chunks are free, the arena itself stays for the creator's next objects.
+        assert all(p.exists() for p in paths)
+    t0 = time.monotonic()
+    if how == "exit":
+        creator.exit()
+    else:
+        creator.kill()
+    assert_gone_within(sorted(paths), t0)

@@ -258,13 +258,21 @@ class Ref(StoreHandle):
     def get(self) -> Any:
         """The shared object: a read-only view, a read-only numpy array, or a scalar."""
 
-def put(obj: Any, *, name: str | None = None, dir: _Path | None = None) -> Ref:
+def put(
+    obj: Any, *, name: str | None = None, dir: _Path | None = None, arena: bool = False
+) -> Ref:
     """Share one object (e.g. a numpy array) by name.
+
+    ``arena=True``: a small object (archive <= 1 MiB, no ``name``) goes into a chunk of this
+    process's arena segment instead of a segment of its own (docs/arena.md).
 
     >>> import numpy as np
     >>> with put(np.arange(3)) as ref:
     ...     ref.get().tolist()
     [0, 1, 2]
+    >>> small = put({"a": 1}, arena=True)
+    >>> small.get()["a"], "@" in small.name
+    (1, True)
     """
 
 @final
@@ -352,6 +360,16 @@ def supervisor_info() -> dict[str, Any] | None:
     Raises StoreIOError when one is running but does not answer in time."""
 
 def _flush_drops() -> None: ...
+def _arena_release() -> int: ...
+def _arena_usage() -> list[tuple[str, int, int]]: ...
+def _arena_simulate(
+    policy: str,
+    ops: int,
+    lo: int = 64,
+    hi: int = 1048576,
+    live_target: int = 1000,
+    seed: int = 1,
+) -> dict[str, Any]: ...
 def gc_unreachable(objects: list[object]) -> list[int]:
     """Indices of objects[:-1] nothing outside the list keeps alive; objects[-1] is a fresh
     calibration probe referenced only by the list. Needs the GIL."""

@@ -15,6 +15,7 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
 
 use crate::archive::ArchiveError;
+use crate::arena::ArenaError;
 use crate::segment::{SaveError, SegmentError};
 
 /// (name, builtin base, docstring) of each exception class, in creation order.
@@ -156,6 +157,11 @@ pub(crate) enum Error {
     Invalid { at: String, what: String },
     /// A handle that was closed.
     Closed { name: String },
+    /// An arena or one of its chunks (`at`: which store).
+    Arena {
+        at: String,
+        err: crate::arena::ArenaError,
+    },
     /// A handle of one kind attached to a store of another.
     WrongKind {
         store: String,
@@ -208,6 +214,11 @@ impl From<Error> for PyErr {
             Error::MissingKey(key) => return pyo3::exceptions::PyKeyError::new_err(key),
             Error::Save(err) => return save(err),
             Error::Archive { at, err } => archive(&at, err),
+            Error::Arena { at, err } => match err {
+                ArenaError::Stale { .. } => (Class::Ours(Exc::Closed), format!("{at}: {err}")),
+                ArenaError::Corrupt { .. } => (Class::Ours(Exc::Corrupt), format!("{at}: {err}")),
+                ArenaError::Segment(err) => segment(err),
+            },
             Error::Segment(err) => segment(err),
             Error::Io { at, err } => (Class::Ours(io_class(&err)), format!("{at}: {err}")),
             Error::Unsupported { at, what } => {

@@ -17,6 +17,7 @@
 //! lazy view is made by the conversion and converts its items.)
 
 mod admin;
+mod arena;
 mod errors;
 mod fetch;
 mod graph;
@@ -40,6 +41,8 @@ mod _native {
         _search_dirs, _segment_name, _segment_paths, _segment_users, _store_info, _supervisor_main,
         supervisor_info, sweep,
     };
+    #[pymodule_export]
+    use super::arena::{_arena_release, _arena_simulate, _arena_usage};
     #[pymodule_export]
     use super::fetch::{_cluster_identity, _import_archive};
     #[pymodule_export]

@@ -12,6 +12,7 @@ use pyo3::types::PyString;
 
 use super::errors::Error;
 use crate::archive::{ArchiveError, Builder, Kind, Reader};
+use crate::arena::{ArenaError, ArenaFile, Chunk, Lease};
 use crate::segment::{self, Mapping, SegmentError, SegmentWriter};
 use crate::supervisor;
 
@@ -25,6 +26,8 @@ pub(crate) struct Store {
     ident: (u64, u64),
     /// Python str objects for the symbol table (dict keys), made once per process.
     py_symbols: PyOnceLock<Vec<Py<PyString>>>,
+    /// A chunk of an arena: this process's lease on it, released after the mapping is gone.
+    _lease: Option<Lease>,
     /// The supervisor knows this process uses the segment (told before mapping it).
     /// Declared last: fields drop in order, so the mapping is gone before DROP is sent and
     /// the supervisor's /proc check does not see this process as still mapping it.
@@ -35,7 +38,7 @@ pub(crate) struct Store {
 /// dropped (for a failed build or attach, or with the `Store` that owns it; never blocks).
 /// Without a supervisor, the segment file is held with a shared `flock` instead, which the
 /// supervisor and `shmstore gc` respect even when `/proc` cannot show them this process.
-struct Registration {
+pub(crate) struct Registration {
     path: PathBuf,
     active: bool,
     lock: Option<std::fs::File>,
@@ -49,6 +52,16 @@ impl Registration {
             active,
             lock: None,
         }
+    }
+
+    /// This process is about to create the segment (or arena) at `path`.
+    pub(crate) fn created(py: Python<'_>, path: PathBuf) -> Self {
+        Registration::new(py, path, true)
+    }
+
+    /// Whether the supervisor knows.
+    pub(crate) fn is_active(&self) -> bool {
+        self.active
     }
 
     /// Nothing to register (a saved file, not a segment).
@@ -122,8 +135,18 @@ fn register(py: Python<'_>, path: &Path, created: bool) -> bool {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Source {
-    Segment { name: String, path: PathBuf },
-    File { path: PathBuf },
+    Segment {
+        name: String,
+        path: PathBuf,
+    },
+    File {
+        path: PathBuf,
+    },
+    /// A chunk of the arena at `path` (docs/arena.md).
+    Arena {
+        path: PathBuf,
+        chunk: Chunk,
+    },
 }
 
 /// What a pickle of a handle or view carries: (path, "s" for a segment or "" for a saved
@@ -133,7 +156,9 @@ pub(crate) type PickleArgs = (String, String, u64, u64);
 impl Source {
     pub(crate) fn path(&self) -> &Path {
         match self {
-            Source::Segment { path, .. } | Source::File { path } => path,
+            Source::Segment { path, .. } | Source::File { path } | Source::Arena { path, .. } => {
+                path
+            }
         }
     }
 
@@ -141,11 +166,22 @@ impl Source {
         match self {
             Source::Segment { name, .. } => name.clone(),
             Source::File { path } => path.display().to_string(),
+            // What `Ref.attach` accepts: the arena's name, then where the chunk is.
+            Source::Arena { path, chunk } => format!(
+                "{}@{}:{}:{}",
+                path.file_name().unwrap_or_default().to_string_lossy(),
+                chunk.offset,
+                chunk.size,
+                chunk.generation
+            ),
         }
     }
 
     /// The source a pickle's (path, flag) names (the inverse of [`Store::pickle_args`]).
     pub(crate) fn from_pickle(path: PathBuf, flag: &str) -> Source {
+        if let Some(chunk) = flag.strip_prefix('a').and_then(parse_chunk) {
+            return Source::Arena { path, chunk };
+        }
         match (
             flag,
             path.file_name().and_then(|n| n.to_str()).map(str::to_owned),
@@ -192,6 +228,12 @@ impl Store {
         match &self.source {
             Source::Segment { path, .. } => (path.display().to_string(), "s".into(), rec, pos),
             Source::File { path } => (path.display().to_string(), String::new(), rec, pos),
+            Source::Arena { path, chunk } => (
+                path.display().to_string(),
+                format!("a{}:{}:{}", chunk.offset, chunk.size, chunk.generation),
+                rec,
+                pos,
+            ),
         }
     }
 
@@ -255,13 +297,63 @@ fn remember(store: &Arc<Store>) {
         .insert(store.source.path().to_owned(), Arc::downgrade(store));
 }
 
+/// "offset:size:generation" of a chunk, as in a name or pickle.
+fn parse_chunk(s: &str) -> Option<Chunk> {
+    let mut it = s.split(':').map(str::parse::<u64>);
+    let (Some(Ok(offset)), Some(Ok(size)), Some(Ok(generation)), None) =
+        (it.next(), it.next(), it.next(), it.next())
+    else {
+        return None;
+    };
+    Some(Chunk {
+        offset,
+        size,
+        generation,
+    })
+}
+
+/// Map a chunk of an arena: register the arena (counted per process), take a lease on the
+/// chunk, check its generation, map just the chunk and open its archive.
+pub(crate) fn open_chunk(py: Python<'_>, path: PathBuf, chunk: Chunk) -> PyResult<Arc<Store>> {
+    let source = Source::Arena {
+        path: path.clone(),
+        chunk,
+    };
+    let context = format!("store {:?}", source.name());
+    let mut registration = Registration::new(py, path.clone(), false);
+    let opened = py.detach(|| {
+        let file = ArenaFile::open(&path).map_err(StoreErr::Arena)?;
+        let (lease, at, len) = file.lease(chunk).map_err(StoreErr::Arena)?;
+        let ident = file.ident();
+        registration
+            .lock_if_unsupervised(ident)
+            .map_err(StoreErr::Segment)?;
+        let mapping = Mapping::window(file.file(), &path, at, len).map_err(StoreErr::Segment)?;
+        let reader = Reader::open(mapping).map_err(StoreErr::Archive)?;
+        Ok::<_, StoreErr>((reader, lease, ident))
+    });
+    let (reader, lease, ident) = opened.map_err(|e| e.into_error(&context))?;
+    Ok(Arc::new(Store {
+        reader,
+        source,
+        ident,
+        py_symbols: PyOnceLock::new(),
+        _lease: Some(lease),
+        registration,
+    }))
+}
+
 fn open_store(py: Python<'_>, source: Source) -> PyResult<Arc<Store>> {
+    if let Source::Arena { path, chunk } = source {
+        return open_chunk(py, path, chunk);
+    }
     if let Some(s) = cached(source.path()) {
         return Ok(s);
     }
     let (path, name, is_segment) = match &source {
         Source::Segment { name, path } => (path.clone(), name.clone(), true),
         Source::File { path } => (path.clone(), path.display().to_string(), false),
+        Source::Arena { .. } => unreachable!("handled above"),
     };
     let owner_check = is_segment;
     // Register before mapping: then a supervisor deciding to unlink already counts us.
@@ -287,6 +379,7 @@ fn open_store(py: Python<'_>, source: Source) -> PyResult<Arc<Store>> {
             source: source.clone(),
             ident,
             py_symbols: PyOnceLock::new(),
+            _lease: None,
             registration,
         }),
         // `registration` drops here: DROP sent.
@@ -304,12 +397,17 @@ fn open_store(py: Python<'_>, source: Source) -> PyResult<Arc<Store>> {
 enum StoreErr {
     Segment(segment::SegmentError),
     Archive(crate::archive::ArchiveError),
+    Arena(ArenaError),
 }
 
 impl StoreErr {
     fn into_error(self, at: &str) -> Error {
         match self {
             StoreErr::Segment(e) => Error::Segment(e),
+            StoreErr::Arena(err) => Error::Arena {
+                at: at.to_owned(),
+                err,
+            },
             StoreErr::Archive(err) => Error::Archive {
                 at: at.to_owned(),
                 err,
@@ -321,6 +419,24 @@ impl StoreErr {
 /// Attach to the segment `name` in `dir`, or in the segment directory and then the
 /// fallback directory.
 pub(crate) fn attach(py: Python<'_>, name: &str, dir: Option<&Path>) -> PyResult<Arc<Store>> {
+    // A chunk of an arena: "<arena name>@<offset>:<size>:<generation>" (`Ref.name`).
+    if let Some((arena, chunk)) = name.split_once('@') {
+        let arena = segment::normalize_name(arena).map_err(Error::from)?;
+        let chunk = parse_chunk(chunk).ok_or_else(|| Error::Invalid {
+            at: format!("name {name:?}"),
+            what: "a chunk of an arena is named <arena>@<offset>:<size>:<generation>".into(),
+        })?;
+        let dirs = match dir {
+            Some(d) => vec![d.to_owned()],
+            None => segment::search_dirs(),
+        };
+        let path = dirs
+            .iter()
+            .map(|d| d.join(&arena))
+            .find(|p| p.exists())
+            .unwrap_or_else(|| dirs[0].join(&arena));
+        return open_chunk(py, path, chunk);
+    }
     let name = segment::normalize_name(name).map_err(Error::from)?;
     let dirs = match dir {
         Some(d) => vec![d.to_owned()],
@@ -502,6 +618,7 @@ fn publish(
         source: Source::Segment { name, path },
         ident,
         py_symbols: PyOnceLock::new(),
+        _lease: None,
         registration: reg,
     });
     remember(&store);

@@ -38,6 +38,8 @@ pub struct Mapping {
     owner: Mutex<Option<(PathBuf, u32)>>,
     /// Mapped from a private sealed copy, not the file (see `Mapping::from_file`).
     private_copy: bool,
+    /// A window of the mapping (start, length): a chunk of an arena (`Mapping::window`).
+    window: Option<(usize, usize)>,
 }
 
 /// "a FIFO (named pipe) owned by uid 1001" and so on, for error messages.
@@ -195,6 +197,43 @@ impl Mapping {
             path: path.to_owned(),
             owner: Mutex::new(None),
             private_copy,
+            window: None,
+        })
+    }
+
+    /// Map `len` bytes at `offset` of an arena file (a chunk's archive), read-only. The
+    /// pages around the window belong to other chunks; only the window is ever read.
+    pub fn window(file: &File, path: &Path, offset: u64, len: u64) -> Result<Self, SegmentError> {
+        let page = rustix::param::page_size() as u64;
+        let start = offset & !(page - 1);
+        let (Ok(skip), Ok(len)) = (usize::try_from(offset - start), usize::try_from(len)) else {
+            return Err(SegmentError::Empty {
+                path: path.to_owned(),
+            });
+        };
+        if len == 0 {
+            return Err(SegmentError::Empty {
+                path: path.to_owned(),
+            });
+        }
+        // SAFETY: memmap2 requires that the mapped bytes do not change while mapped. The
+        // window's bytes are a chunk this process holds a lease on: the arena's creator
+        // never writes a leased chunk (docs/arena.md), and nobody else can write the file
+        // (ours, mode 0400, checked by `ArenaFile::open`). Bytes outside the window may
+        // change; they are never read (`as_ref` gives only the window). PROT_READ.
+        let mmap = unsafe {
+            memmap2::MmapOptions::new()
+                .offset(start)
+                .len(skip + len)
+                .map(file)
+        }
+        .map_err(|e| SegmentError::io(path, e))?;
+        Ok(Mapping {
+            mmap,
+            path: path.to_owned(),
+            owner: Mutex::new(None),
+            private_copy: false,
+            window: Some((skip, len)),
         })
     }
 
@@ -223,6 +262,11 @@ impl Mapping {
     /// Remove the name now (live mappings, here and elsewhere, keep working). Returns
     /// whether a file was removed.
     pub fn unlink(&self) -> Result<bool, SegmentError> {
+        if self.window.is_some() {
+            // A chunk of an arena has no name of its own; the arena is removed once no
+            // process uses it (docs/arena.md).
+            return Ok(false);
+        }
         if let Some(entry) = self.owner.lock().unwrap_or_else(|p| p.into_inner()).take() {
             owned()
                 .lock()
@@ -239,7 +283,15 @@ impl Mapping {
 
 impl AsRef<[u8]> for Mapping {
     fn as_ref(&self) -> &[u8] {
-        &self.mmap
+        match self.window {
+            None => &self.mmap,
+            // SAFETY: the window lies inside the mapping (`window` mapped skip + len bytes),
+            // which lives as long as `self`; `as_ptr` does not make a reference to the
+            // bytes outside the window.
+            Some((skip, len)) => unsafe {
+                std::slice::from_raw_parts(self.mmap.as_ptr().add(skip), len)
+            },
+        }
     }
 }
 

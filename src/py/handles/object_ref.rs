@@ -8,8 +8,8 @@ use pyo3::types::PyBytes;
 use super::{new_handle, repr, StoreHandle};
 use crate::archive::Kind;
 use crate::py::read::protocol::Seq;
-use crate::py::store;
 use crate::py::write::Encoder;
+use crate::py::{arena, store};
 
 /// One object (e.g. a numpy array) shared by name; made by `shmstore.put`.
 ///
@@ -35,12 +35,13 @@ impl Ref {
 
 /// Share one object by name.
 #[pyfunction]
-#[pyo3(signature = (obj, *, name=None, dir=None))]
+#[pyo3(signature = (obj, *, name=None, dir=None, arena=false))]
 pub(crate) fn put<'py>(
     py: Python<'py>,
     obj: &Bound<'py, PyAny>,
     name: Option<&str>,
     dir: Option<PathBuf>,
+    arena: bool,
 ) -> PyResult<Bound<'py, Ref>> {
     // Known-size input (an array, bytes): check the room before writing anything.
     let size_hint = obj
@@ -52,6 +53,14 @@ pub(crate) fn put<'py>(
                 .ok()
                 .map(|b| b.as_bytes().len() as u64)
         });
+    // A small object into this process's arena (docs/arena.md); too large, or no
+    // supervisor: a segment of its own, as without `arena`.
+    if arena && name.is_none() && size_hint.is_none_or(|n| n <= arena::MAX_OBJECT as u64) {
+        let archive = arena::encode(obj)?;
+        if let Some(store) = arena::put_archive(py, &archive, dir.clone())? {
+            return new_handle(py, store, true, Ref);
+        }
+    }
     let store = store::build(py, Kind::Object, name, dir, size_hint, |builder| {
         Encoder::new(builder, "obj").write_record(obj, None)
     })?;

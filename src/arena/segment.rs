@@ -1,0 +1,610 @@
+//! An arena segment: one preallocated file per creating process, holding many small object
+//! archives in chunks (docs/arena.md).
+//!
+//! File layout: a [`HEADER`]-byte header (magic, version, capacity, creator pid), then the
+//! chunk region. A chunk is a [`CHUNK_HEADER`]-byte header (magic, generation, length of
+//! the archive) followed by the archive bytes, 64-byte aligned.
+//!
+//! Leases are open-file-description (OFD) byte-range locks on the chunk's range of the file:
+//! a process using a chunk holds a shared (read) lock on it, which the kernel drops when the
+//! process dies, however it dies. The creator reuses a chunk only under an exclusive (write)
+//! lock of its range, which it gets only when nobody holds a lease; it writes the chunk with
+//! a new generation, so a handle made before sees a generation that is not its own and
+//! never reads the new bytes.
+//!
+//! The file is sealed like every segment (mode 0400, the seal mark in its mtime), so the
+//! supervisor and `shmstore gc` treat it as one: removed once no process maps or holds it.
+//! The creator writes through the read-write descriptor it opened before sealing (`pwrite`),
+//! into space reserved with `fallocate` at creation, so a full /dev/shm fails at creation
+//! with a clear error and never later.
+
+use std::collections::{HashMap, HashSet};
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+use super::alloc::{Bfc, ALIGN};
+use crate::segment::{self, SegmentError};
+
+/// Bytes before the chunk region.
+pub const HEADER: u64 = 4096;
+/// Bytes before a chunk's archive.
+pub const CHUNK_HEADER: u64 = 64;
+const MAGIC: &[u8; 8] = b"SHMARENA";
+const VERSION: u32 = 1;
+const CHUNK_MAGIC: u32 = 0x4b4e_4843; // "CHNK"
+
+/// Errors of the arena layer.
+#[derive(Debug, thiserror::Error)]
+pub enum ArenaError {
+    /// The handle's chunk was freed (and maybe reused) since the handle was made.
+    #[error("the chunk at offset {offset} of arena {arena} was freed: its creator closed it and no process held it (generation {want}, now {have}); keep the creator's handle alive until every receiver has attached")]
+    Stale {
+        arena: String,
+        offset: u64,
+        want: u64,
+        have: u64,
+    },
+    /// Bytes of the arena that make no sense (header, chunk header, ranges).
+    #[error("arena {arena}: corrupt: {what}")]
+    Corrupt { arena: String, what: String },
+    #[error(transparent)]
+    Segment(#[from] SegmentError),
+}
+
+fn io_err(path: &Path, e: impl Into<io::Error>) -> ArenaError {
+    ArenaError::Segment(SegmentError::io(path, e.into()))
+}
+
+fn name_of(path: &Path) -> String {
+    path.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+// --- OFD byte-range locks -------------------------------------------------------------------
+
+#[derive(Clone, Copy)]
+enum Lock {
+    Shared,
+    Exclusive,
+    Unlock,
+}
+
+/// Set an OFD lock on `[off, off + len)` of `fd` without waiting; `Ok(false)` when another
+/// open file description holds a conflicting lock.
+fn ofd_lock(fd: &impl AsFd, kind: Lock, off: u64, len: u64) -> io::Result<bool> {
+    let (Ok(start), Ok(len)) = (i64::try_from(off), i64::try_from(len)) else {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "range too large",
+        ));
+    };
+    // SAFETY: `flock` is a plain C struct; all-zero is a valid value of it.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = match kind {
+        Lock::Shared => libc::F_RDLCK,
+        Lock::Exclusive => libc::F_WRLCK,
+        Lock::Unlock => libc::F_UNLCK,
+    } as _;
+    fl.l_whence = libc::SEEK_SET as _;
+    fl.l_start = start;
+    fl.l_len = len;
+    // SAFETY: the descriptor is open for the duration of the call (borrowed), `fl` is a valid
+    // `flock` that outlives it, and F_OFD_SETLK only reads and writes that struct. l_pid
+    // must be 0 for OFD locks (it is).
+    let r = unsafe { libc::fcntl(fd.as_fd().as_raw_fd(), libc::F_OFD_SETLK, &mut fl) };
+    if r == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::EAGAIN) | Some(libc::EACCES) => Ok(false),
+        _ => Err(e),
+    }
+}
+
+// --- the creator's side -----------------------------------------------------------------------
+
+/// Where a chunk is and which generation of it: what a handle carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Chunk {
+    /// File offset of the chunk (its header).
+    pub offset: u64,
+    /// Bytes of the chunk, header included.
+    pub size: u64,
+    pub generation: u64,
+}
+
+/// The creating process's arena: the read-write descriptor, the allocator and the chunks
+/// waiting to be reused.
+pub struct ArenaWriter {
+    file: File,
+    path: PathBuf,
+    bfc: Bfc,
+    next_generation: u64,
+    /// The process that made it: a forked child must make its own.
+    pid: u32,
+}
+
+impl ArenaWriter {
+    /// Create `dir/name` with room for `capacity` bytes of chunks: written as
+    /// `<name>.part-<random>`, reserved (`fallocate`), sealed and linked under its name.
+    pub fn create(dir: &Path, name: &str, capacity: u64) -> Result<Self, ArenaError> {
+        let capacity = capacity & !(ALIGN - 1);
+        let total = HEADER
+            .checked_add(capacity)
+            .ok_or_else(|| io_err(dir, io::Error::from(io::ErrorKind::InvalidInput)))?;
+        segment::preflight(dir, total)?;
+        let suffix = &segment::random_name()[segment::PREFIX.len()..][..12];
+        let tmp = dir.join(format!("{name}.part-{suffix}"));
+        let path = dir.join(name);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(
+                (rustix::fs::OFlags::CLOEXEC | rustix::fs::OFlags::NOFOLLOW).bits() as i32,
+            )
+            .open(&tmp)
+            .map_err(|e| io_err(&tmp, e))?;
+        let res = (|| {
+            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, total).map_err(
+                |e| {
+                    if e == rustix::io::Errno::NOSPC {
+                        // Say how much and what to do, as for any segment.
+                        match segment::preflight(dir, u64::MAX / 2) {
+                            Err(full) => ArenaError::Segment(full),
+                            Ok(()) => io_err(&tmp, e),
+                        }
+                    } else {
+                        io_err(&tmp, e)
+                    }
+                },
+            )?;
+            let mut head = [0u8; 32];
+            head[..8].copy_from_slice(MAGIC);
+            head[8..12].copy_from_slice(&VERSION.to_le_bytes());
+            head[16..24].copy_from_slice(&capacity.to_le_bytes());
+            head[24..28].copy_from_slice(&std::process::id().to_le_bytes());
+            file.write_all_at(&head, 0).map_err(|e| io_err(&tmp, e))?;
+            file.set_permissions(std::fs::Permissions::from_mode(0o400))
+                .map_err(|e| io_err(&tmp, e))?;
+            segment::mark_sealed(&file).map_err(|e| io_err(&tmp, e))?;
+            std::fs::hard_link(&tmp, &path).map_err(|e| io_err(&path, e))?;
+            Ok::<(), ArenaError>(())
+        })();
+        let _ = std::fs::remove_file(&tmp);
+        res?;
+        Ok(ArenaWriter {
+            file,
+            path,
+            bfc: Bfc::new(capacity),
+            next_generation: 1,
+            pid: std::process::id(),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether this process made the arena (false in a forked child).
+    pub fn is_ours(&self) -> bool {
+        self.pid == std::process::id()
+    }
+
+    /// Reuse every chunk of `pending` that no process holds a lease on; the others stay.
+    pub fn reclaim(&mut self, pending: &mut HashSet<u64>) -> Result<(), ArenaError> {
+        let mut freed = Vec::new();
+        for &off in pending.iter() {
+            let Some(size) = self.bfc.size_at(off - HEADER) else {
+                freed.push(off);
+                continue;
+            };
+            if ofd_lock(&self.file, Lock::Exclusive, off, size)
+                .map_err(|e| io_err(&self.path, e))?
+            {
+                // Nobody holds it: it can be freed. (Release the probe at once: the next
+                // allocation locks what it takes.)
+                ofd_lock(&self.file, Lock::Unlock, off, size).map_err(|e| io_err(&self.path, e))?;
+                self.bfc.free(off - HEADER);
+                freed.push(off);
+            }
+        }
+        for off in freed {
+            pending.remove(&off);
+        }
+        Ok(())
+    }
+
+    /// Write `archive` into a new chunk; `None` when the arena has no room for it.
+    pub fn put(&mut self, archive: &[u8]) -> Result<Option<Chunk>, ArenaError> {
+        let need = CHUNK_HEADER
+            .checked_add(archive.len() as u64)
+            .ok_or_else(|| io_err(&self.path, io::Error::from(io::ErrorKind::InvalidInput)))?;
+        // A chunk can be busy only for a moment (a stale handle's reader checking its
+        // generation); skip such chunks a few times, then give up (the caller falls back).
+        let mut busy = Vec::new();
+        let mut chunk = None;
+        for _ in 0..8 {
+            let Some((rel, size)) = self.bfc.alloc(need) else {
+                break;
+            };
+            let off = HEADER + rel;
+            if ofd_lock(&self.file, Lock::Exclusive, off, size)
+                .map_err(|e| io_err(&self.path, e))?
+            {
+                chunk = Some((off, size));
+                break;
+            }
+            busy.push(rel);
+        }
+        for rel in busy {
+            self.bfc.free(rel);
+        }
+        let Some((off, size)) = chunk else {
+            return Ok(None);
+        };
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        let mut head = [0u8; CHUNK_HEADER as usize];
+        head[..4].copy_from_slice(&CHUNK_MAGIC.to_le_bytes());
+        head[8..16].copy_from_slice(&generation.to_le_bytes());
+        head[16..24].copy_from_slice(&(archive.len() as u64).to_le_bytes());
+        let written = self
+            .file
+            .write_all_at(archive, off + CHUNK_HEADER)
+            .and_then(|()| self.file.write_all_at(&head, off))
+            // pwrite set the mtime: put the seal mark back (sweeps recognise segments by it).
+            .and_then(|()| segment::mark_sealed(&self.file));
+        let unlocked = ofd_lock(&self.file, Lock::Unlock, off, size);
+        if let Err(e) = written {
+            self.bfc.free(off - HEADER);
+            return Err(io_err(&self.path, e));
+        }
+        unlocked.map_err(|e| io_err(&self.path, e))?;
+        Ok(Some(Chunk {
+            offset: off,
+            size,
+            generation,
+        }))
+    }
+
+    /// Bytes in used chunks, and the arena's capacity.
+    pub fn usage(&self) -> (u64, u64) {
+        (self.bfc.used(), self.bfc.capacity())
+    }
+}
+
+// --- every user's side ------------------------------------------------------------------------
+
+/// An arena file opened read-only by a process that uses chunks of it, with this process's
+/// lease counts (one OFD lock per leased chunk, however many handles share it).
+pub struct ArenaFile {
+    file: File,
+    path: PathBuf,
+    ident: (u64, u64),
+    len: u64,
+    pid: u32,
+    leases: Mutex<HashMap<u64, (u64, usize)>>,
+    /// In the creator only: chunks whose last lease in this process ended (reuse
+    /// candidates). Other processes record nothing.
+    released: Mutex<Option<HashSet<u64>>>,
+}
+
+fn open_files() -> &'static Mutex<HashMap<PathBuf, Weak<ArenaFile>>> {
+    static FILES: OnceLock<Mutex<HashMap<PathBuf, Weak<ArenaFile>>>> = OnceLock::new();
+    FILES.get_or_init(Default::default)
+}
+
+impl ArenaFile {
+    /// The arena at `path`, opened once per process (and again in a forked child, whose
+    /// locks must be its own).
+    pub fn open(path: &Path) -> Result<Arc<ArenaFile>, ArenaError> {
+        let mut files = open_files().lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(f) = files.get(path).and_then(Weak::upgrade) {
+            let same = std::fs::symlink_metadata(path).is_ok_and(|m| (m.dev(), m.ino()) == f.ident);
+            if f.pid == std::process::id() && same {
+                return Ok(f);
+            }
+        }
+        files.retain(|_, w| w.strong_count() > 0);
+        let name = name_of(path);
+        let file = OpenOptions::new()
+            .read(true)
+            .custom_flags(
+                (rustix::fs::OFlags::CLOEXEC
+                    | rustix::fs::OFlags::NOFOLLOW
+                    | rustix::fs::OFlags::NONBLOCK)
+                    .bits() as i32,
+            )
+            .open(path)
+            .map_err(|e| match e.kind() {
+                io::ErrorKind::NotFound => ArenaError::Segment(SegmentError::NotFound {
+                    name: name.clone(),
+                    path: path.to_owned(),
+                }),
+                _ => io_err(path, e),
+            })?;
+        let meta = file.metadata().map_err(|e| io_err(path, e))?;
+        let me = rustix::process::geteuid().as_raw();
+        if meta.uid() != me {
+            return Err(SegmentError::WrongOwner {
+                path: path.to_owned(),
+                owner: meta.uid(),
+                me,
+            }
+            .into());
+        }
+        // Ours, a regular file, writable by nobody (the creator writes through the
+        // descriptor it opened before sealing).
+        if !meta.is_file() || meta.mode() & 0o7777 != 0o400 {
+            return Err(ArenaError::Corrupt {
+                arena: name,
+                what: format!("not a sealed arena file (mode {:o})", meta.mode() & 0o7777),
+            });
+        }
+        let mut head = [0u8; 32];
+        file.read_exact_at(&mut head, 0)
+            .map_err(|_| ArenaError::Corrupt {
+                arena: name.clone(),
+                what: "shorter than its header".into(),
+            })?;
+        let capacity = u64::from_le_bytes(head[16..24].try_into().unwrap_or_default());
+        if &head[..8] != MAGIC
+            || u32::from_le_bytes(head[8..12].try_into().unwrap_or_default()) != VERSION
+            || HEADER.checked_add(capacity) != Some(meta.len())
+        {
+            return Err(ArenaError::Corrupt {
+                arena: name,
+                what: "bad header (magic, version or size)".into(),
+            });
+        }
+        let f = Arc::new(ArenaFile {
+            file,
+            path: path.to_owned(),
+            ident: (meta.dev(), meta.ino()),
+            len: meta.len(),
+            pid: std::process::id(),
+            leases: Mutex::new(HashMap::new()),
+            released: Mutex::new(None),
+        });
+        files.insert(path.to_owned(), Arc::downgrade(&f));
+        Ok(f)
+    }
+
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// (device, inode) of the file.
+    pub fn ident(&self) -> (u64, u64) {
+        self.ident
+    }
+
+    /// This process made the arena: record chunks whose last lease here ends, for reuse.
+    pub fn mark_owned(&self) {
+        let mut r = self.released.lock().unwrap_or_else(|p| p.into_inner());
+        r.get_or_insert_with(HashSet::new);
+    }
+
+    /// The chunks released here since the last call (the creator's reuse candidates).
+    pub fn take_released(&self) -> HashSet<u64> {
+        let mut r = self.released.lock().unwrap_or_else(|p| p.into_inner());
+        r.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Take a lease on `chunk` and check its generation. Returns the lease and the
+    /// archive's (offset, length) in the file.
+    pub fn lease(self: &Arc<Self>, chunk: Chunk) -> Result<(Lease, u64, u64), ArenaError> {
+        let arena = name_of(&self.path);
+        let corrupt = |what: String| ArenaError::Corrupt {
+            arena: arena.clone(),
+            what,
+        };
+        let end = chunk.offset.checked_add(chunk.size);
+        if chunk.offset < HEADER
+            || chunk.offset % ALIGN != 0
+            || chunk.size < CHUNK_HEADER
+            || end.is_none_or(|e| e > self.len)
+        {
+            return Err(corrupt(format!(
+                "chunk ({}, {}) outside the arena ({} bytes)",
+                chunk.offset, chunk.size, self.len
+            )));
+        }
+        let stale = |have| ArenaError::Stale {
+            arena: arena.clone(),
+            offset: chunk.offset,
+            want: chunk.generation,
+            have,
+        };
+        {
+            let mut leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
+            match leases.get_mut(&chunk.offset) {
+                Some((size, n)) if *size == chunk.size => *n += 1,
+                Some(_) => return Err(stale(0)),
+                None => {
+                    // Refused: the creator is rewriting the chunk, so it was freed.
+                    if !ofd_lock(&self.file, Lock::Shared, chunk.offset, chunk.size)
+                        .map_err(|e| io_err(&self.path, e))?
+                    {
+                        return Err(stale(0));
+                    }
+                    leases.insert(chunk.offset, (chunk.size, 1));
+                }
+            }
+        }
+        let lease = Lease {
+            arena: self.clone(),
+            offset: chunk.offset,
+        };
+        let mut head = [0u8; 24];
+        self.file
+            .read_exact_at(&mut head, chunk.offset)
+            .map_err(|e| io_err(&self.path, e))?;
+        let magic = u32::from_le_bytes(head[..4].try_into().unwrap_or_default());
+        let generation = u64::from_le_bytes(head[8..16].try_into().unwrap_or_default());
+        let len = u64::from_le_bytes(head[16..24].try_into().unwrap_or_default());
+        if magic != CHUNK_MAGIC {
+            return Err(corrupt(format!("no chunk at offset {}", chunk.offset)));
+        }
+        if generation != chunk.generation {
+            return Err(stale(generation));
+        }
+        if CHUNK_HEADER.checked_add(len).is_none_or(|n| n > chunk.size) {
+            return Err(corrupt(format!(
+                "chunk at offset {} says {len} bytes, holds {}",
+                chunk.offset, chunk.size
+            )));
+        }
+        Ok((lease, chunk.offset + CHUNK_HEADER, len))
+    }
+}
+
+/// This process uses a chunk: a shared OFD lock on its range, released with the last
+/// lease of the chunk in this process (or by the kernel when the process dies).
+pub struct Lease {
+    arena: Arc<ArenaFile>,
+    offset: u64,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let mut leases = self.arena.leases.lock().unwrap_or_else(|p| p.into_inner());
+        let Some((size, n)) = leases.get_mut(&self.offset) else {
+            return;
+        };
+        *n -= 1;
+        if *n > 0 {
+            return;
+        }
+        let size = *size;
+        leases.remove(&self.offset);
+        drop(leases);
+        // Unlocking never blocks; a failure (it cannot fail for a valid range) would only
+        // keep the chunk from reuse until this process exits.
+        let _ = ofd_lock(&self.arena.file, Lock::Unlock, self.offset, size);
+        if let Some(r) = self
+            .arena
+            .released
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_mut()
+        {
+            r.insert(self.offset);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn arena(dir: &Path) -> ArenaWriter {
+        ArenaWriter::create(dir, "shmstore-arena-test", 1 << 20).unwrap()
+    }
+
+    #[test]
+    fn put_lease_read_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = arena(dir.path());
+        let meta = std::fs::metadata(w.path()).unwrap();
+        assert_eq!(meta.mode() & 0o777, 0o400);
+        let c = w.put(b"hello arena").unwrap().unwrap();
+        let f = ArenaFile::open(w.path()).unwrap();
+        f.mark_owned();
+        let (lease, at, len) = f.lease(c).unwrap();
+        let mut got = vec![0u8; len as usize];
+        f.file().read_exact_at(&mut got, at).unwrap();
+        assert_eq!(got, b"hello arena");
+        // Still sealed after the write (mode and the mtime mark).
+        let meta = std::fs::metadata(w.path()).unwrap();
+        assert_eq!(meta.mtime_nsec(), i64::from(segment::SEALED_MTIME_NSEC));
+        drop(lease);
+        assert_eq!(f.take_released(), HashSet::from([c.offset]));
+        assert!(f.take_released().is_empty());
+    }
+
+    #[test]
+    fn a_leased_chunk_is_not_reused_and_a_stale_handle_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = arena(dir.path());
+        let c = w.put(&[1u8; 1000]).unwrap().unwrap();
+        let f = ArenaFile::open(w.path()).unwrap();
+        let (lease, _, _) = f.lease(c).unwrap();
+        // The creator gave it up, but a lease holds it: not reused.
+        let mut pending = HashSet::from([c.offset]);
+        w.reclaim(&mut pending).unwrap();
+        assert!(pending.contains(&c.offset));
+        let d = w.put(&[2u8; 1000]).unwrap().unwrap();
+        assert_ne!(d.offset, c.offset);
+        drop(lease);
+        w.reclaim(&mut pending).unwrap();
+        assert!(pending.is_empty());
+        // Reused: same place, new generation; the old handle is stale.
+        let e = w.put(&[3u8; 1000]).unwrap().unwrap();
+        assert_eq!(e.offset, c.offset);
+        assert_ne!(e.generation, c.generation);
+        match f.lease(c) {
+            Err(ArenaError::Stale { want, have, .. }) => {
+                assert_eq!((want, have), (c.generation, e.generation))
+            }
+            other => panic!("{:?}", other.map(|_| ())),
+        }
+        // The refused lease left no lock behind: the new chunk can be freed and reused.
+        let mut pending = HashSet::from([e.offset]);
+        w.reclaim(&mut pending).unwrap();
+        assert!(pending.is_empty());
+    }
+
+    #[test]
+    fn hostile_handles_are_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = arena(dir.path());
+        let c = w.put(b"x").unwrap().unwrap();
+        let f = ArenaFile::open(w.path()).unwrap();
+        for bad in [
+            Chunk { offset: 0, ..c },
+            Chunk {
+                offset: c.offset + 1,
+                ..c
+            },
+            Chunk {
+                size: u64::MAX,
+                ..c
+            },
+            Chunk {
+                offset: u64::MAX - 63,
+                ..c
+            },
+            Chunk {
+                offset: c.offset + c.size,
+                ..c
+            },
+        ] {
+            assert!(f.lease(bad).is_err(), "{bad:?}");
+        }
+        // Not an arena at all.
+        let other = dir.path().join("shmstore-not-arena");
+        std::fs::write(&other, [0u8; 5000]).unwrap();
+        std::fs::set_permissions(&other, std::fs::Permissions::from_mode(0o400)).unwrap();
+        assert!(matches!(
+            ArenaFile::open(&other),
+            Err(ArenaError::Corrupt { .. })
+        ));
+    }
+
+    #[test]
+    fn full_arena_says_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = ArenaWriter::create(dir.path(), "shmstore-arena-small", 4096).unwrap();
+        assert!(w.put(&[0u8; 3000]).unwrap().is_some());
+        assert!(w.put(&[0u8; 3000]).unwrap().is_none());
+    }
+}

@@ -1,0 +1,223 @@
+//! `put(obj, arena=True)`: small objects into this process's arena segments
+//! (docs/arena.md), and the allocator simulation of the fragmentation benchmark.
+
+use std::collections::HashSet;
+use std::io::Cursor;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use super::errors::Error;
+use super::store::{self, Registration, Store};
+use super::write::Encoder;
+use crate::archive::{Builder, Kind};
+use crate::arena::{alloc, ArenaFile, ArenaWriter, Chunk};
+use crate::segment;
+
+/// Largest object archive that goes into an arena (bigger ones get a segment of their own).
+pub(crate) const MAX_OBJECT: usize = 1 << 20;
+/// Bytes of chunks per arena segment, unless `SHMSTORE_ARENA_SIZE` says otherwise.
+const DEFAULT_CAPACITY: u64 = 64 << 20;
+
+/// One arena of this process: the writer, the opened file (whose releases say which chunks
+/// this process no longer holds), chunks waiting for their last lease elsewhere, and the
+/// supervisor registration (kept for the life of the process).
+struct Owned {
+    dir: PathBuf,
+    writer: ArenaWriter,
+    file: Arc<ArenaFile>,
+    pending: HashSet<u64>,
+    _registration: Registration,
+}
+
+static ARENAS: Mutex<Vec<Owned>> = Mutex::new(Vec::new());
+
+fn capacity() -> u64 {
+    std::env::var("SHMSTORE_ARENA_SIZE")
+        .ok()
+        .and_then(|s| s.parse::<u64>().ok())
+        .filter(|&n| n >= 4096)
+        .unwrap_or(DEFAULT_CAPACITY)
+}
+
+/// Place `archive` in one of this process's arenas; `None` when none has room.
+fn place(
+    arenas: &mut [Owned],
+    dir: &Path,
+    archive: &[u8],
+) -> Result<Option<(PathBuf, Chunk)>, Error> {
+    for a in arenas
+        .iter_mut()
+        .rev()
+        .filter(|a| a.writer.is_ours() && a.dir == dir)
+    {
+        let released = a.file.take_released();
+        a.pending.extend(released);
+        let path = a.writer.path().to_owned();
+        let arena_err = |err| Error::Arena {
+            at: format!("arena {:?}", path.display().to_string()),
+            err,
+        };
+        a.writer.reclaim(&mut a.pending).map_err(arena_err)?;
+        if let Some(chunk) = a.writer.put(archive).map_err(arena_err)? {
+            return Ok(Some((path, chunk)));
+        }
+    }
+    Ok(None)
+}
+
+/// A new arena in the segment directory, registered with the supervisor before it exists.
+/// `None` without a supervisor: then nothing would remove the arena after a crash, so
+/// objects get segments of their own instead.
+fn new_arena(py: Python<'_>, dir: PathBuf) -> PyResult<Option<Owned>> {
+    let name = segment::random_name();
+    let registration = Registration::created(py, dir.join(&name));
+    if !registration.is_active() {
+        return Ok(None);
+    }
+    let cap = capacity();
+    let (writer, file) = py
+        .detach(|| {
+            let w = ArenaWriter::create(&dir, &name, cap)?;
+            let f = ArenaFile::open(w.path())?;
+            f.mark_owned();
+            Ok::<_, crate::arena::ArenaError>((w, f))
+        })
+        .map_err(|err| Error::Arena {
+            at: format!("new arena in {}", dir.display()),
+            err,
+        })?;
+    log::debug!("created arena {} ({cap} bytes)", writer.path().display());
+    Ok(Some(Owned {
+        dir,
+        writer,
+        file,
+        pending: HashSet::new(),
+        _registration: registration,
+    }))
+}
+
+/// The object archive of `obj`, built in memory.
+pub(crate) fn encode(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+    let mut builder = Builder::new(Cursor::new(Vec::new()), Kind::Object, std::process::id())
+        .map_err(|err| Error::Archive {
+            at: "obj".into(),
+            err,
+        })?;
+    Encoder::new(&mut builder, "obj").write_record(obj, None)?;
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0);
+    let (out, _) = builder.finish(now_ms).map_err(|err| Error::Archive {
+        at: "obj".into(),
+        err,
+    })?;
+    Ok(out.into_inner())
+}
+
+/// Put an encoded object archive into an arena of this process and map it; `None` when it
+/// is too large for an arena or arenas are unavailable (no supervisor).
+pub(crate) fn put_archive(
+    py: Python<'_>,
+    archive: &[u8],
+    dir: Option<PathBuf>,
+) -> PyResult<Option<Arc<Store>>> {
+    if archive.len() > MAX_OBJECT || archive.len() as u64 + 64 > capacity() {
+        return Ok(None);
+    }
+    // Arena work needs no Python: done without the GIL (never wait for the lock with it).
+    let dir = dir.unwrap_or_else(segment::default_dir);
+    let placed = py.detach(|| {
+        place(
+            &mut ARENAS.lock().unwrap_or_else(|p| p.into_inner()),
+            &dir,
+            archive,
+        )
+    })?;
+    let placed = match placed {
+        Some(p) => p,
+        None => {
+            let Some(new) = new_arena(py, dir.clone())? else {
+                return Ok(None);
+            };
+            let placed = py.detach(|| {
+                let mut arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
+                // A forked child's copies of its parent's arenas are not ours to fill.
+                arenas.retain(|a| a.writer.is_ours());
+                arenas.push(new);
+                let n = arenas.len();
+                place(&mut arenas[n - 1..], &dir, archive)
+            })?;
+            match placed {
+                Some(p) => p,
+                None => return Ok(None),
+            }
+        }
+    };
+    let (path, chunk) = placed;
+    store::open_chunk(py, path, chunk).map(Some)
+}
+
+/// Let go of this process's arenas: no new object goes into them, and each is removed once
+/// no process uses a chunk of it any more (handles made before keep working). For tests
+/// and for long-lived processes that are done with small objects.
+#[pyfunction]
+pub(crate) fn _arena_release(py: Python<'_>) -> usize {
+    let gone = py.detach(|| std::mem::take(&mut *ARENAS.lock().unwrap_or_else(|p| p.into_inner())));
+    let n = gone.len();
+    // Dropping sends the supervisor a DROP for each (queued, never blocks).
+    drop(gone);
+    n
+}
+
+/// Bytes in use and capacity of this process's arenas: [(path, used, capacity)].
+#[pyfunction]
+pub(crate) fn _arena_usage(py: Python<'_>) -> Vec<(String, u64, u64)> {
+    py.detach(|| {
+        let arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
+        arenas
+            .iter()
+            .filter(|a| a.writer.is_ours())
+            .map(|a| {
+                let (used, cap) = a.writer.usage();
+                (a.writer.path().display().to_string(), used, cap)
+            })
+            .collect()
+    })
+}
+
+/// The fragmentation benchmark's allocator simulation (`alloc::simulate`): `ops` random
+/// put/free operations, sizes log-uniform in [lo, hi]. policy: "best-fit" (the arena's
+/// allocator) or "first-fit" (first fit without coalescing). Returns a dict with ops,
+/// peak_live and peak_end (bytes), and seconds.
+#[pyfunction]
+#[pyo3(signature = (policy, ops, lo=64, hi=1 << 20, live_target=1000, seed=1))]
+pub(crate) fn _arena_simulate<'py>(
+    py: Python<'py>,
+    policy: &str,
+    ops: u64,
+    lo: u64,
+    hi: u64,
+    live_target: usize,
+    seed: u64,
+) -> PyResult<Bound<'py, PyDict>> {
+    let best_fit = match policy {
+        "best-fit" => true,
+        "first-fit" => false,
+        other => return Err(Error::Usage(format!("unknown policy {other:?}")).into()),
+    };
+    if lo == 0 || hi < lo {
+        return Err(Error::Usage("need 0 < lo <= hi".into()).into());
+    }
+    let t = std::time::Instant::now();
+    let stats = py.detach(|| alloc::simulate(best_fit, ops, lo, hi, live_target, seed));
+    let d = PyDict::new(py);
+    d.set_item("ops", stats.ops)?;
+    d.set_item("peak_live", stats.peak_live)?;
+    d.set_item("peak_end", stats.peak_end)?;
+    d.set_item("seconds", t.elapsed().as_secs_f64())?;
+    Ok(d)
+}

@@ -1,0 +1,148 @@
+"""Small objects in arenas: `put(obj, arena=True)` (docs/arena.md). The kill matrix of arenas
+is in test_lifecycle.py; the allocator's invariants are Rust tests (src/arena/alloc.rs)."""
+
+from __future__ import annotations
+
+import gc
+import pickle
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import shmstore
+from shmstore import _native
+
+
+@pytest.fixture(autouse=True)
+def _release_arenas(no_leftover_segments: None) -> Iterator[None]:
+    """This process's arenas are let go after each test, so that the leftover check sees
+    them removed (it runs after this fixture's teardown)."""
+    yield
+    gc.collect()
+    _native._arena_release()
+
+
+def chunk_of(ref: shmstore.Ref) -> tuple[str, int, int, int]:
+    arena, rest = ref.name.split("@")
+    offset, size, generation = (int(x) for x in rest.split(":"))
+    return arena, offset, size, generation
+
+
+def test_round_trip_of_small_objects() -> None:
+    values = [
+        {"a": [1, 2, 3], "s": "text", "f": 1.5, "none": None},
+        [1, (2, 3), {"k": b"bytes"}],
+        np.arange(12, dtype=np.float32).reshape(3, 4),
+        "just a string",
+        2**100,
+    ]
+    refs = [shmstore.put(v, arena=True) for v in values]
+    arenas = {chunk_of(r)[0] for r in refs}
+    assert len(arenas) == 1, "all in one arena"
+    for v, r in zip(values, refs, strict=True):
+        got = r.get()
+        if isinstance(v, np.ndarray):
+            assert got.dtype == v.dtype and np.array_equal(got, v)
+            assert not got.flags.writeable
+            assert got.ctypes.data % 64 == 0
+        elif hasattr(got, "to_python"):
+            assert got.to_python() == v
+        else:
+            assert got == v
+
+
+def test_attach_by_name_and_pickle_in_another_process() -> None:
+    ref = shmstore.put({"x": list(range(100))}, arena=True)
+    again = shmstore.Ref.attach(ref.name)
+    assert again.get()["x"][99] == 99
+    data = pickle.dumps(ref)
+    assert len(data) < 256
+    code = (
+        "import pickle, sys; r = pickle.loads(sys.stdin.buffer.read()); "
+        "print(sum(r.get()['x']))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=data, capture_output=True, check=True, timeout=300
+    )
+    assert out.stdout.strip() == b"4950"
+    # A view of a chunk pickles too.
+    view = pickle.loads(pickle.dumps(ref.get()["x"]))
+    assert list(view)[:3] == [0, 1, 2]
+
+
+def test_a_stale_handle_raises_store_closed_error() -> None:
+    ref = shmstore.put(b"a" * 1000, arena=True)
+    name = ref.name
+    arena, offset, _, generation = chunk_of(ref)
+    ref.close()
+    del ref
+    gc.collect()
+    # The chunk is free: the next object of that size takes it, with a new generation.
+    new = shmstore.put(b"b" * 1000, arena=True)
+    assert chunk_of(new)[:2] == (arena, offset)
+    assert chunk_of(new)[3] != generation
+    with pytest.raises(shmstore.StoreClosedError, match="was freed"):
+        shmstore.Ref.attach(name)
+    assert new.get() == b"b" * 1000
+
+
+def test_views_keep_their_chunk() -> None:
+    ref = shmstore.put({"xs": [1, 2, 3]}, arena=True)
+    view = ref.get()["xs"]
+    arena, offset, _, _ = chunk_of(ref)
+    ref.close()
+    del ref
+    gc.collect()
+    # The view still holds the chunk: a new object goes elsewhere.
+    other = shmstore.put({"xs": [4, 5, 6]}, arena=True)
+    assert chunk_of(other)[1] != offset
+    assert list(view) == [1, 2, 3]
+
+
+def test_large_objects_get_a_segment_of_their_own() -> None:
+    ref = shmstore.put(np.zeros(2 << 20, dtype=np.uint8), arena=True)
+    assert "@" not in ref.name
+    ref.close()
+    named = shmstore.put(1, arena=True, name="shmstore-arena-test-named")
+    assert named.name == "shmstore-arena-test-named"
+    named.close()
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "shmstore-0@4096:64",
+        "shmstore-0@x:64:1",
+        "shmstore-0@4096:64:1:9",
+    ],
+)
+def test_malformed_chunk_names_are_refused(name: str) -> None:
+    with pytest.raises(shmstore.InvalidInputError, match="<arena>@<offset>:<size>:<generation>"):
+        shmstore.Ref.attach(name)
+
+
+def test_hostile_chunk_coordinates_are_errors() -> None:
+    ref = shmstore.put([1, 2, 3], arena=True)
+    arena, offset, size, generation = chunk_of(ref)
+    for off, sz in [(0, size), (offset + 8, size), (offset, 1 << 62), (offset, 8)]:
+        with pytest.raises(shmstore.CorruptStoreError):
+            shmstore.Ref.attach(f"{arena}@{off}:{sz}:{generation}")
+
+
+def test_unlink_of_a_chunk_keeps_the_arena() -> None:
+    ref = shmstore.put([1], arena=True)
+    other = shmstore.put([2], arena=True)
+    ref.unlink()
+    assert ref.path.exists()
+    assert other.get()[0] == 2
+
+
+def test_simulation_compares_best_fit_with_first_fit() -> None:
+    best = _native._arena_simulate("best-fit", 20_000, live_target=200, seed=3)
+    first = _native._arena_simulate("first-fit", 20_000, live_target=200, seed=3)
+    assert best["peak_live"] == first["peak_live"]
+    assert best["peak_end"] < first["peak_end"]
+    with pytest.raises(ValueError):
+        _native._arena_simulate("worst-fit", 10)
