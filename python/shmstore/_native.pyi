@@ -34,6 +34,9 @@ __all__ = [
     "StorePermissionError",
     "UnsupportedTypeError",
     "__version__",
+    "_arena_release",
+    "_arena_simulate",
+    "_arena_usage",
     "_cleanup_at_exit",
     "_cluster_identity",
     "_crafted_archive",
@@ -258,9 +261,7 @@ class Ref(StoreHandle):
     def get(self) -> Any:
         """The shared object: a read-only view, a read-only numpy array, or a scalar."""
 
-def put(
-    obj: Any, *, name: str | None = None, dir: _Path | None = None, arena: bool = False
-) -> Ref:
+def put(obj: Any, *, name: str | None = None, dir: _Path | None = None, arena: bool = False) -> Ref:
     """Share one object (e.g. a numpy array) by name.
 
     ``arena=True``: a small object (archive <= 1 MiB, no ``name``) goes into a chunk of this

@@ -194,7 +194,7 @@ pub(crate) fn _arena_usage(py: Python<'_>) -> Vec<(String, u64, u64)> {
 /// allocator) or "first-fit" (first fit without coalescing). Returns a dict with ops,
 /// peak_live and peak_end (bytes), and seconds.
 #[pyfunction]
-#[pyo3(signature = (policy, ops, lo=64, hi=1 << 20, live_target=1000, seed=1))]
+#[pyo3(signature = (policy, ops, lo=64, hi=1_048_576, live_target=1000, seed=1))]
 pub(crate) fn _arena_simulate<'py>(
     py: Python<'py>,
     policy: &str,
