@@ -143,6 +143,14 @@ class SharedListDataset(_Dataset[_T_co]):
         record = self.data[index]
         return cast("_T_co", record if self.transform is None else self.transform(record))
 
+    def __getitems__(self, indices: list[int]) -> list[_T_co]:
+        """A whole batch at once (what ``DataLoader`` calls when the dataset has it): the
+        memory reads of the batch overlap (``SharedList.get_many``)."""
+        records = self.data.get_many(indices)
+        if self.transform is not None:
+            records = [self.transform(r) for r in records]
+        return cast("list[_T_co]", records)
+
     def __repr__(self) -> str:
         return f"SharedListDataset({self.data.name!r}, {len(self)} records)"
 

@@ -1,27 +1,29 @@
-//! Streaming archive builder: records are serialized one at a time straight into the
-//! output (a segment file), so building needs memory for one record plus the metadata
-//! (index, keys, hash table), never a second copy of the whole archive.
+//! Streaming archive builder: records are encoded one at a time (`encode`) and written
+//! straight into the output (a segment file), so building needs memory for one record plus
+//! the metadata (index, blocks, symbols, shapes, keys, hash table), never a second copy of
+//! the whole archive.
 
 use std::io::{self, Seek, SeekFrom, Write};
 
-use ahash::AHashMap;
-use rkyv::rancor;
-use rkyv::ser::allocator::Arena;
-use rkyv::util::AlignedVec;
 use xxhash_rust::xxh3::Xxh3Default;
 
+use super::encode::Encoder;
 use super::header::{
-    checksum_parts, Header, Kind, HEADER_LEN, INDEX_ENTRY, PAYLOAD_ALIGN, SPAN_ALIGN,
-    UNSEALED_MAGIC,
+    checksum_parts, Header, Kind, HEADER_LEN, INDEX_ENTRY, LONG_RECORD, MAX_RECORD_START,
+    PAYLOAD_ALIGN, UNSEALED_MAGIC,
 };
 use super::key::Key;
 use super::value::{Extent, Value};
-use super::{table, u64_at, ArchiveError};
+use super::{table, ArchiveError};
 
-/// Most distinct strings the symbol table interns; later new keys are stored inline.
-pub const MAX_SYMBOLS: usize = 1 << 16;
-/// Longest str that is interned as a symbol.
-pub const MAX_SYMBOL_LEN: usize = 128;
+/// A block (the unit of first-touch validation: docs/format.md, "Integrity") closes after
+/// this many records ...
+pub const BLOCK_RECORDS: u64 = 64;
+/// ... or once its records hold this many bytes.
+pub const BLOCK_BYTES: u64 = 16 * 1024;
+/// Payloads are hashed and written in pieces of this size (the piece is hashed while it is
+/// in cache, then written).
+const PAYLOAD_PIECE: usize = 1 << 20;
 
 /// Builds one archive into `W`.
 pub struct Builder<W: Write + Seek> {
@@ -29,19 +31,17 @@ pub struct Builder<W: Write + Seek> {
     pos: u64,
     kind: Kind,
     index: Vec<u8>,
+    blocks: Vec<u8>,
     count: u64,
-    symbols: AHashMap<Box<str>, u32>,
-    symbol_list: Vec<Box<str>>,
+    enc: Encoder,
+    // The open block: its first record, bytes so far and running checksum.
+    block_first: u64,
+    block_bytes: u64,
+    block_hash: Xxh3Default,
     // Dict kind only: encoded keys, their offsets, and a growing table of (hash, entry).
     keys: Vec<u8>,
     key_offsets: Vec<u64>,
     key_table: KeyTable,
-    // The record being written.
-    span_start: Option<u64>,
-    span_hash: Xxh3Default,
-    // Reused rkyv buffers.
-    buf: AlignedVec,
-    arena: Arena,
     creator_pid: u32,
 }
 
@@ -56,25 +56,21 @@ impl<W: Write + Seek> Builder<W> {
             pos: HEADER_LEN as u64,
             kind,
             index: Vec::new(),
+            blocks: Vec::new(),
             count: 0,
-            symbols: AHashMap::new(),
-            symbol_list: Vec::new(),
+            enc: Encoder::default(),
+            block_first: 0,
+            block_bytes: 0,
+            block_hash: Xxh3Default::new(),
             keys: Vec::new(),
             key_offsets: vec![0],
             key_table: KeyTable::default(),
-            span_start: None,
-            span_hash: Xxh3Default::new(),
-            buf: AlignedVec::new(),
-            arena: Arena::new(),
             creator_pid,
         })
     }
 
     fn write_raw(&mut self, bytes: &[u8]) -> io::Result<()> {
         self.out.write_all(bytes)?;
-        if self.span_start.is_some() {
-            self.span_hash.update(bytes);
-        }
         self.pos += bytes.len() as u64;
         Ok(())
     }
@@ -85,43 +81,20 @@ impl<W: Write + Seek> Builder<W> {
         self.write_raw(&ZEROS[..pad as usize])
     }
 
-    fn ensure_span(&mut self) -> io::Result<u64> {
-        if let Some(s) = self.span_start {
-            return Ok(s);
-        }
-        // Padding before a span is outside it (and outside its checksum).
-        let pad = (SPAN_ALIGN - self.pos % SPAN_ALIGN) % SPAN_ALIGN;
-        self.out.write_all(&[0u8; 8][..pad as usize])?;
-        self.pos += pad;
-        self.span_start = Some(self.pos);
-        self.span_hash.reset();
-        Ok(self.pos)
-    }
-
-    /// Intern a string (dict keys); `None` when it is too long or the table is full.
-    pub fn intern(&mut self, s: &str) -> Option<u32> {
-        if let Some(&id) = self.symbols.get(s) {
-            return Some(id);
-        }
-        if s.len() > MAX_SYMBOL_LEN || self.symbol_list.len() >= MAX_SYMBOLS {
-            return None;
-        }
-        let id = self.symbol_list.len() as u32;
-        let boxed: Box<str> = s.into();
-        self.symbols.insert(boxed.clone(), id);
-        self.symbol_list.push(boxed);
-        Some(id)
-    }
-
-    /// Write an out-of-line payload for the record being built (64-byte aligned).
+    /// Write an out-of-line payload (64-byte aligned) for the record being built; the
+    /// record refers to it by the returned extent. Hashed piece by piece as it is written.
     pub fn write_payload(&mut self, bytes: &[u8]) -> Result<Extent, ArchiveError> {
-        let start = self.ensure_span()?;
         self.pad_to(PAYLOAD_ALIGN)?;
-        let offset = self.pos - start;
-        self.write_raw(bytes)?;
+        let offset = self.pos;
+        let mut h = Xxh3Default::new();
+        for piece in bytes.chunks(PAYLOAD_PIECE) {
+            h.update(piece);
+            self.write_raw(piece)?;
+        }
         Ok(Extent {
             offset,
             len: bytes.len() as u64,
+            checksum: h.digest(),
         })
     }
 
@@ -154,8 +127,7 @@ impl<W: Write + Seek> Builder<W> {
         Ok(())
     }
 
-    /// Serialize `value` as the next record, closing its span.
-    pub fn finish_record(&mut self, value: &Value) -> Result<(), ArchiveError> {
+    fn check_next(&self) -> Result<(), ArchiveError> {
         if self.kind == Kind::Dict && self.key_offsets.len() as u64 != self.count + 2 {
             return Err(ArchiveError::Invalid(
                 "dict record written without its key".into(),
@@ -166,48 +138,58 @@ impl<W: Write + Seek> Builder<W> {
                 "an object archive holds one record".into(),
             ));
         }
-        let start = self.ensure_span()?;
-        self.pad_to(8)?;
-        let buf = std::mem::take(&mut self.buf);
-        let buf = rkyv::api::high::to_bytes_in_with_alloc::<_, _, rancor::Error>(
-            value,
-            buf,
-            self.arena.acquire(),
-        )
-        .map_err(|e| ArchiveError::Invalid(format!("record could not be serialized: {e}")))?;
-        let res = self.write_raw(&buf);
-        self.buf = buf;
-        self.buf.clear();
-        res?;
-        self.close_span(start);
         Ok(())
     }
 
-    /// Write already-serialized rkyv bytes (root value last) as the next record, unchecked.
-    /// Only for the fuzzer (`archive::fuzz`), which crafts records no `Value` can make
-    /// without deep recursion (tens of thousands of nesting levels).
+    /// Encode `value` and write it as the next record.
+    pub fn finish_record(&mut self, value: &Value) -> Result<(), ArchiveError> {
+        self.check_next()?;
+        let mut enc = std::mem::take(&mut self.enc);
+        let res = enc.record(value).and_then(|bytes| self.put_record(bytes));
+        self.enc = enc;
+        res
+    }
+
+    /// Write already-encoded record bytes as the next record, unchecked. Only for the fuzzer
+    /// (`archive::fuzz`), which crafts records no `Value` encodes to.
     #[doc(hidden)]
-    pub fn finish_raw_record(&mut self, rkyv_bytes: &[u8]) -> Result<(), ArchiveError> {
-        if self.kind == Kind::Dict && self.key_offsets.len() as u64 != self.count + 2 {
-            return Err(ArchiveError::Invalid(
-                "dict record written without its key".into(),
-            ));
+    pub fn finish_raw_record(&mut self, bytes: &[u8]) -> Result<(), ArchiveError> {
+        self.check_next()?;
+        self.put_record(bytes)
+    }
+
+    fn put_record(&mut self, bytes: &[u8]) -> Result<(), ArchiveError> {
+        let len = bytes.len() as u64;
+        if len >= LONG_RECORD {
+            self.write_raw(&len.to_le_bytes())?;
         }
-        let start = self.ensure_span()?;
-        self.pad_to(8)?;
-        self.write_raw(rkyv_bytes)?;
-        self.close_span(start);
+        let start = self.pos;
+        if start >= MAX_RECORD_START {
+            return Err(ArchiveError::Invalid("archive larger than 256 TiB".into()));
+        }
+        self.write_raw(bytes)?;
+        self.block_hash.update(bytes);
+        self.block_bytes += len;
+        self.index
+            .extend_from_slice(&(start << 16 | len.min(LONG_RECORD)).to_le_bytes());
+        self.count += 1;
+        if self.count - self.block_first >= BLOCK_RECORDS || self.block_bytes >= BLOCK_BYTES {
+            self.close_block();
+        }
         Ok(())
     }
 
-    fn close_span(&mut self, start: u64) {
-        let end = self.pos;
-        let hash = self.span_hash.digest();
-        self.span_start = None;
-        self.index.extend_from_slice(&start.to_le_bytes());
-        self.index.extend_from_slice(&end.to_le_bytes());
-        self.index.extend_from_slice(&hash.to_le_bytes());
-        self.count += 1;
+    fn close_block(&mut self) {
+        if self.count == self.block_first {
+            return;
+        }
+        self.blocks
+            .extend_from_slice(&self.block_first.to_le_bytes());
+        self.blocks
+            .extend_from_slice(&self.block_hash.digest().to_le_bytes());
+        self.block_first = self.count;
+        self.block_bytes = 0;
+        self.block_hash.reset();
     }
 
     /// Write the metadata and seal the header. Returns the output and the total size.
@@ -217,64 +199,64 @@ impl<W: Write + Seek> Builder<W> {
                 "an object archive needs one record".into(),
             ));
         }
-        self.span_start = None;
+        self.close_block();
         self.pad_to(8)?;
         let index_off = self.pos;
         let mut meta = std::mem::take(&mut self.index);
         debug_assert_eq!(meta.len() as u64, self.count * INDEX_ENTRY as u64);
+        let blocks_off = index_off + meta.len() as u64;
+        meta.extend_from_slice(&self.blocks);
         // Symbols: count u32, offsets u32 * (n + 1), utf-8 blob; padded to 8.
         let symbols_off = index_off + meta.len() as u64;
-        let sym_start = meta.len();
-        meta.extend_from_slice(&(self.symbol_list.len() as u32).to_le_bytes());
+        let symbols = self.enc.symbols();
+        meta.extend_from_slice(&(symbols.len() as u32).to_le_bytes());
         let mut acc = 0u32;
         meta.extend_from_slice(&acc.to_le_bytes());
-        for s in &self.symbol_list {
+        for s in symbols {
             acc += s.len() as u32;
             meta.extend_from_slice(&acc.to_le_bytes());
         }
-        for s in &self.symbol_list {
+        for s in symbols {
             meta.extend_from_slice(s.as_bytes());
         }
-        while meta.len() % 8 != 0 {
-            meta.push(0);
+        pad8(&mut meta);
+        // Shapes: count u32, then each shape (`Shape::encode`); padded to 8.
+        let shapes_off = index_off + meta.len() as u64;
+        meta.extend_from_slice(&(self.enc.shapes().len() as u32).to_le_bytes());
+        for shape in self.enc.shapes() {
+            shape.encode(&mut meta);
         }
-        let symbols_len = (meta.len() - sym_start) as u64;
+        pad8(&mut meta);
         // Keys (dict): offsets u64 * (count + 1), encoded keys; padded to 8.
         let keys_off = index_off + meta.len() as u64;
-        let keys_start = meta.len();
         if self.kind == Kind::Dict {
             for o in &self.key_offsets {
                 meta.extend_from_slice(&o.to_le_bytes());
             }
             meta.extend_from_slice(&self.keys);
-            while meta.len() % 8 != 0 {
-                meta.push(0);
-            }
+            pad8(&mut meta);
         }
-        let keys_len = (meta.len() - keys_start) as u64;
         // Table (dict): see `table`.
         let table_off = index_off + meta.len() as u64;
-        let table_start = meta.len();
         if self.kind == Kind::Dict {
-            let span_end = |e: u32| u64_at(&meta, e as usize * INDEX_ENTRY + 8);
+            let index = &meta[..self.count as usize * INDEX_ENTRY];
+            let rec_start = |e: u32| super::u64_at(index, e as usize * INDEX_ENTRY) >> 16;
             let slots = self
                 .key_table
-                .final_slots(self.count, &self.key_offsets, span_end);
+                .final_slots(self.count, &self.key_offsets, rec_start);
             meta.extend_from_slice(&slots);
         }
-        let table_len = (meta.len() - table_start) as u64;
         let total_len = index_off + meta.len() as u64;
         let mut header = Header {
             kind: self.kind,
             total_len,
             count: self.count,
             index_off,
+            blocks_off,
             symbols_off,
-            symbols_len,
+            shapes_off,
             keys_off,
-            keys_len,
             table_off,
-            table_len,
             created_unix_ms,
             creator_pid: self.creator_pid,
             checksum: 0,
@@ -285,6 +267,12 @@ impl<W: Write + Seek> Builder<W> {
         self.out.write_all(&header.encode())?;
         self.out.flush()?;
         Ok((self.out, total_len))
+    }
+}
+
+fn pad8(v: &mut Vec<u8>) {
+    while v.len() % 8 != 0 {
+        v.push(0);
     }
 }
 
@@ -341,7 +329,7 @@ impl KeyTable {
         &self,
         count: u64,
         key_offsets: &[u64],
-        span_end: impl Fn(u32) -> u64,
+        rec_start: impl Fn(u32) -> u64,
     ) -> Vec<u8> {
         let cap = table::capacity(count) as usize;
         let mut used = vec![false; cap];
@@ -353,7 +341,7 @@ impl KeyTable {
             }
             used[i] = true;
             let e = e1 - 1;
-            table::Slot::new(h, e, key_offsets[e as usize], span_end(e))
+            table::Slot::new(h, e, key_offsets[e as usize], rec_start(e))
                 .write(&mut out[i * table::SLOT..(i + 1) * table::SLOT]);
         }
         out

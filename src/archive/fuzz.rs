@@ -2,15 +2,14 @@
 //! structure is arbitrary (docs/security.md, "Fuzzing").
 //!
 //! [`case`] makes one archive from a seed, deterministically:
-//! 1. records built through the real [`Builder`] from generated `Value` trees, including
-//!    values no writer makes (any value in a dict's key position, symbol ids out of range,
-//!    array metadata with any typestr, shape and extent, hash indexes with any entries,
-//!    odd-length dicts, payload extents anywhere);
+//! 1. records built through the real [`Builder`] from generated `Value` trees: shaped and
+//!    general dicts, packed and struct lists, any key types, arrays with any typestr, shape
+//!    and extent, out-of-line bytes anywhere;
 //! 2. raw records crafted byte by byte: chains of containers nested from just under to far
-//!    over the format's depth limit (tens of thousands of levels, which no `Value` could be
-//!    serialized from without deep recursion);
-//! 3. then, for some cases, edits of the bytes: record bytes (tags, relative pointers,
-//!    lengths), index entries (span ends near 2^64), symbols, keys, dict table, header;
+//!    over the format's depth limit (tens of thousands of levels);
+//! 3. then, for some cases, edits of the bytes: record bytes (tags, forward references,
+//!    varint counts, shape ids), index entries, block table, symbols, shapes, keys, dict
+//!    table, header;
 //! 4. and [`header::reseal`] recomputes every checksum, so only the structural checks stand
 //!    between the bytes and the readers.
 //!
@@ -20,17 +19,16 @@
 //! panic, a crash or a hang.
 //!
 //! A new format version extends this file where it knows the format: [`raw_chain`] (the
-//! byte layout of a container value) and the metadata edits in [`mutate`]; the generators
-//! of `Value`s follow the value model.
+//! byte layout of containers) and the metadata edits in [`mutate`]; the generators of
+//! `Value`s follow the value model.
 
 use std::io::Cursor;
 
+use super::format::*;
 use super::header::{self, Kind, HEADER_LEN, INDEX_ENTRY};
 use super::key::Key;
-use super::reader::{Node, Reader};
-use super::value::{
-    ArchivedValue, ArrayMeta, Extent, IndexedDict, Value, MAX_SUBTREE_DEPTH, MAX_VALUE_DEPTH,
-};
+use super::reader::{Item, Node, Reader};
+use super::value::{ArrayMeta, Extent, Value, MAX_VALUE_DEPTH};
 use super::{ArchiveError, Builder};
 
 /// A small deterministic generator (splitmix64): cases are reproducible from their seed.
@@ -146,7 +144,7 @@ fn gen_key(rng: &mut Rng, depth: usize) -> Value {
         2 => Value::Int(rng.u64() as i64),
         3 => Value::Float(f64::from_bits(rng.u64())),
         4 => Value::Bytes(vec![rng.u64() as u8; rng.below(4) as usize]),
-        5 => Value::Sym(rng.below(6) as u32), // sometimes out of range
+        5 => Value::BigInt(vec![0x87; 1 + rng.below(12) as usize]),
         6 if depth < 40 => {
             Value::Tuple((0..rng.below(3)).map(|_| gen_key(rng, depth + 1)).collect())
         }
@@ -154,32 +152,20 @@ fn gen_key(rng: &mut Rng, depth: usize) -> Value {
     }
 }
 
-/// The `Key` of a generated key value, as a reader would see it (symbols: those `build`
-/// interns); `None` for a value that cannot be a key.
-fn value_key(v: &Value) -> Option<Key<'static>> {
-    Some(match v {
-        Value::None => Key::None,
-        Value::Bool(b) => Key::Bool(*b),
-        Value::Int(i) => Key::Int(*i),
-        Value::Float(f) => Key::Float(*f),
-        Value::Str(s) => Key::Str(s.clone().into()),
-        Value::Sym(id) => Key::Str(SYMBOLS.get(*id as usize)?.to_string().into()),
-        Value::Bytes(b) => Key::Bytes(b.clone().into()),
-        Value::Tuple(items) => Key::Tuple(items.iter().map(value_key).collect::<Option<_>>()?),
-        _ => return None,
-    })
-}
-
-/// The strings `build` interns, in order (symbol ids 0, 1, 2).
-const SYMBOLS: &[&str] = &["id", "é", "name"];
+/// Field names: few, so that dicts share shapes and shapes get new versions.
+const FIELDS: &[&str] = &["id", "é", "name", "bbox", "x"];
 
 /// A payload for an array or out-of-line bytes; its extent is sometimes replaced.
 fn gen_extent(rng: &mut Rng, b: &mut Builder<Cursor<Vec<u8>>>, len: u64) -> Extent {
+    let none = Extent {
+        offset: 0,
+        len,
+        checksum: 0,
+    };
     let mut ext = if len <= 4096 && rng.pct(80) {
-        b.write_payload(&vec![0x5a; len as usize])
-            .unwrap_or(Extent { offset: 0, len })
+        b.write_payload(&vec![0x5a; len as usize]).unwrap_or(none)
     } else {
-        Extent { offset: 0, len }
+        none
     };
     if rng.pct(15) {
         ext.offset = edge_u64(rng);
@@ -219,145 +205,136 @@ fn gen_array(rng: &mut Rng, b: &mut Builder<Cursor<Vec<u8>>>) -> Value {
     }))
 }
 
-/// A value tree: what writers make, plus (with small probabilities) what they never make.
+fn gen_scalar(rng: &mut Rng) -> Value {
+    match rng.below(6) {
+        0 => Value::None,
+        1 => Value::Bool(rng.pct(50)),
+        2 => Value::Int(edge_u64(rng) as i64),
+        3 => Value::Int(rng.below(300) as i64 - 150),
+        4 => Value::Float(f64::from_bits(rng.u64())),
+        _ => Value::Str(gen_str(rng)),
+    }
+}
+
+/// A value tree of every layout the encoder has.
 fn gen_value(rng: &mut Rng, b: &mut Builder<Cursor<Vec<u8>>>, depth: usize) -> Value {
     let leaf = depth >= 6 || rng.pct(35);
     if leaf {
-        return match rng.below(12) {
-            0 => Value::None,
-            1 => Value::Bool(rng.pct(50)),
-            2 => Value::Int(rng.u64() as i64),
-            3 => Value::BigInt(vec![rng.u64() as u8; rng.below(20) as usize]),
-            4 => Value::Float(f64::from_bits(rng.u64())),
-            5 => Value::Complex(Box::new([1.5, f64::NAN])),
-            6 => Value::Str(gen_str(rng)),
-            7 => Value::Sym(rng.below(6) as u32),
-            8 => Value::Bytes(vec![7; rng.below(10) as usize]),
-            9 => {
+        return match rng.below(11) {
+            0..=3 => gen_scalar(rng),
+            4 => Value::BigInt(vec![rng.u64() as u8; 9 + rng.below(12) as usize]),
+            5 => Value::Complex([1.5, f64::NAN]),
+            6 => Value::Bytes(vec![7; rng.below(10) as usize]),
+            7 => {
                 let len = rng.below(200);
-                Value::BytesExt(Box::new(gen_extent(rng, b, len)))
+                Value::BytesExt(gen_extent(rng, b, len))
             }
+            8 => Value::List(
+                (0..rng.below(20))
+                    .map(|_| Value::Float(rng.below(9) as f64))
+                    .collect(),
+            ),
+            9 => Value::Tuple(
+                (0..1 + rng.below(5))
+                    .map(|_| Value::Int(edge_u64(rng) as i64))
+                    .collect(),
+            ),
             _ => gen_array(rng, b),
         };
     }
     let n = rng.below(5) as usize;
-    match rng.below(5) {
+    match rng.below(6) {
         0 => Value::List((0..n).map(|_| gen_value(rng, b, depth + 1)).collect()),
         1 => Value::Tuple((0..n).map(|_| gen_value(rng, b, depth + 1)).collect()),
-        k => {
-            let n = if k == 4 { 9 + rng.below(4) as usize } else { n };
-            let mut items = Vec::with_capacity(2 * n);
-            for _ in 0..n {
-                // Now and then anything at all in a key position (a list, a dict, ...).
-                let key = if rng.pct(10) {
-                    gen_value(rng, b, depth + 1)
-                } else {
-                    gen_key(rng, 0)
-                };
-                items.push(key);
-                items.push(gen_value(rng, b, depth + 1));
-            }
-            if rng.pct(5) {
-                items.push(Value::None); // a key without its value
-            }
-            if k == 4 {
-                // Half the time the index a writer would make (so lookups, hits and misses,
-                // run their real course), else a forged one.
-                let hashes: Option<Vec<u64>> = items
-                    .iter()
-                    .step_by(2)
-                    .map(|k| value_key(k).map(|k| k.stable_hash()))
-                    .collect();
-                if let Some(hashes) = hashes.filter(|_| rng.pct(50)) {
-                    let index = super::table::record_index(&hashes);
-                    return Value::IndexedDict(Box::new(IndexedDict { items, index }));
-                }
-                let cap = if rng.pct(85) {
-                    (2 * n).next_power_of_two()
-                } else {
-                    rng.below(40) as usize
-                };
-                let index = (0..cap)
-                    .map(|_| match rng.below(4) {
-                        0 => 0,
-                        1 => rng.u64() as u32,
-                        _ => rng.below(n as u64 + 2) as u32,
+        2 => {
+            // Same-key dicts: a struct list (or a generic one when the keys differ).
+            let keys: Vec<&str> = FIELDS[..1 + rng.below(4) as usize].to_vec();
+            Value::List(
+                (0..1 + n)
+                    .map(|_| {
+                        Value::Dict(
+                            keys.iter()
+                                .map(|k| (Value::Str((*k).into()), gen_field(rng, b, depth)))
+                                .collect(),
+                        )
                     })
-                    .collect();
-                Value::IndexedDict(Box::new(IndexedDict { items, index }))
+                    .collect(),
+            )
+        }
+        3 | 4 => {
+            // A shaped dict (str field names), sometimes with a field of another type.
+            let keys = &FIELDS[..1 + rng.below(FIELDS.len() as u64) as usize];
+            Value::Dict(
+                keys.iter()
+                    .map(|k| (Value::Str((*k).into()), gen_field(rng, b, depth)))
+                    .collect(),
+            )
+        }
+        _ => {
+            // The general layout: any keys, sometimes enough for an index.
+            let n = if rng.pct(50) {
+                9 + rng.below(4) as usize
             } else {
-                Value::Dict(items)
+                n
+            };
+            Value::Dict(
+                (0..n)
+                    .map(|i| {
+                        let k = match gen_key(rng, 0) {
+                            Value::Str(s) => Value::Str(format!("{s}{i}")),
+                            k => Value::Tuple(vec![Value::Int(i as i64), k]),
+                        };
+                        (k, gen_value(rng, b, depth + 1))
+                    })
+                    .collect(),
+            )
+        }
+    }
+}
+
+fn gen_field(rng: &mut Rng, b: &mut Builder<Cursor<Vec<u8>>>, depth: usize) -> Value {
+    match rng.below(4) {
+        0 => Value::List(
+            (0..4)
+                .map(|_| Value::Float(rng.below(100) as f64))
+                .collect(),
+        ),
+        1 => gen_value(rng, b, depth + 2),
+        _ => gen_scalar(rng),
+    }
+}
+
+/// The bytes of a record that is `depth` containers nested in one another around a `None`,
+/// laid out as the encoder lays records out (breadth first, forward references). Each
+/// level is a list, a tuple or a general dict of one entry whose key is `None` (with
+/// `keys`, sometimes the child sits in the key position: a malformed record).
+pub fn raw_chain(rng: &mut Rng, depth: usize, keys: bool) -> Vec<u8> {
+    let mut out = Vec::with_capacity(depth * 11 + 1);
+    for _ in 0..depth {
+        match rng.below(3) {
+            k @ (0 | 1) => {
+                // tag, count 1, ref -> the next level right after it
+                out.push(if k == 0 { T_LIST } else { T_TUPLE });
+                out.push(1);
+                out.extend_from_slice(&4u32.to_le_bytes());
+            }
+            _ => {
+                out.push(T_DICT);
+                out.push(1);
+                if keys && rng.pct(20) {
+                    // key -> the next level (after the value None), value -> None
+                    out.extend_from_slice(&9u32.to_le_bytes());
+                    out.extend_from_slice(&4u32.to_le_bytes());
+                } else {
+                    // key -> None right after, value -> the next level after that
+                    out.extend_from_slice(&8u32.to_le_bytes());
+                    out.extend_from_slice(&5u32.to_le_bytes());
+                }
+                out.push(T_NONE);
             }
         }
     }
-}
-
-/// Size of an archived `Value` and where a container's fields sit in it: a tag byte, then
-/// a relative pointer (i32, from the pointer's own position) and a length (u32). Checked
-/// against rkyv's real output by `raw_layout_matches_rkyv` below.
-const VALUE: usize = 9;
-
-fn tag_of(v: &Value) -> u8 {
-    let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(v).expect("serialize");
-    bytes[bytes.len() - VALUE]
-}
-
-/// rkyv bytes of `depth` containers nested in one another around a `None` (root last).
-/// Each level is a list, a tuple or a small dict (whose other item is a `None`, the child
-/// in the key or the value position).
-/// `keys`: let a dict's child sit in its key position now and then (a malformed record).
-pub fn raw_chain(rng: &mut Rng, depth: usize, keys: bool) -> Vec<u8> {
-    let none = rkyv::to_bytes::<rkyv::rancor::Error>(&Value::None).expect("serialize");
-    let tags = [
-        tag_of(&Value::List(vec![])),
-        tag_of(&Value::Tuple(vec![])),
-        tag_of(&Value::Dict(vec![])),
-    ];
-    let kinds: Vec<u8> = (0..depth).map(|_| rng.below(3) as u8).collect();
-    let child_is_key: Vec<bool> = (0..depth).map(|_| keys && rng.pct(20)).collect();
-    let mut out = Vec::with_capacity((depth + 1) * 2 * VALUE);
-    // Level i's items must be contiguous: its extra `None` (a dict's other item) goes
-    // right before or after the child value, which is written first.
-    let mut child_start; // where level i's items begin
-    let emit_none = |out: &mut Vec<u8>| out.extend_from_slice(&none);
-    // Level 0 (the innermost container) holds the leaf.
-    if kinds.first() == Some(&2) && !child_is_key[0] {
-        child_start = out.len();
-        emit_none(&mut out); // key
-        emit_none(&mut out); // the leaf
-    } else {
-        child_start = out.len();
-        emit_none(&mut out); // the leaf
-        if kinds.first() == Some(&2) {
-            emit_none(&mut out); // value after the key
-        }
-    }
-    for i in 0..depth {
-        let is_dict = kinds[i] == 2;
-        let next_dict = kinds.get(i + 1) == Some(&2);
-        let next_key = child_is_key.get(i + 1).copied().unwrap_or(false);
-        // The next level's items: [None, this] or [this, None] or [this].
-        let next_start = if next_dict && !next_key {
-            let s = out.len();
-            emit_none(&mut out);
-            s
-        } else {
-            out.len()
-        };
-        let pos = out.len();
-        out.push(tags[kinds[i] as usize]);
-        let rel = child_start as i64 - (pos as i64 + 1);
-        out.extend_from_slice(&(rel as i32).to_le_bytes());
-        out.extend_from_slice(&(if is_dict { 2u32 } else { 1 }).to_le_bytes());
-        if next_dict && next_key {
-            emit_none(&mut out);
-        }
-        child_start = next_start;
-        if i + 1 == depth {
-            // The root must be last: drop a trailing `None` written for a next level.
-            out.truncate(pos + VALUE);
-        }
-    }
+    out.push(T_NONE);
     out
 }
 
@@ -374,7 +351,7 @@ fn gen_top_key(rng: &mut Rng, i: usize) -> Key<'static> {
 fn gen_depth(rng: &mut Rng) -> usize {
     match rng.below(6) {
         0 => MAX_VALUE_DEPTH - 1 + rng.below(4) as usize,
-        1 => MAX_SUBTREE_DEPTH - 2 + rng.below(5) as usize,
+        1 => MAX_VALUE_DEPTH + 1 + rng.below(4) as usize,
         2 => 300 + rng.below(300) as usize,
         3 => 20_000 + rng.below(25_000) as usize,
         _ => 1 + rng.below(40) as usize,
@@ -383,9 +360,6 @@ fn gen_depth(rng: &mut Rng) -> usize {
 
 fn build(rng: &mut Rng, kind: Kind) -> Vec<u8> {
     let mut b = Builder::new(Cursor::new(Vec::new()), kind, 1).expect("in memory");
-    for s in SYMBOLS {
-        b.intern(s);
-    }
     let n = if kind == Kind::Object {
         1
     } else {
@@ -428,39 +402,37 @@ pub fn mutate(rng: &mut Rng, b: &mut [u8]) {
     };
     for _ in 0..1 + rng.below(3) {
         match rng.below(10) {
-            // Record bytes: a tag, a pointer, a length or any byte.
+            // Record bytes: a tag, a reference, a varint, or any byte.
             0..=4 if index_off > HEADER_LEN && index_off <= len => {
                 let at = HEADER_LEN + rng.below((index_off - HEADER_LEN) as u64) as usize;
-                match rng.below(4) {
-                    0 => b[at] = rng.below(20) as u8,
+                match rng.below(5) {
+                    0 => b[at] = rng.below(26) as u8,
                     1 => put_u32(b, at, rng.pick(EDGES_U32)),
                     2 => put_u32(b, at, rng.u64() as u32),
+                    3 => b[at] = 0x80 | rng.u64() as u8,
                     _ => b[at] ^= 1 << rng.below(8),
                 }
             }
-            // An index entry: span start or end.
+            // An index entry: start or length.
             5 if count > 0 => {
                 let e = index_off + rng.below(count as u64) as usize * INDEX_ENTRY;
-                let field = e + 8 * rng.below(2) as usize;
                 let v = if rng.pct(50) {
                     edge_u64(rng)
                 } else {
-                    u64_at(b, field.min(len - 8))
-                        .wrapping_add(rng.below(32))
-                        .wrapping_sub(16)
+                    u64_at(b, e.min(len - 8)) ^ (1 << rng.below(64))
                 };
-                put_u64(b, field, v);
+                put_u64(b, e, v);
             }
             // The header fields (counts, regions, kind, version).
             6 => {
-                let at = 8 * (1 + rng.below(11) as usize);
+                let at = 8 * (1 + rng.below(10) as usize);
                 if rng.pct(50) {
                     put_u64(b, at, edge_u64(rng));
                 } else {
                     b[at] = b[at].wrapping_add(1 + rng.below(3) as u8);
                 }
             }
-            // Metadata (symbols, keys, table): a u32, a u64 or a byte.
+            // Metadata (blocks, symbols, shapes, keys, table): a u32, a u64 or a byte.
             _ if index_off < len => {
                 let at = index_off + rng.below((len - index_off) as u64) as usize;
                 match rng.below(3) {
@@ -520,7 +492,7 @@ pub fn read_everything(bytes: &[u8]) -> Result<bool, ArchiveError> {
         Err(e) => Err(e),
     };
     for rec in 0..r.len() {
-        note(r.root(rec).and_then(|node| walk(&r, node, node, 0)))?;
+        note(r.root(rec).and_then(|node| walk(&r, node, 0)))?;
         if r.kind() == Kind::Dict {
             note(r.key(rec).and_then(|k| {
                 let found = r.lookup(&k)?;
@@ -536,59 +508,65 @@ pub fn read_everything(bytes: &[u8]) -> Result<bool, ArchiveError> {
     Ok(clean)
 }
 
-/// Read `node`'s value and everything below it as the Python layer does.
-fn walk(r: &Reader<&[u8]>, root: Node, node: Node, depth: usize) -> Result<(), ArchiveError> {
-    if depth > MAX_VALUE_DEPTH {
-        return Err(ArchiveError::Corrupt("nested too deep".into()));
-    }
-    // As an unpickled view would: the position re-validated from (record, pos).
-    let again = r.node_checked(root.record() as u64, node.pos())?;
-    assert_eq!(again, node);
-    match r.get(node) {
-        ArchivedValue::List(items) | ArchivedValue::Tuple(items) => {
-            for it in items.iter() {
-                walk(r, root, r.child(node, it), depth + 1)?;
-            }
+/// Read `node`'s value and everything below it as the Python layer does (iteratively:
+/// the fuzz thread's stack is small on purpose).
+fn walk(r: &Reader<&[u8]>, root: Node, depth: usize) -> Result<(), ArchiveError> {
+    let mut stack = vec![(r.item(root)?, depth)];
+    while let Some((it, depth)) = stack.pop() {
+        if depth > MAX_VALUE_DEPTH + 1 {
+            return Err(ArchiveError::Corrupt("nested too deep".into()));
         }
-        v @ (ArchivedValue::Dict(_) | ArchivedValue::IndexedDict(_)) => {
-            let (items, index) = match v {
-                ArchivedValue::Dict(items) => (items.as_slice(), &[][..]),
-                ArchivedValue::IndexedDict(d) => (d.items.as_slice(), d.index.as_slice()),
-                _ => unreachable!(),
-            };
-            for (i, pair) in items.chunks(2).enumerate() {
-                let key = r.value_key(&pair[0])?;
-                match r.dict_find(items, index, &key)? {
-                    Some(found) => {
-                        let _ = items.get(2 * found + 1);
+        match it {
+            Item::List(n) | Item::Tuple(n) | Item::Dict(n) => {
+                // As an unpickled view would: the node rebuilt from (record, position, form).
+                let again = r.node_from(n.record() as u64, n.pos(), n.form_code())?;
+                assert_eq!(again, n);
+            }
+            _ => {}
+        }
+        match it {
+            Item::List(n) | Item::Tuple(n) => {
+                let _ = r.is_tuple(n);
+                for i in 0..r.seq_len(n)? {
+                    stack.push((r.seq_item(n, i)?, depth + 1));
+                }
+            }
+            Item::Dict(n) => {
+                for i in 0..r.dict_len(n)? {
+                    let k = r.dict_key(n, i)?;
+                    let key = r.item_key(k)?;
+                    match r.dict_find(n, &key)? {
+                        Some(found) => {
+                            r.dict_value(n, found)?;
+                        }
+                        // As DictView does: a miss is confirmed against a forged index.
+                        None if r.dict_indexed(n) => r.confirm_miss(n.record() as u64)?,
+                        None => {}
                     }
-                    // As DictView does: a miss is confirmed against a forged index.
-                    None if !index.is_empty() => r.confirm_miss(root.record() as u64)?,
-                    None => {}
+                    if let Key::Str(s) = &key {
+                        r.dict_find_str(n, s)?;
+                    }
+                    stack.push((k, depth + 1));
+                    stack.push((r.dict_value(n, i)?, depth + 1));
                 }
-                if let Key::Str(s) = &key {
-                    r.dict_find_str(items, index, s)?;
-                }
-                walk(r, root, r.child(node, &pair[0]), depth + 1)?;
-                if let Some(v) = pair.get(1) {
-                    walk(r, root, r.child(node, v), depth + 1)?;
-                }
-                let _ = i;
             }
+            Item::Array(a) => {
+                let a = r.array(a)?;
+                let data = &r.bytes()[a.offset..a.offset + a.nbytes];
+                let _ = (data.first(), data.last());
+            }
+            Item::BytesExt(ext) => {
+                let p = r.payload_checked(ext)?;
+                let _ = (p.first(), p.last());
+            }
+            Item::Sym(id) => {
+                r.symbol(id)?;
+            }
+            Item::Str(s) => {
+                let _ = std::str::from_utf8(s);
+            }
+            _ => {}
         }
-        ArchivedValue::Array(meta) => {
-            let a = r.array(node, meta)?;
-            let data = &r.bytes()[a.offset..a.offset + a.nbytes];
-            let _ = (data.first(), data.last());
-        }
-        ArchivedValue::BytesExt(ext) => {
-            let p = r.payload(node, ext)?;
-            let _ = (p.first(), p.last());
-        }
-        ArchivedValue::Sym(id) => {
-            r.symbol(id.to_native())?;
-        }
-        _ => {}
     }
     Ok(())
 }
@@ -617,22 +595,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn raw_layout_matches_rkyv() {
-        let v = Value::List(vec![Value::None]);
-        let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&v).unwrap();
-        assert_eq!(bytes.len(), 2 * VALUE);
-        let root = VALUE;
-        assert_eq!(bytes[root], tag_of(&Value::List(vec![])));
-        let rel = i32::from_le_bytes(bytes[root + 1..root + 5].try_into().unwrap());
-        assert_eq!(rel, -(root as i32 + 1));
-        assert_eq!(
-            u32::from_le_bytes(bytes[root + 5..root + 9].try_into().unwrap()),
-            1
-        );
-    }
-
-    #[test]
-    fn raw_chains_are_valid_below_the_limit() {
+    fn raw_chains_are_valid_up_to_the_limit() {
         let mut rng = Rng::new(3);
         for depth in [1, 2, 5, 40, MAX_VALUE_DEPTH] {
             for _ in 0..20 {
@@ -641,25 +604,17 @@ mod tests {
                 b.finish_raw_record(&raw).unwrap();
                 let bytes = b.finish(0).unwrap().0.into_inner();
                 let r = Reader::open(&bytes[..]).unwrap();
-                r.validate_record(0).unwrap();
+                assert!(read_everything(&bytes).unwrap(), "depth {depth}");
                 // The chain is `depth` containers deep.
-                let mut node = r.root(0).unwrap();
+                let mut it = r.item(r.root(0).unwrap()).unwrap();
                 let mut seen = 0;
                 loop {
-                    let items = match r.get(node) {
-                        ArchivedValue::List(i) | ArchivedValue::Tuple(i) => i.as_slice(),
-                        ArchivedValue::Dict(i) => i.as_slice(),
+                    it = match it {
+                        Item::List(n) | Item::Tuple(n) => r.seq_item(n, 0).unwrap(),
+                        Item::Dict(n) => r.dict_value(n, 0).unwrap(),
                         _ => break,
                     };
                     seen += 1;
-                    let next = items
-                        .iter()
-                        .find(|v| !matches!(v, ArchivedValue::None))
-                        .unwrap_or(&items[0]);
-                    node = r.child(node, next);
-                    if items.iter().all(|v| matches!(v, ArchivedValue::None)) {
-                        break;
-                    }
                 }
                 assert_eq!(seen, depth);
             }
@@ -709,13 +664,20 @@ fn fuzz_cases_never_crash_the_reader() {
     }
 }
 
-/// Named hostile archives (tests/test_hostile.py): one per attack that once crashed or
-/// raised the wrong exception. `None` for an unknown name.
+/// Named hostile archives (tests/test_hostile_bytes.py): one per attack that once crashed
+/// or raised the wrong exception, or that the format must refuse. `None` for an unknown
+/// name. Every one is corrupt except `deep-ok`.
 pub fn crafted(name: &str) -> Option<(Kind, Vec<u8>)> {
+    let seal = |b: Builder<Cursor<Vec<u8>>>| b.finish(0).expect("in memory").0.into_inner();
     let object = |v: Value| {
         let mut b = Builder::new(Cursor::new(Vec::new()), Kind::Object, 1).expect("in memory");
         b.finish_record(&v).expect("in memory");
-        b.finish(0).expect("in memory").0.into_inner()
+        seal(b)
+    };
+    let raw = |bytes: &[u8]| {
+        let mut b = Builder::new(Cursor::new(Vec::new()), Kind::Object, 1).expect("in memory");
+        b.finish_raw_record(bytes).expect("in memory");
+        seal(b)
     };
     let array = |typestr: &str, shape: Vec<u64>, len: u64| {
         let mut b = Builder::new(Cursor::new(Vec::new()), Kind::Object, 1).expect("in memory");
@@ -726,77 +688,100 @@ pub fn crafted(name: &str) -> Option<(Kind, Vec<u8>)> {
             data,
         }));
         b.finish_record(&v).expect("in memory");
-        b.finish(0).expect("in memory").0.into_inner()
+        seal(b)
     };
-    let chain = |depth: usize, kinds: u8| {
-        // Lists only (kinds 0) or a mix of lists, tuples and dicts.
+    let chain = |depth: usize, keys: bool| {
         let mut rng = Rng::new(depth as u64);
-        let raw = if kinds == 0 {
-            let mut out = rkyv::to_bytes::<rkyv::rancor::Error>(&Value::None)
-                .expect("serialize")
-                .to_vec();
-            let tag = tag_of(&Value::List(vec![]));
-            for i in 0..depth {
-                out.push(tag);
-                out.extend_from_slice(&(-(VALUE as i32) - 1).to_le_bytes());
-                out.extend_from_slice(&1u32.to_le_bytes());
-                debug_assert_eq!(out.len(), (i + 2) * VALUE);
-            }
-            out
-        } else {
+        let bytes = if keys {
             raw_chain(&mut rng, depth, true)
+        } else {
+            let mut out = Vec::new();
+            for _ in 0..depth {
+                out.extend_from_slice(&[T_LIST, 1, 4, 0, 0, 0]);
+            }
+            out.push(T_NONE);
+            out
         };
-        let mut b = Builder::new(Cursor::new(Vec::new()), Kind::Object, 1).expect("in memory");
-        b.finish_raw_record(&raw).expect("in memory");
-        b.finish(0).expect("in memory").0.into_inner()
+        raw(&bytes)
     };
+    // Edit the first record's bytes at `at` (from its start), then reseal.
+    let edit = |mut b: Vec<u8>, at: usize, with: &[u8]| {
+        let (s, _) = header::record_span(&b, u64_at(&b, 32), 0).expect("a record");
+        let at = s as usize + at;
+        b[at..at + with.len()].copy_from_slice(with);
+        header::reseal(&mut b);
+        b
+    };
+    let str_list = || Value::List(vec![Value::Str("a".into()), Value::Str("b".into())]);
     let bytes = match name {
         // A list nested 45,000 deep: a few hundred KiB that used to overflow the stack.
-        "deep" => chain(45_000, 0),
-        "deep-mixed" => chain(30_000, 1),
-        // Just past the format's limit, yet within what validation walks.
-        "deep-limit" => chain(MAX_VALUE_DEPTH + 1, 0),
+        "deep" => chain(45_000, false),
+        "deep-mixed" => chain(30_000, true),
+        // Just past the format's limit.
+        "deep-limit" => chain(MAX_VALUE_DEPTH + 2, false),
         // At the limit: valid.
-        "deep-ok" => chain(MAX_VALUE_DEPTH, 0),
+        "deep-ok" => chain(MAX_VALUE_DEPTH, false),
         "typestr-non-ascii" => array("<\u{e9}8", vec![1], 8),
         "typestr-non-ascii-2" => array("\u{e9}f8", vec![1], 8),
         "empty-huge-shape" => array("<f8", vec![0, 1 << 62], 0),
         "empty-huge-shape-2" => array("|u1", vec![u64::MAX, 0], 0),
         "too-many-dims" => array("<f8", vec![1; 65], 8),
-        "list-key" => object(Value::Dict(vec![Value::List(vec![]), Value::None])),
-        "list-in-tuple-key" => object(Value::Dict(vec![
+        "list-key" => object(Value::Dict(vec![(Value::List(vec![]), Value::None)])),
+        "list-in-tuple-key" => object(Value::Dict(vec![(
             Value::Tuple(vec![Value::Int(1), Value::List(vec![])]),
             Value::None,
-        ])),
-        "dict-key-without-value" => object(Value::Dict(vec![
-            Value::Str("a".into()),
-            Value::Int(1),
-            Value::Str("b".into()),
-        ])),
-        "sym-out-of-range" => object(Value::List(vec![Value::Sym(7)])),
-        // An indexed dict whose index is empty: every lookup would miss its keys.
-        "forged-index-hides-keys" => object(Value::IndexedDict(Box::new(IndexedDict {
-            items: (0..9)
-                .flat_map(|i| [Value::Str(format!("k{i}")), Value::Int(i)])
-                .collect(),
-            index: vec![0; 32],
-        }))),
-        // A big-int key holding a small int (writers store `Int`): never found by lookup.
-        "bigint-key-fits-i64" => {
-            object(Value::Dict(vec![Value::BigInt(vec![0x87; 3]), Value::None]))
+        )])),
+        // A symbol id past the symbol table.
+        "sym-out-of-range" => raw(&[T_LIST, 1, 4, 0, 0, 0, T_SYM, 7]),
+        // A dict of 9 entries whose hash index is all empty: every lookup would miss.
+        "forged-index-hides-keys" => {
+            let v = Value::Dict(
+                (0..9)
+                    .map(|i| (Value::Int(i * 1000), Value::Int(i)))
+                    .collect(),
+            );
+            let b = object(v);
+            // tag, count, 18 refs, then the index (32 slots of u32).
+            edit(b, 2 + 18 * REF, &[0; 32 * 4])
         }
-        "span-start-near-2^64" | "span-end-near-2^64" => {
+        // A big-int key holding a small int (writers store ints): never found by lookup.
+        "bigint-key-fits-i64" => object(Value::Dict(vec![(
+            Value::BigInt(vec![0x87; 3]),
+            Value::None,
+        )])),
+        // Two references to one value (a DAG): work would grow exponentially with depth.
+        "shared-child" => {
+            let b = object(str_list());
+            // refs at 2 and 6; make the second name the first's target (distance - 4).
+            let (s, _) = header::record_span(&b, u64_at(&b, 32), 0).expect("a record");
+            let first = u32::from_le_bytes(b[s as usize + 2..s as usize + 6].try_into().unwrap());
+            edit(b, 6, &(first - 4).to_le_bytes())
+        }
+        // A reference of 0 (the value would contain itself).
+        "self-reference" => edit(object(str_list()), 2, &0u32.to_le_bytes()),
+        // A shape id past the shape table.
+        "shape-out-of-range" => raw(&[T_DICT_SHAPED, 9, 0, 0, 0, 0]),
+        // A varint count that does not fit: 2^63 items.
+        "huge-count" => raw(&[
+            T_LIST, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x01,
+        ]),
+        "span-start-near-2^64" | "span-length-long" => {
             let mut b = object(Value::Str("x".into()));
             let index_off = u64_at(&b, 32) as usize;
-            let at = index_off + if name.contains("start") { 0 } else { 8 };
-            b[at..at + 8].copy_from_slice(&(u64::MAX - 7).to_le_bytes());
+            let e = if name.contains("start") {
+                (u64::MAX - 7) << 16 | 3
+            } else {
+                u64_at(&b, index_off) | 0xFFFF
+            };
+            b[index_off..index_off + 8].copy_from_slice(&e.to_le_bytes());
             header::reseal(&mut b);
             b
         }
-        "payload-extent-near-2^64" => object(Value::BytesExt(Box::new(Extent {
+        "payload-extent-near-2^64" => object(Value::BytesExt(Extent {
             offset: u64::MAX - 7,
             len: 16,
-        }))),
+            checksum: 0,
+        })),
         _ => return None,
     };
     Some((Kind::Object, bytes))
@@ -815,12 +800,15 @@ pub const CRAFTED: &[&str] = &[
     "too-many-dims",
     "list-key",
     "list-in-tuple-key",
-    "dict-key-without-value",
     "sym-out-of-range",
     "forged-index-hides-keys",
     "bigint-key-fits-i64",
+    "shared-child",
+    "self-reference",
+    "shape-out-of-range",
+    "huge-count",
     "span-start-near-2^64",
-    "span-end-near-2^64",
+    "span-length-long",
     "payload-extent-near-2^64",
 ];
 

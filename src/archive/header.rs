@@ -5,14 +5,19 @@ use xxhash_rust::xxh3::Xxh3Default;
 use super::ArchiveError;
 
 pub const MAGIC: [u8; 8] = *b"SHMSTOR\0";
-pub const VERSION: u16 = 3;
+pub const VERSION: u16 = 4;
 pub const HEADER_LEN: usize = 128;
-/// Record spans start on this boundary.
-pub const SPAN_ALIGN: u64 = 8;
-/// Out-of-line payloads (array data) start on this boundary (absolute position).
+/// Out-of-line payloads (array data, big bytes) start on this boundary (absolute position).
 pub const PAYLOAD_ALIGN: u64 = 64;
-/// Size of one index entry: span start, span end, span checksum (u64 each).
-pub const INDEX_ENTRY: usize = 24;
+/// Size of one index entry: `start << 16 | length` (u64; length 0xFFFF = "the length is
+/// the u64 just before the record").
+pub const INDEX_ENTRY: usize = 8;
+/// Size of one block entry: first record (u64), xxh3-64 of the block's records (u64).
+pub const BLOCK_ENTRY: usize = 16;
+/// Record lengths from this one up are stored before the record, not in its index entry.
+pub const LONG_RECORD: u64 = 0xFFFF;
+/// Records start below this position (48 bits of the index entry).
+pub const MAX_RECORD_START: u64 = 1 << 48;
 
 /// What the archive's records mean.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -44,19 +49,20 @@ impl Kind {
     }
 }
 
-/// The parsed header. All offsets are absolute byte positions in the archive.
+/// The parsed header. All offsets are absolute byte positions in the archive. The regions
+/// follow one another in this order: records | index | blocks | symbols | shapes | keys |
+/// table, the last ending at `total_len`; each region's length is the distance to the next.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Header {
     pub kind: Kind,
     pub total_len: u64,
     pub count: u64,
     pub index_off: u64,
+    pub blocks_off: u64,
     pub symbols_off: u64,
-    pub symbols_len: u64,
+    pub shapes_off: u64,
     pub keys_off: u64,
-    pub keys_len: u64,
     pub table_off: u64,
-    pub table_len: u64,
     pub created_unix_ms: u64,
     pub creator_pid: u32,
     /// xxh3 of header bytes [0, 120) followed by the metadata region [index_off, total_len).
@@ -74,20 +80,32 @@ impl Header {
             self.total_len,
             self.count,
             self.index_off,
+            self.blocks_off,
             self.symbols_off,
-            self.symbols_len,
+            self.shapes_off,
             self.keys_off,
-            self.keys_len,
             self.table_off,
-            self.table_len,
             self.created_unix_ms,
         ];
         for (i, f) in fields.iter().enumerate() {
             b[16 + 8 * i..24 + 8 * i].copy_from_slice(&f.to_le_bytes());
         }
-        b[96..100].copy_from_slice(&self.creator_pid.to_le_bytes());
+        b[88..92].copy_from_slice(&self.creator_pid.to_le_bytes());
         b[120..128].copy_from_slice(&self.checksum.to_le_bytes());
         b
+    }
+
+    pub fn blocks(&self) -> u64 {
+        (self.symbols_off - self.blocks_off) / BLOCK_ENTRY as u64
+    }
+    pub fn symbols_len(&self) -> u64 {
+        self.shapes_off - self.symbols_off
+    }
+    pub fn keys_len(&self) -> u64 {
+        self.table_off - self.keys_off
+    }
+    pub fn table_len(&self) -> u64 {
+        self.total_len - self.table_off
     }
 
     /// Parse and check the header against the archive bytes: magic, version, sizes,
@@ -122,14 +140,13 @@ impl Header {
             total_len: f(0),
             count: f(1),
             index_off: f(2),
-            symbols_off: f(3),
-            symbols_len: f(4),
-            keys_off: f(5),
-            keys_len: f(6),
+            blocks_off: f(3),
+            symbols_off: f(4),
+            shapes_off: f(5),
+            keys_off: f(6),
             table_off: f(7),
-            table_len: f(8),
-            created_unix_ms: f(9),
-            creator_pid: u32::from_le_bytes(bytes[96..100].try_into().unwrap()),
+            created_unix_ms: f(8),
+            creator_pid: u32::from_le_bytes(bytes[88..92].try_into().unwrap()),
             checksum: u64::from_le_bytes(bytes[120..128].try_into().unwrap()),
         };
         if h.total_len != bytes.len() as u64 {
@@ -139,14 +156,16 @@ impl Header {
                 bytes.len()
             ));
         }
-        // Regions, in order: index | symbols | keys | table, ending at total_len.
         let index_len = h.count.checked_mul(INDEX_ENTRY as u64);
         let regions_ok = index_len.is_some_and(|il| {
             h.index_off >= HEADER_LEN as u64
-                && h.index_off.checked_add(il) == Some(h.symbols_off)
-                && h.symbols_off.checked_add(h.symbols_len) == Some(h.keys_off)
-                && h.keys_off.checked_add(h.keys_len) == Some(h.table_off)
-                && h.table_off.checked_add(h.table_len) == Some(h.total_len)
+                && h.index_off.checked_add(il) == Some(h.blocks_off)
+                && h.blocks_off <= h.symbols_off
+                && (h.symbols_off - h.blocks_off) % BLOCK_ENTRY as u64 == 0
+                && h.symbols_off <= h.shapes_off
+                && h.shapes_off <= h.keys_off
+                && h.keys_off <= h.table_off
+                && h.table_off <= h.total_len
         });
         if !regions_ok {
             return corrupt("region offsets are inconsistent".into());
@@ -177,30 +196,61 @@ pub fn checksum_parts(head: &[u8], meta: &[u8]) -> u64 {
 /// Magic of an archive still being written (never valid for readers).
 pub const UNSEALED_MAGIC: [u8; 8] = *b"SHMSTOR\x01";
 
-/// Recompute every checksum of an edited archive, as a forger would: each record's span
-/// checksum (where the index entry still points inside the file) and the metadata checksum
-/// (where `index_off` still does). Used by tests and the fuzzer (`archive::fuzz`) to get
-/// arbitrary structure past the checksums, so that the structural checks are what is tested.
+/// The position and length of record `rec` from its index entry (unchecked: the reader
+/// bounds-checks; here out-of-range answers are `None`).
+pub fn record_span(bytes: &[u8], index_off: u64, rec: u64) -> Option<(u64, u64)> {
+    let at = rec
+        .checked_mul(INDEX_ENTRY as u64)?
+        .checked_add(index_off)? as usize;
+    let e = u64::from_le_bytes(bytes.get(at..at.checked_add(8)?)?.try_into().ok()?);
+    let (start, len) = (e >> 16, e & LONG_RECORD);
+    if len != LONG_RECORD {
+        return Some((start, len));
+    }
+    let s = usize::try_from(start).ok()?;
+    let long = bytes.get(s.checked_sub(8)?..s)?;
+    Some((start, u64::from_le_bytes(long.try_into().ok()?)))
+}
+
+/// Recompute every checksum of an edited archive, as a forger would: each block's checksum
+/// (where its records' index entries still point inside the file) and the metadata
+/// checksum (where `index_off` still does). Used by tests and the fuzzer (`archive::fuzz`)
+/// to get arbitrary structure past the checksums, so that the structural checks are what
+/// is tested.
 pub fn reseal(bytes: &mut [u8]) {
     if bytes.len() < HEADER_LEN {
         return;
     }
     let field = |b: &[u8], at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
-    let (count, index_off) = (field(bytes, 24), field(bytes, 32));
+    let (count, index_off, blocks_off, symbols_off) = (
+        field(bytes, 24),
+        field(bytes, 32),
+        field(bytes, 40),
+        field(bytes, 48),
+    );
     let len = bytes.len() as u64;
-    for rec in 0..count {
-        let Some(at) = rec
-            .checked_mul(INDEX_ENTRY as u64)
-            .and_then(|o| o.checked_add(index_off))
-            .filter(|&at| at.checked_add(INDEX_ENTRY as u64).is_some_and(|e| e <= len))
-        else {
-            break;
-        };
-        let at = at as usize;
-        let (s, e) = (field(bytes, at), field(bytes, at + 8));
-        if s <= e && e <= len {
-            let h = xxhash_rust::xxh3::xxh3_64(&bytes[s as usize..e as usize]);
-            bytes[at + 16..at + 24].copy_from_slice(&h.to_le_bytes());
+    if blocks_off <= symbols_off && symbols_off <= len {
+        let n = (symbols_off - blocks_off) / BLOCK_ENTRY as u64;
+        for b in 0..n {
+            let at = (blocks_off + b * BLOCK_ENTRY as u64) as usize;
+            let first = field(bytes, at);
+            let last = if b + 1 < n {
+                field(bytes, at + BLOCK_ENTRY)
+            } else {
+                count
+            };
+            let mut h = Xxh3Default::new();
+            let mut rec = first;
+            while rec < last.min(count) && rec - first < 1 << 20 {
+                if let Some((s, l)) = record_span(bytes, index_off, rec) {
+                    if let Some(e) = s.checked_add(l).filter(|&e| e <= len) {
+                        h.update(&bytes[s as usize..e as usize]);
+                    }
+                }
+                rec += 1;
+            }
+            let sum = h.digest();
+            bytes[at + 8..at + 16].copy_from_slice(&sum.to_le_bytes());
         }
     }
     if index_off <= len {

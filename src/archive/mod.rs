@@ -1,7 +1,9 @@
-//! Pure-Rust archive layer (no pyo3): the value model, the streaming builder, the header
-//! and the validating reader. See docs/format.md for the byte layout.
+//! Pure-Rust archive layer (no pyo3): the value model, the record encoder, the streaming
+//! builder, the header and the checked reader. See docs/format.md for the byte layout.
 
 pub mod builder;
+pub mod encode;
+pub mod format;
 #[doc(hidden)]
 // Its drivers (`run`, `read_everything`, `CRAFTED`) have callers in tests only: outside
 // `cargo test` builds they are not dead code to remove.
@@ -19,8 +21,8 @@ mod tests;
 pub use builder::Builder;
 pub use header::Kind;
 pub use key::Key;
-pub use reader::{Node, Reader};
-pub use value::{ArchivedValue, ArrayMeta, Value};
+pub use reader::{Item, Node, Reader};
+pub use value::{ArrayMeta, Value};
 
 /// Everything that can go wrong building or reading an archive.
 #[derive(Debug, thiserror::Error)]

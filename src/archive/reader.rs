@@ -1,31 +1,47 @@
-//! Validating reader over an archive's bytes (a read-only mapping).
+//! Reader over an archive's bytes (a read-only mapping), reading records in place.
 //!
-//! Checking is split so that no byte is trusted before it is checked, yet a reader pays
-//! only for what it touches:
-//! - at open: the header, region bounds and one checksum over the metadata (index,
-//!   symbols, keys, table) — O(records), not O(bytes);
-//! - at the first access of a record in this process: the record span's checksum and
-//!   rkyv's structural validation (bytecheck) of that record — then a bit is set and later
-//!   accesses are free.
+//! Every read is checked: positions, lengths and references that come from the bytes are
+//! bounds-checked against the records region before use, so no byte sequence can make a
+//! read leave the mapping, panic or loop. On top of that, integrity is checked lazily:
+//! - at open: the header, region bounds, one checksum over the metadata (index, blocks,
+//!   symbols, shapes, keys, table), and the symbols and shapes themselves: O(metadata);
+//! - at the first access of a record in this process: its *block* (up to
+//!   [`BLOCK_RECORDS`](super::builder::BLOCK_RECORDS) records) is checksummed and each of
+//!   its records walked once as a tree (every reference points forward, no two at the same
+//!   value, depth within the format's limit), so later reads need no budget against
+//!   shared or cyclic structure. Then a bit per record is set and later accesses are free;
+//! - out-of-line payloads (array data, big bytes) have their own checksum, checked by
+//!   [`Reader::verify`] and never on the read path: any bit pattern of a numeric array is a
+//!   valid array, so reading one needs no hash (docs/format.md, "Integrity").
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use rkyv::rancor;
-use rkyv::validation::{archive::ArchiveValidator, Validator};
-use xxhash_rust::xxh3::xxh3_64;
+use xxhash_rust::xxh3::{xxh3_64, Xxh3Default};
 
-use super::header::{Header, Kind, INDEX_ENTRY, PAYLOAD_ALIGN, SPAN_ALIGN};
+use super::format::*;
+use super::header::{record_span, Header, Kind, BLOCK_ENTRY, HEADER_LEN, PAYLOAD_ALIGN};
 use super::key::{decode_key, Key};
-use super::value::{
-    typestr_itemsize, ArchivedArrayMeta, ArchivedExtent, ArchivedValue, MAX_SUBTREE_DEPTH,
-};
+use super::value::{typestr_itemsize, Extent, MAX_KEY_DEPTH, MAX_VALUE_DEPTH};
 use super::{table, u32_at, u64_at, ArchiveError};
 
-/// A validated position of an archived value: only the [`Reader`] makes these, from values
-/// it has validated, so turning one back into a reference is sound.
+/// How a node's bytes are read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Form {
+    /// A tagged value starts at the node's position.
+    Tagged,
+    /// The slots of a dict of this shape start at the node's position.
+    Struct(u32),
+    /// A packed field: `count` elements of `elem` start at the node's position.
+    Pack { elem: Elem, count: u8, tuple: bool },
+}
+
+/// A position of a container (or any value) in a record. Any `Node` is safe to read: reads
+/// through it are bounds-checked, so one rebuilt from a pickle can at worst be `Corrupt`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Node {
     rec: u32,
+    pub(crate) form: Form,
     pos: u64,
 }
 
@@ -38,9 +54,30 @@ impl Node {
     pub fn pos(self) -> u64 {
         self.pos
     }
+    #[cfg(test)]
+    pub fn form(self) -> Form {
+        self.form
+    }
+    /// The form as two integers, for pickles (`Reader::node_from`).
+    pub fn form_code(self) -> (u8, u32) {
+        match self.form {
+            Form::Tagged => (0, 0),
+            Form::Struct(s) => (1, s),
+            Form::Pack { elem, count, tuple } => {
+                (2, (elem as u32) << 16 | (count as u32) << 8 | tuple as u32)
+            }
+        }
+    }
 }
 
-/// Where array data lives and how to read it.
+/// An out-of-line array: where its data lives and how to read it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ArrayAt {
+    /// Position of the array's metadata (after its tag).
+    pos: u64,
+    rec: u32,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ArrayView<'a> {
     pub typestr: &'a str,
@@ -50,15 +87,50 @@ pub struct ArrayView<'a> {
     pub nbytes: usize,
 }
 
+/// One value read from a record.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Item<'a> {
+    None,
+    Bool(bool),
+    Int(i64),
+    /// An int outside i64 (two's complement, little-endian).
+    BigInt(&'a [u8]),
+    Float(f64),
+    Complex(f64, f64),
+    /// UTF-8 as stored (checked when converted).
+    Str(&'a [u8]),
+    /// A str of the symbol table.
+    Sym(u32),
+    Bytes(&'a [u8]),
+    BytesExt(Extent),
+    Array(ArrayAt),
+    List(Node),
+    Tuple(Node),
+    Dict(Node),
+}
+
+/// A shape as read from the metadata, with what the reader needs precomputed.
+#[derive(Debug)]
+pub struct ShapeInfo {
+    pub shape: Shape,
+    /// Field indexes whose slot holds a reference.
+    refs: Box<[u16]>,
+}
+
 pub struct Reader<B> {
     backing: B,
     header: Header,
-    /// One bit per record: span checksum and structure checked in this process.
+    /// One bit per record: its block's checksum and its tree checked in this process.
     validated: Vec<AtomicU64>,
-    /// One bit per record: its in-record dict indexes checked (`confirm_miss`).
+    /// One bit per record: the hash indexes of its general dicts checked (`confirm_miss`).
     indexes_checked: Vec<AtomicU64>,
+    /// First record of each block.
+    block_first: Vec<u64>,
     /// Absolute [start, end) of each symbol's UTF-8 bytes.
     symbols: Vec<(usize, usize)>,
+    shapes: Vec<ShapeInfo>,
+    /// End of the records region (= index_off): every record byte lies before it.
+    rec_end: usize,
 }
 
 fn corrupt<T>(msg: impl Into<String>) -> Result<T, ArchiveError> {
@@ -68,13 +140,12 @@ fn corrupt<T>(msg: impl Into<String>) -> Result<T, ArchiveError> {
 /// Most dimensions an array may have (numpy's limit since numpy 2).
 pub const MAX_NDIM: usize = 64;
 
-/// How far before a record's end a dict lookup prefetches (its root value and the bytes of
-/// a str that ends there).
-const PREFETCH_BACK: usize = 1024;
+/// How many bytes from a record's start a dict lookup prefetches.
+const PREFETCH_AHEAD: usize = 512;
 
 /// Start loading the cache line of `bytes[at]`; out-of-range positions are ignored.
 #[inline(always)]
-fn prefetch(bytes: &[u8], at: usize) {
+pub fn prefetch(bytes: &[u8], at: usize) {
     #[cfg(target_arch = "x86_64")]
     if at < bytes.len() {
         let p = bytes[at..].as_ptr();
@@ -96,21 +167,26 @@ impl<B: AsRef<[u8]>> Reader<B> {
         let header = Header::parse(bytes)?;
         if header.kind == Kind::Dict {
             let slot = table::SLOT as u64;
-            if header.table_len % slot != 0
-                || header.table_len / slot != table::capacity(header.count)
-                || header.keys_len < (header.count + 1) * 8
+            if header.table_len() % slot != 0
+                || header.table_len() / slot != table::capacity(header.count)
+                || header.keys_len() < (header.count + 1) * 8
             {
                 return corrupt("dict table/keys region malformed");
             }
         }
         let symbols = parse_symbols(bytes, &header)?;
+        let shapes = parse_shapes(bytes, &header, symbols.len())?;
+        let block_first = parse_blocks(bytes, &header)?;
         let words = header.count.div_ceil(64) as usize;
         Ok(Reader {
             validated: (0..words).map(|_| AtomicU64::new(0)).collect(),
             indexes_checked: (0..words).map(|_| AtomicU64::new(0)).collect(),
+            block_first,
+            rec_end: header.index_off as usize,
             backing,
             header,
             symbols,
+            shapes,
         })
     }
 
@@ -134,50 +210,661 @@ impl<B: AsRef<[u8]>> Reader<B> {
         &self.backing
     }
 
-    fn span(&self, rec: u64) -> (usize, usize, u64) {
-        let at = self.header.index_off as usize + rec as usize * INDEX_ENTRY;
-        let b = self.bytes();
-        (
-            u64_at(b, at) as usize,
-            u64_at(b, at + 8) as usize,
-            u64_at(b, at + 16),
-        )
+    pub fn shapes(&self) -> &[ShapeInfo] {
+        &self.shapes
     }
 
-    fn check_span(&self, rec: u64) -> Result<(usize, usize), ArchiveError> {
-        let (start, end, hash) = self.span(rec);
-        let min = std::mem::size_of::<ArchivedValue>();
-        // Checked: both ends come from the file and may be anything up to 2^64 - 1.
-        if start % SPAN_ALIGN as usize != 0
-            || start < super::header::HEADER_LEN
-            || end > self.header.index_off as usize
-            || start.checked_add(min).is_none_or(|m| end < m)
-        {
-            return corrupt(format!("record {rec}: span {start}..{end} out of bounds"));
+    // --- checked access to the records region -------------------------------------------
+
+    /// `n` bytes at `at`, inside the records region.
+    #[inline]
+    fn get(&self, at: usize, n: usize) -> Result<&[u8], ArchiveError> {
+        match at.checked_add(n) {
+            Some(e) if e <= self.rec_end => Ok(&self.bytes()[at..e]),
+            _ => corrupt(format!("read of {n} bytes at {at} past the records")),
         }
-        if xxh3_64(&self.bytes()[start..end]) != hash {
-            return corrupt(format!(
-                "record {rec}: checksum mismatch (the data was modified)"
-            ));
-        }
-        Ok((start, end))
     }
 
-    /// Run the full checks on a record now (normally done on first access).
+    #[inline]
+    fn byte(&self, at: usize) -> Result<u8, ArchiveError> {
+        if at < self.rec_end {
+            Ok(self.bytes()[at])
+        } else {
+            corrupt(format!("read at {at} past the records"))
+        }
+    }
+
+    #[inline]
+    fn varint(&self, at: usize) -> Result<(u64, usize), ArchiveError> {
+        get_varint(&self.bytes()[..self.rec_end], at)
+    }
+
+    #[inline]
+    fn u64(&self, at: usize) -> Result<u64, ArchiveError> {
+        Ok(u64::from_le_bytes(self.get(at, 8)?.try_into().unwrap()))
+    }
+
+    /// The target of the forward reference at `at`.
+    #[inline]
+    fn follow(&self, at: usize) -> Result<usize, ArchiveError> {
+        let d = u32::from_le_bytes(self.get(at, REF)?.try_into().unwrap());
+        if d == 0 {
+            return corrupt(format!("reference at {at} points at itself"));
+        }
+        let t = at + d as usize;
+        if t >= self.rec_end {
+            return corrupt(format!("reference at {at} points past the records"));
+        }
+        Ok(t)
+    }
+
+    /// A count (varint) of items of `each` bytes following at `after`: checked to fit.
+    #[inline]
+    fn count(&self, at: usize, each: usize) -> Result<(usize, usize), ArchiveError> {
+        let (n, after) = self.varint(at)?;
+        let fits = usize::try_from(n)
+            .ok()
+            .and_then(|n| n.checked_mul(each))
+            .and_then(|b| b.checked_add(after))
+            .is_some_and(|e| e <= self.rec_end);
+        if !fits {
+            return corrupt(format!("count {n} at {at} runs past the records"));
+        }
+        Ok((n as usize, after))
+    }
+
+    fn shape(&self, id: u64) -> Result<&ShapeInfo, ArchiveError> {
+        self.shapes
+            .get(id as usize)
+            .ok_or_else(|| ArchiveError::Corrupt(format!("shape {id} out of range")))
+    }
+
+    // --- records and validation ---------------------------------------------------------
+
+    /// [start, end) of record `rec`, checked to lie in the records region.
+    fn span(&self, rec: u64) -> Result<(usize, usize), ArchiveError> {
+        match record_span(self.bytes(), self.header.index_off, rec) {
+            Some((s, l))
+                if s >= HEADER_LEN as u64
+                    && l > 0
+                    && s.checked_add(l).is_some_and(|e| e <= self.rec_end as u64) =>
+            {
+                Ok((s as usize, (s + l) as usize))
+            }
+            _ => corrupt(format!("record {rec}: span out of bounds")),
+        }
+    }
+
+    fn is_validated(&self, rec: u64) -> bool {
+        let (word, bit) = ((rec / 64) as usize, 1u64 << (rec % 64));
+        self.validated[word].load(Ordering::Acquire) & bit != 0
+    }
+
+    /// Run the checks of record `rec`'s block now (normally done on first access).
     pub fn validate_record(&self, rec: u64) -> Result<(), ArchiveError> {
         if rec >= self.header.count {
             return Err(ArchiveError::Invalid(format!("record {rec} out of range")));
         }
-        let (word, bit) = ((rec / 64) as usize, 1u64 << (rec % 64));
-        if self.validated[word].load(Ordering::Acquire) & bit != 0 {
+        if self.is_validated(rec) {
             return Ok(());
         }
-        let (start, end) = self.check_span(rec)?;
-        let bytes = &self.bytes()[start..end];
-        check_value(bytes, end - start - std::mem::size_of::<ArchivedValue>())
-            .map_err(|e| ArchiveError::Corrupt(format!("record {rec}: invalid structure: {e}")))?;
-        self.validated[word].fetch_or(bit, Ordering::AcqRel);
+        let b = self.block_first.partition_point(|&f| f <= rec) - 1;
+        let first = self.block_first[b];
+        let last = self
+            .block_first
+            .get(b + 1)
+            .copied()
+            .unwrap_or(self.header.count);
+        let mut h = Xxh3Default::new();
+        let mut spans = Vec::with_capacity((last - first) as usize);
+        for r in first..last {
+            let (s, e) = self.span(r)?;
+            h.update(&self.bytes()[s..e]);
+            spans.push((s, e));
+        }
+        let at = self.header.blocks_off as usize + b * BLOCK_ENTRY;
+        if h.digest() != u64_at(self.bytes(), at + 8) {
+            return corrupt(format!(
+                "record {rec}: checksum mismatch in records {first}..{last} (the data was \
+                 modified)"
+            ));
+        }
+        for (r, &(s, e)) in (first..last).zip(&spans) {
+            self.walk(r, s, e, |_, _| Ok(()))
+                .map_err(|e| ArchiveError::Corrupt(format!("record {r}: {}", msg(e))))?;
+        }
+        for r in first..last {
+            let (word, bit) = ((r / 64) as usize, 1u64 << (r % 64));
+            self.validated[word].fetch_or(bit, Ordering::AcqRel);
+        }
         Ok(())
+    }
+
+    /// Walk record `rec` ([start, end)) breadth first, as it was written: every reference
+    /// must point forward of the one before it and inside the record (so the record is a
+    /// tree and the walk ends), containers nest at most `MAX_VALUE_DEPTH` deep. `visit` sees
+    /// every tagged value (its position and tag).
+    fn walk(
+        &self,
+        rec: u64,
+        start: usize,
+        end: usize,
+        mut visit: impl FnMut(usize, u8) -> Result<(), ArchiveError>,
+    ) -> Result<(), ArchiveError> {
+        let _ = rec;
+        let mut w = Walk {
+            queue: VecDeque::new(),
+            last: start,
+            end,
+        };
+        w.queue.push_back((start, true, 0));
+        while let Some((pos, tagged, depth)) = w.queue.pop_front() {
+            if !tagged {
+                let (n, after) = self.count(pos, 1)?;
+                if after + n > end {
+                    return corrupt("a string runs past its record");
+                }
+                continue;
+            }
+            let tag = self.byte(pos)?;
+            visit(pos, tag)?;
+            let body = pos + 1;
+            let stop = match tag {
+                T_NONE | T_FALSE | T_TRUE => body,
+                T_I8 => body + 1,
+                T_I16 => body + 2,
+                T_I32 => body + 4,
+                T_I64 | T_F64 => body + 8,
+                T_COMPLEX => body + 16,
+                T_BYTES_EXT => body + 24,
+                T_BIGINT | T_STR | T_BYTES => {
+                    let (n, after) = self.count(body, 1)?;
+                    after + n
+                }
+                T_SYM => {
+                    let (id, after) = self.varint(body)?;
+                    if id >= self.symbols.len() as u64 {
+                        return corrupt(format!("symbol {id} out of range"));
+                    }
+                    after
+                }
+                T_ARRAY => self.array_meta_end(body)?,
+                T_LIST | T_TUPLE => {
+                    let (n, after) = self.count(body, REF)?;
+                    for i in 0..n {
+                        w.push(self, after + i * REF, true, depth + 1)?;
+                    }
+                    after + n * REF
+                }
+                T_LIST_PACKED | T_TUPLE_PACKED => {
+                    let elem = Elem::from_u8(self.byte(body)?)
+                        .ok_or_else(|| ArchiveError::Corrupt("bad packed element".into()))?;
+                    let (n, after) = self.count(body + 1, elem.size())?;
+                    after + n * elem.size()
+                }
+                T_LIST_STRUCT | T_TUPLE_STRUCT => {
+                    let (id, after) = self.varint(body)?;
+                    let sh = self.shape(id)?;
+                    let size = sh.shape.size as usize;
+                    let (n, after) = self.count(after, size)?;
+                    for i in 0..n {
+                        w.slots(self, sh, after + i * size, depth + 2)?;
+                    }
+                    after + n * size
+                }
+                T_DICT_SHAPED => {
+                    let (id, after) = self.varint(body)?;
+                    let sh = self.shape(id)?;
+                    w.slots(self, sh, after, depth + 1)?;
+                    after + sh.shape.size as usize
+                }
+                T_DICT => {
+                    let (n, after) = self.count(body, 2 * REF)?;
+                    for i in 0..2 * n {
+                        w.push(self, after + i * REF, true, depth + 1)?;
+                    }
+                    let mut stop = after + 2 * n * REF;
+                    if super::value::dict_has_index(n) {
+                        let cap = table::record_index_capacity(n);
+                        let idx = self.get(stop, cap * 4)?;
+                        if idx.chunks_exact(4).any(|s| u32_at(s, 0) as usize > n) {
+                            return corrupt("a dict index names an entry it does not have");
+                        }
+                        stop += cap * 4;
+                    }
+                    stop
+                }
+                t => return corrupt(format!("unknown tag {t}")),
+            };
+            if stop > end {
+                return corrupt("a value runs past its record");
+            }
+        }
+        Ok(())
+    }
+
+    /// Run the checks of every record now, and verify every out-of-line payload against
+    /// its checksum: O(archive size). Readers never need this for safety.
+    pub fn validate_all(&self) -> Result<(), ArchiveError> {
+        for r in 0..self.header.count {
+            self.validate_record(r)?;
+        }
+        self.verify_payloads()
+    }
+
+    /// Check the checksum of every out-of-line payload (array data, big bytes).
+    pub fn verify_payloads(&self) -> Result<(), ArchiveError> {
+        for r in 0..self.header.count {
+            let (s, e) = self.span(r)?;
+            let mut found = Vec::new();
+            self.walk(r, s, e, |pos, tag| {
+                if tag == T_BYTES_EXT {
+                    found.push(self.ext_at(pos + 1)?);
+                } else if tag == T_ARRAY {
+                    let m = self.array_meta_end(pos + 1)?;
+                    found.push(self.ext_at(m - 24)?);
+                }
+                Ok(())
+            })?;
+            for ext in found {
+                let data = self.payload(ext)?;
+                if xxh3_64(data) != ext.checksum {
+                    return corrupt(format!(
+                        "record {r}: the out-of-line data at {} ({} bytes) was modified",
+                        ext.offset, ext.len
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The root value of record `rec` (checked on first access in this process).
+    pub fn root(&self, rec: u64) -> Result<Node, ArchiveError> {
+        self.validate_record(rec)?;
+        let (start, _) = self.span(rec)?;
+        Ok(Node {
+            rec: rec as u32,
+            form: Form::Tagged,
+            pos: start as u64,
+        })
+    }
+
+    /// Start loading record `rec` (its index entry, then its first bytes) without waiting.
+    pub fn prefetch_record(&self, rec: u64) {
+        let b = self.bytes();
+        if rec < self.header.count {
+            let at = self.header.index_off as usize + rec as usize * 8;
+            prefetch(b, at);
+        }
+    }
+
+    /// Second step of [`Self::prefetch_record`]: the record's bytes (its index entry is
+    /// read, which waits for it if it was not prefetched).
+    pub fn prefetch_body(&self, rec: u64) {
+        if let Some((s, _)) = record_span(self.bytes(), self.header.index_off, rec) {
+            let s = s as usize;
+            prefetch(self.bytes(), s);
+            prefetch(self.bytes(), s.saturating_add(64));
+        }
+    }
+
+    /// Rebuild a node from an untrusted (record, position, form), e.g. from a pickle.
+    pub fn node_from(&self, rec: u64, pos: u64, form: (u8, u32)) -> Result<Node, ArchiveError> {
+        self.validate_record(rec)?;
+        let (s, e) = self.span(rec)?;
+        if pos < s as u64 || pos >= e as u64 {
+            return corrupt(format!("position {pos} is not inside record {rec}"));
+        }
+        let form = match form {
+            (0, 0) => Form::Tagged,
+            (1, s) => {
+                self.shape(s as u64)?;
+                Form::Struct(s)
+            }
+            (2, c) => match Enc::decode([6, (c >> 16) as u8, (c >> 8) as u8, c as u8]) {
+                Some(Enc::Pack { elem, count, tuple }) => Form::Pack { elem, count, tuple },
+                _ => return corrupt("bad node form"),
+            },
+            _ => return corrupt("bad node form"),
+        };
+        Ok(Node {
+            rec: rec as u32,
+            form,
+            pos,
+        })
+    }
+
+    // --- values -------------------------------------------------------------------------
+
+    /// The value a node names: a container node as List/Tuple/Dict, a tagged one decoded.
+    pub fn item(&self, node: Node) -> Result<Item<'_>, ArchiveError> {
+        match node.form {
+            Form::Tagged => self.tagged(node.rec, node.pos as usize),
+            Form::Struct(_) => Ok(Item::Dict(node)),
+            Form::Pack { tuple: true, .. } => Ok(Item::Tuple(node)),
+            Form::Pack { .. } => Ok(Item::List(node)),
+        }
+    }
+
+    /// The tagged value at `pos` of record `rec`.
+    pub fn tagged(&self, rec: u32, pos: usize) -> Result<Item<'_>, ArchiveError> {
+        let tag = self.byte(pos)?;
+        let b = pos + 1;
+        let node = |form| Node {
+            rec,
+            form,
+            pos: pos as u64,
+        };
+        let blob = |at: usize| -> Result<&[u8], ArchiveError> {
+            let (n, after) = self.count(at, 1)?;
+            self.get(after, n)
+        };
+        Ok(match tag {
+            T_NONE => Item::None,
+            T_FALSE => Item::Bool(false),
+            T_TRUE => Item::Bool(true),
+            T_I8 => Item::Int(self.byte(b)? as i8 as i64),
+            T_I16 => Item::Int(i16::from_le_bytes(self.get(b, 2)?.try_into().unwrap()) as i64),
+            T_I32 => Item::Int(i32::from_le_bytes(self.get(b, 4)?.try_into().unwrap()) as i64),
+            T_I64 => Item::Int(self.u64(b)? as i64),
+            T_BIGINT => Item::BigInt(blob(b)?),
+            T_F64 => Item::Float(f64::from_bits(self.u64(b)?)),
+            T_COMPLEX => Item::Complex(
+                f64::from_bits(self.u64(b)?),
+                f64::from_bits(self.u64(b + 8)?),
+            ),
+            T_STR => Item::Str(blob(b)?),
+            T_SYM => {
+                let (id, _) = self.varint(b)?;
+                if id >= self.symbols.len() as u64 {
+                    return corrupt(format!("symbol {id} out of range"));
+                }
+                Item::Sym(id as u32)
+            }
+            T_BYTES => Item::Bytes(blob(b)?),
+            T_BYTES_EXT => Item::BytesExt(self.ext_at(b)?),
+            T_ARRAY => Item::Array(ArrayAt { pos: b as u64, rec }),
+            T_LIST | T_LIST_PACKED | T_LIST_STRUCT => Item::List(node(Form::Tagged)),
+            T_TUPLE | T_TUPLE_PACKED | T_TUPLE_STRUCT => Item::Tuple(node(Form::Tagged)),
+            T_DICT_SHAPED => {
+                let (id, after) = self.varint(b)?;
+                self.shape(id)?;
+                Item::Dict(Node {
+                    rec,
+                    form: Form::Struct(id as u32),
+                    pos: after as u64,
+                })
+            }
+            T_DICT => Item::Dict(node(Form::Tagged)),
+            t => return corrupt(format!("unknown tag {t}")),
+        })
+    }
+
+    fn ext_at(&self, at: usize) -> Result<Extent, ArchiveError> {
+        Ok(Extent {
+            offset: self.u64(at)?,
+            len: self.u64(at + 8)?,
+            checksum: self.u64(at + 16)?,
+        })
+    }
+
+    /// The end of an array's metadata starting at `at` (checked to be readable).
+    fn array_meta_end(&self, at: usize) -> Result<usize, ArchiveError> {
+        let tl = self.byte(at)? as usize;
+        let nd_at = at + 1 + tl;
+        let nd = self.byte(nd_at)? as usize;
+        let end = nd_at + 1 + nd * 8 + 24;
+        self.get(at, end - at)?;
+        Ok(end)
+    }
+
+    // --- sequences ----------------------------------------------------------------------
+
+    /// Whether a list/tuple node is a tuple.
+    pub fn is_tuple(&self, node: Node) -> bool {
+        match node.form {
+            Form::Pack { tuple, .. } => tuple,
+            Form::Struct(_) => false,
+            Form::Tagged => matches!(
+                self.byte(node.pos as usize),
+                Ok(T_TUPLE | T_TUPLE_PACKED | T_TUPLE_STRUCT)
+            ),
+        }
+    }
+
+    /// Layout of a sequence node: (kind, count, position of the first element).
+    #[inline]
+    fn seq_layout(&self, node: Node) -> Result<(SeqKind, usize, usize), ArchiveError> {
+        let pos = node.pos as usize;
+        match node.form {
+            Form::Pack { elem, count, .. } => Ok((SeqKind::Packed(elem), count as usize, pos)),
+            Form::Struct(_) => corrupt("a dict is not a sequence"),
+            Form::Tagged => {
+                let tag = self.byte(pos)?;
+                match tag {
+                    T_LIST | T_TUPLE => {
+                        let (n, at) = self.count(pos + 1, REF)?;
+                        Ok((SeqKind::Refs, n, at))
+                    }
+                    T_LIST_PACKED | T_TUPLE_PACKED => {
+                        let elem = Elem::from_u8(self.byte(pos + 1)?)
+                            .ok_or_else(|| ArchiveError::Corrupt("bad packed element".into()))?;
+                        let (n, at) = self.count(pos + 2, elem.size())?;
+                        Ok((SeqKind::Packed(elem), n, at))
+                    }
+                    T_LIST_STRUCT | T_TUPLE_STRUCT => {
+                        let (id, at) = self.varint(pos + 1)?;
+                        let size = self.shape(id)?.shape.size as usize;
+                        let (n, at) = self.count(at, size)?;
+                        Ok((SeqKind::Struct(id as u32, size), n, at))
+                    }
+                    _ => corrupt("not a sequence"),
+                }
+            }
+        }
+    }
+
+    pub fn seq_len(&self, node: Node) -> Result<usize, ArchiveError> {
+        Ok(self.seq_layout(node)?.1)
+    }
+
+    /// Item `i` of a sequence node (`Invalid` if `i` is out of range).
+    pub fn seq_item(&self, node: Node, i: usize) -> Result<Item<'_>, ArchiveError> {
+        let (kind, n, at) = self.seq_layout(node)?;
+        if i >= n {
+            return Err(ArchiveError::Invalid(format!("index {i} out of range")));
+        }
+        match kind {
+            SeqKind::Refs => self.tagged(node.rec, self.follow(at + i * REF)?),
+            SeqKind::Packed(elem) => self.scalar(elem, at + i * elem.size()),
+            SeqKind::Struct(id, size) => Ok(Item::Dict(Node {
+                rec: node.rec,
+                form: Form::Struct(id),
+                pos: (at + i * size) as u64,
+            })),
+        }
+    }
+
+    #[inline]
+    fn scalar(&self, elem: Elem, at: usize) -> Result<Item<'_>, ArchiveError> {
+        match read_elem(elem, self.get(at, elem.size())?) {
+            Some(Scalar::Bool(b)) => Ok(Item::Bool(b)),
+            Some(Scalar::Int(i)) => Ok(Item::Int(i)),
+            Some(Scalar::Float(f)) => Ok(Item::Float(f)),
+            None => corrupt("a packed bool is not 0 or 1"),
+        }
+    }
+
+    // --- dicts --------------------------------------------------------------------------
+
+    /// Number of entries of a dict node.
+    pub fn dict_len(&self, node: Node) -> Result<usize, ArchiveError> {
+        match node.form {
+            Form::Struct(id) => Ok(self.shape(id as u64)?.shape.keys.len()),
+            Form::Tagged if self.byte(node.pos as usize)? == T_DICT => {
+                Ok(self.count(node.pos as usize + 1, 2 * REF)?.0)
+            }
+            _ => corrupt("not a dict"),
+        }
+    }
+
+    /// The key symbols of a shaped dict node (`None` for the general layout).
+    #[inline]
+    pub fn dict_shape_keys(&self, node: Node) -> Option<&[u32]> {
+        match node.form {
+            Form::Struct(id) => self.shapes.get(id as usize).map(|s| &s.shape.keys[..]),
+            _ => None,
+        }
+    }
+
+    /// Value of entry `i` of a dict node.
+    pub fn dict_value(&self, node: Node, i: usize) -> Result<Item<'_>, ArchiveError> {
+        match node.form {
+            Form::Struct(id) => {
+                let sh = &self.shape(id as u64)?.shape;
+                let (Some(&enc), Some(&off)) = (sh.encs.get(i), sh.offsets.get(i)) else {
+                    return Err(ArchiveError::Invalid(format!("entry {i} out of range")));
+                };
+                self.slot(node.rec, enc, node.pos as usize + off as usize)
+            }
+            _ => {
+                let (n, at) = self.count(node.pos as usize + 1, 2 * REF)?;
+                if i >= n {
+                    return Err(ArchiveError::Invalid(format!("entry {i} out of range")));
+                }
+                self.tagged(node.rec, self.follow(at + (2 * i + 1) * REF)?)
+            }
+        }
+    }
+
+    /// Key of entry `i` of a dict node.
+    pub fn dict_key(&self, node: Node, i: usize) -> Result<Item<'_>, ArchiveError> {
+        match node.form {
+            Form::Struct(id) => match self.shape(id as u64)?.shape.keys.get(i) {
+                Some(&k) => Ok(Item::Sym(k)),
+                None => Err(ArchiveError::Invalid(format!("entry {i} out of range"))),
+            },
+            _ => {
+                let (n, at) = self.count(node.pos as usize + 1, 2 * REF)?;
+                if i >= n {
+                    return Err(ArchiveError::Invalid(format!("entry {i} out of range")));
+                }
+                self.tagged(node.rec, self.follow(at + 2 * i * REF)?)
+            }
+        }
+    }
+
+    /// A typed slot's value.
+    #[inline]
+    fn slot(&self, rec: u32, enc: Enc, at: usize) -> Result<Item<'_>, ArchiveError> {
+        Ok(match enc {
+            Enc::None => Item::None,
+            Enc::Bool => match self.byte(at)? {
+                0 => Item::Bool(false),
+                1 => Item::Bool(true),
+                _ => return corrupt("a bool slot is not 0 or 1"),
+            },
+            Enc::Int(e) => self.scalar(e, at)?,
+            Enc::F64 => Item::Float(f64::from_bits(self.u64(at)?)),
+            Enc::Str | Enc::Bytes => {
+                let t = self.follow(at)?;
+                let (n, after) = self.count(t, 1)?;
+                let b = self.get(after, n)?;
+                if enc == Enc::Str {
+                    Item::Str(b)
+                } else {
+                    Item::Bytes(b)
+                }
+            }
+            Enc::Pack { elem, count, tuple } => {
+                let node = Node {
+                    rec,
+                    form: Form::Pack { elem, count, tuple },
+                    pos: at as u64,
+                };
+                if tuple {
+                    Item::Tuple(node)
+                } else {
+                    Item::List(node)
+                }
+            }
+            Enc::Ref => self.tagged(rec, self.follow(at)?)?,
+        })
+    }
+
+    /// Entry number of the str `key` in a dict node.
+    pub fn dict_find_str(&self, node: Node, key: &str) -> Result<Option<usize>, ArchiveError> {
+        if let Form::Struct(id) = node.form {
+            let keys = &self.shape(id as u64)?.shape.keys;
+            for (i, &k) in keys.iter().enumerate() {
+                if self.symbol(k)? == key {
+                    return Ok(Some(i));
+                }
+            }
+            return Ok(None);
+        }
+        let hash = super::key::hash_str(key);
+        self.general_find(node, hash, |k| {
+            Ok(match k {
+                Item::Sym(id) => self.symbol(id)? == key,
+                Item::Str(s) => s == key.as_bytes(),
+                _ => false,
+            })
+        })
+    }
+
+    /// Entry number of `key` in a dict node.
+    pub fn dict_find(&self, node: Node, key: &Key<'_>) -> Result<Option<usize>, ArchiveError> {
+        if let Key::Str(s) = key {
+            return self.dict_find_str(node, s);
+        }
+        if let Form::Struct(_) = node.form {
+            return Ok(None); // shaped dicts have str keys only
+        }
+        self.general_find(node, key.stable_hash(), |k| {
+            Ok(self.item_key(k)?.key_eq(key))
+        })
+    }
+
+    /// Whether a general dict node has a hash index.
+    pub fn dict_indexed(&self, node: Node) -> bool {
+        node.form == Form::Tagged && self.dict_len(node).is_ok_and(super::value::dict_has_index)
+    }
+
+    fn general_find(
+        &self,
+        node: Node,
+        hash: u64,
+        mut matches: impl FnMut(Item<'_>) -> Result<bool, ArchiveError>,
+    ) -> Result<Option<usize>, ArchiveError> {
+        let (n, at) = self.count(node.pos as usize + 1, 2 * REF)?;
+        let key = |e: usize| self.tagged(node.rec, self.follow(at + 2 * e * REF)?);
+        if !super::value::dict_has_index(n) {
+            for e in 0..n {
+                if matches(key(e)?)? {
+                    return Ok(Some(e));
+                }
+            }
+            return Ok(None);
+        }
+        let cap = table::record_index_capacity(n);
+        let idx = self.get(at + 2 * n * REF, cap * 4)?;
+        let mut i = table::home(hash, cap as u64) as usize;
+        for _ in 0..cap {
+            let e = u32_at(idx, i * 4) as usize;
+            if e == 0 {
+                return Ok(None);
+            }
+            if e > n {
+                return corrupt("dict index out of range");
+            }
+            if matches(key(e - 1)?)? {
+                return Ok(Some(e - 1));
+            }
+            i = table::next(i, cap);
+        }
+        Ok(None)
     }
 
     /// A lookup in record `rec` missed in an indexed dict: make sure that is because the key
@@ -190,94 +877,73 @@ impl<B: AsRef<[u8]>> Reader<B> {
         if self.indexes_checked[word].load(Ordering::Acquire) & bit != 0 {
             return Ok(());
         }
-        let root = self.get(self.root(rec)?);
-        let mut stack = vec![root];
-        while let Some(v) = stack.pop() {
-            match v {
-                ArchivedValue::List(items) | ArchivedValue::Tuple(items) => {
-                    stack.extend(items.iter().filter(|v| is_container(v)));
+        let (s, e) = self.span(rec)?;
+        let mut dicts = Vec::new();
+        self.walk(rec, s, e, |pos, tag| {
+            if tag == T_DICT {
+                dicts.push(pos);
+            }
+            Ok(())
+        })?;
+        for pos in dicts {
+            let node = Node {
+                rec: rec as u32,
+                form: Form::Tagged,
+                pos: pos as u64,
+            };
+            let n = self.dict_len(node)?;
+            if !super::value::dict_has_index(n) {
+                continue;
+            }
+            for i in 0..n {
+                let k = self.item_key(self.dict_key(node, i)?)?;
+                let found =
+                    self.general_find(node, k.stable_hash(), |c| Ok(self.item_key(c)?.key_eq(&k)))?;
+                if found != Some(i) {
+                    return corrupt(format!(
+                        "record {rec}: a dict's hash index does not find its entry {i}"
+                    ));
                 }
-                ArchivedValue::Dict(items) => {
-                    stack.extend(items.iter().skip(1).step_by(2).filter(|v| is_container(v)));
-                }
-                ArchivedValue::IndexedDict(d) => {
-                    let (items, index) = (d.items.as_slice(), d.index.as_slice());
-                    stack.extend(items.iter().skip(1).step_by(2).filter(|v| is_container(v)));
-                    for (e, k) in items.iter().step_by(2).enumerate() {
-                        let hash = self.value_key(k)?.stable_hash();
-                        if !index_finds(index, hash, e, items.len() / 2) {
-                            return corrupt(format!(
-                                "record {rec}: a dict's hash index does not find its entry {e}"
-                            ));
-                        }
-                    }
-                }
-                _ => {}
             }
         }
         self.indexes_checked[word].fetch_or(bit, Ordering::AcqRel);
         Ok(())
     }
 
-    /// Check every record (O(archive size)). Readers never need this for safety.
-    pub fn validate_all(&self) -> Result<(), ArchiveError> {
-        (0..self.header.count).try_for_each(|r| self.validate_record(r))
+    /// A stored dict key as a `Key` (`Corrupt` for a value that cannot be a key).
+    pub fn item_key<'s>(&'s self, item: Item<'s>) -> Result<Key<'s>, ArchiveError> {
+        self.item_key_depth(item, 0)
     }
 
-    /// The root value of record `rec` (validated on first access in this process).
-    pub fn root(&self, rec: u64) -> Result<Node, ArchiveError> {
-        self.validate_record(rec)?;
-        let (_, end, _) = self.span(rec);
-        Ok(Node {
-            rec: rec as u32,
-            pos: (end - std::mem::size_of::<ArchivedValue>()) as u64,
+    fn item_key_depth<'s>(&'s self, item: Item<'s>, depth: usize) -> Result<Key<'s>, ArchiveError> {
+        use std::borrow::Cow::Borrowed;
+        Ok(match item {
+            Item::None => Key::None,
+            Item::Bool(b) => Key::Bool(b),
+            Item::Int(i) => Key::Int(i),
+            Item::BigInt(b) if !super::key::bigint_fits_i64(b) && !b.is_empty() => {
+                Key::BigInt(Borrowed(b))
+            }
+            Item::Float(f) => Key::Float(f),
+            Item::Str(s) => match std::str::from_utf8(s) {
+                Ok(s) => Key::Str(Borrowed(s)),
+                Err(_) => return corrupt("a str key is not UTF-8"),
+            },
+            Item::Sym(id) => Key::Str(Borrowed(self.symbol(id)?)),
+            Item::Bytes(b) => Key::Bytes(Borrowed(b)),
+            Item::Tuple(node) if depth < MAX_KEY_DEPTH => {
+                let n = self.seq_len(node)?;
+                Key::Tuple(
+                    (0..n)
+                        .map(|i| self.item_key_depth(self.seq_item(node, i)?, depth + 1))
+                        .collect::<Result<_, _>>()?,
+                )
+            }
+            _ => return corrupt("a dict key of a type that cannot be a key"),
         })
     }
 
-    /// Rebuild a node from an untrusted (record, position) pair, e.g. from a pickle:
-    /// the record is validated, then the value at `pos` is validated as a subtree.
-    pub fn node_checked(&self, rec: u64, pos: u64) -> Result<Node, ArchiveError> {
-        self.validate_record(rec)?;
-        let (start, end, _) = self.span(rec);
-        let pos = pos as usize;
-        if pos < start || pos >= end {
-            return corrupt(format!("position {pos} is not inside record {rec}"));
-        }
-        check_value(&self.bytes()[start..end], pos - start)
-            .map_err(|e| ArchiveError::Corrupt(format!("record {rec}: no value at {pos}: {e}")))?;
-        Ok(Node {
-            rec: rec as u32,
-            pos: pos as u64,
-        })
-    }
-
-    /// The archived value behind a node.
-    pub fn get(&self, node: Node) -> &ArchivedValue {
-        let bytes = self.bytes();
-        let pos = node.pos as usize;
-        assert!(pos + std::mem::size_of::<ArchivedValue>() <= bytes.len());
-        // SAFETY: `Node`s are only created by this reader (private fields) for positions
-        // of values that it validated: a record root after `validate_record` (checksum +
-        // bytecheck of the whole record), a value reached from such a validated value
-        // (`child`, which checks the reference points into this archive), or a subtree
-        // validated by `access_pos` (`node_checked`). The bytes are immutable for the
-        // reader's lifetime (sealed archive, read-only mapping), so the validation holds.
-        unsafe { &*(bytes.as_ptr().add(pos) as *const ArchivedValue) }
-    }
-
-    /// A node for `value`, a value reached from `parent`'s (validated) tree.
-    pub fn child(&self, parent: Node, value: &ArchivedValue) -> Node {
-        let base = self.bytes().as_ptr() as usize;
-        let addr = value as *const ArchivedValue as usize;
-        assert!(
-            addr >= base && addr - base < self.bytes().len(),
-            "value does not belong to this archive"
-        );
-        Node {
-            rec: parent.rec,
-            pos: (addr - base) as u64,
-        }
-    }
+    // --- symbols and the dict archive's keys ----------------------------------------------
 
     /// Number of interned symbols.
     pub fn symbol_count(&self) -> usize {
@@ -285,6 +951,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
     }
 
     /// An interned string.
+    #[inline]
     pub fn symbol(&self, id: u32) -> Result<&str, ArchiveError> {
         let &(s, e) = self
             .symbols
@@ -317,10 +984,8 @@ impl<B: AsRef<[u8]>> Reader<B> {
             // Hot path (doc_id -> text): a str can only equal a stored str, whose canonical
             // encoding is unique, so compare encoded bytes; no decoding, no UTF-8 check.
             let b = self.bytes();
-            let keys_end = (self.header.keys_off + self.header.keys_len) as usize;
+            let keys_end = self.header.table_off as usize;
             return self.probe(super::key::hash_str(s), |e, at| {
-                // The encoding is self-delimiting (tag, u32 length, bytes), so the key's start
-                // is enough; from the slot when it has it, else from the keys' offsets.
                 let k = match at {
                     Some(at) if at < keys_end => &b[at..keys_end],
                     _ => self.key_bytes(e)?,
@@ -339,7 +1004,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
         let b = self.bytes();
         let ko = self.header.keys_off as usize;
         let blob = ko + (self.header.count as usize + 1) * 8;
-        let end = ko + self.header.keys_len as usize;
+        let end = self.header.table_off as usize;
         let s = u64_at(b, ko + i as usize * 8) as usize;
         let e = u64_at(b, ko + (i as usize + 1) * 8) as usize;
         if s > e || blob.checked_add(e).is_none_or(|x| x > end) {
@@ -354,7 +1019,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
         mut matches: impl FnMut(u64, Option<usize>) -> Result<bool, ArchiveError>,
     ) -> Result<Option<u64>, ArchiveError> {
         let b = self.bytes();
-        let cap = self.header.table_len / table::SLOT as u64; // checked at open: >= 8
+        let cap = self.header.table_len() / table::SLOT as u64; // checked at open: >= 8
         let to = self.header.table_off as usize;
         let blob = self.header.keys_off as usize + (self.header.count as usize + 1) * 8;
         let mut i = table::home(h, cap);
@@ -371,21 +1036,17 @@ impl<B: AsRef<[u8]>> Reader<B> {
                         self.header.count
                     ));
                 }
-                // Hints (docs/format.md, "The dict table"): start loading the key and the end
-                // of the record (its root value and, for a str, its bytes) now, so that the
-                // misses on the key, the index and the record overlap instead of following
-                // one another. The record hint is only prefetched; the key hint also tells
-                // `matches` where the key is (bounds-checked there, like the offsets).
+                // Hints (docs/format.md, "The dict table"): start loading the key and the
+                // record now, so that the misses on the key, the index and the record
+                // overlap instead of following one another. The record hint is only
+                // prefetched; the key hint also tells `matches` where the key is
+                // (bounds-checked there, like the offsets).
                 let key_at = slot.key_hint().map(|k| blob.saturating_add(k));
                 if let Some(at) = key_at {
                     prefetch(b, at);
                 }
-                if let Some(end) = slot.end_hint() {
-                    // From the end down: the root value is needed first.
-                    for line in (end.saturating_sub(PREFETCH_BACK - 64)..=end)
-                        .rev()
-                        .step_by(64)
-                    {
+                if let Some(start) = slot.start_hint() {
+                    for line in (start..start.saturating_add(PREFETCH_AHEAD)).step_by(64) {
                         prefetch(b, line);
                     }
                 }
@@ -398,157 +1059,64 @@ impl<B: AsRef<[u8]>> Reader<B> {
         Ok(None)
     }
 
-    /// A key stored inside a record as a `Key`.
-    pub fn value_key<'s>(&'s self, v: &'s ArchivedValue) -> Result<Key<'s>, ArchiveError> {
-        self.value_key_depth(v, 0)
-    }
+    // --- out-of-line data ---------------------------------------------------------------
 
-    fn value_key_depth<'s>(
-        &'s self,
-        v: &'s ArchivedValue,
-        depth: usize,
-    ) -> Result<Key<'s>, ArchiveError> {
-        use std::borrow::Cow::Borrowed;
-        Ok(match v {
-            ArchivedValue::None => Key::None,
-            ArchivedValue::Bool(b) => Key::Bool(*b),
-            ArchivedValue::Int(i) => Key::Int(i.to_native()),
-            ArchivedValue::BigInt(b) if !super::key::bigint_fits_i64(b.as_slice()) => {
-                Key::BigInt(Borrowed(b.as_slice()))
+    /// The bytes of an out-of-line payload (in the records region, 64-byte aligned).
+    pub fn payload(&self, ext: Extent) -> Result<&[u8], ArchiveError> {
+        let ok = usize::try_from(ext.offset)
+            .ok()
+            .zip(usize::try_from(ext.len).ok());
+        match ok {
+            Some((o, l))
+                if o >= HEADER_LEN
+                    && o % PAYLOAD_ALIGN as usize == 0
+                    && o.checked_add(l).is_some_and(|e| e <= self.rec_end) =>
+            {
+                Ok(&self.bytes()[o..o + l])
             }
-            ArchivedValue::Float(f) => Key::Float(f.to_native()),
-            ArchivedValue::Str(s) => Key::Str(Borrowed(s.as_str())),
-            ArchivedValue::Sym(id) => Key::Str(Borrowed(self.symbol(id.to_native())?)),
-            ArchivedValue::Bytes(b) => Key::Bytes(Borrowed(b.as_slice())),
-            ArchivedValue::Tuple(items) if depth < 64 => Key::Tuple(
-                items
-                    .iter()
-                    .map(|it| self.value_key_depth(it, depth + 1))
-                    .collect::<Result<_, _>>()?,
-            ),
-            _ => return corrupt("a dict key of a type that cannot be a key"),
-        })
-    }
-
-    /// Look `key` up in an archived dict (`items` interleaved `k0, v0, k1, v1, ...`, `index`
-    /// empty for small dicts); returns the entry number. Bounded: never loops forever.
-    pub fn dict_find(
-        &self,
-        items: &[ArchivedValue],
-        index: &[rkyv::Archived<u32>],
-        key: &Key<'_>,
-    ) -> Result<Option<usize>, ArchiveError> {
-        self.dict_probe(items, index, key.stable_hash(), |k| {
-            Ok(self.value_key(k)?.key_eq(key))
-        })
-    }
-
-    /// `dict_find` for a str key without building a `Key` (the hot path of `view['field']`).
-    pub fn dict_find_str(
-        &self,
-        items: &[ArchivedValue],
-        index: &[rkyv::Archived<u32>],
-        key: &str,
-    ) -> Result<Option<usize>, ArchiveError> {
-        let hash = if index.is_empty() {
-            0
-        } else {
-            super::key::hash_str(key)
-        };
-        self.dict_probe(items, index, hash, |k| {
-            Ok(match k {
-                ArchivedValue::Sym(id) => self.symbol(id.to_native())? == key,
-                ArchivedValue::Str(s) => s.as_str() == key,
-                _ => false,
-            })
-        })
-    }
-
-    fn dict_probe(
-        &self,
-        items: &[ArchivedValue],
-        index: &[rkyv::Archived<u32>],
-        hash: u64,
-        mut matches: impl FnMut(&ArchivedValue) -> Result<bool, ArchiveError>,
-    ) -> Result<Option<usize>, ArchiveError> {
-        if items.len() % 2 != 0 {
-            // A key without its value: finding it would index past the items.
-            return corrupt("a dict with a key but no value");
-        }
-        if index.is_empty() {
-            for (i, k) in items.iter().step_by(2).enumerate() {
-                if matches(k)? {
-                    return Ok(Some(i));
-                }
-            }
-            return Ok(None);
-        }
-        let cap = index.len();
-        if cap != table::record_index_capacity(items.len() / 2) {
-            return corrupt("dict index size does not match its entries");
-        }
-        let mut i = table::home(hash, cap as u64) as usize;
-        for _ in 0..cap {
-            let e = index[i].to_native() as usize;
-            if e == 0 {
-                return Ok(None);
-            }
-            let k = items
-                .get(2 * (e - 1))
-                .ok_or_else(|| ArchiveError::Corrupt("dict index out of range".into()))?;
-            if matches(k)? {
-                return Ok(Some(e - 1));
-            }
-            i = table::next(i, cap);
-        }
-        Ok(None)
-    }
-
-    /// Absolute [start, end) of a record's span.
-    fn span_range(&self, node: Node) -> (usize, usize) {
-        let (s, e, _) = self.span(node.rec as u64);
-        (s, e)
-    }
-
-    fn extent(&self, node: Node, ext: &ArchivedExtent) -> Result<(usize, usize), ArchiveError> {
-        let (s, e) = self.span_range(node);
-        let off = ext.offset.to_native();
-        let len = ext.len.to_native();
-        match off.checked_add(len) {
-            Some(end) if end <= (e - s) as u64 => Ok((s + off as usize, len as usize)),
-            _ => corrupt(format!("record {}: payload out of bounds", node.rec)),
+            _ => corrupt("out-of-line data out of bounds"),
         }
     }
 
-    /// Out-of-line bytes of a `BytesExt` value in `node`'s record.
-    pub fn payload(&self, node: Node, ext: &ArchivedExtent) -> Result<&[u8], ArchiveError> {
-        let (off, len) = self.extent(node, ext)?;
-        Ok(&self.bytes()[off..off + len])
+    /// The bytes of an out-of-line `bytes` value, checked against their checksum: reading
+    /// them copies them anyway, so the hash costs little next to the copy (array data, which
+    /// is mapped and not copied, is checked by [`Self::verify_payloads`] only).
+    pub fn payload_checked(&self, ext: Extent) -> Result<&[u8], ArchiveError> {
+        let data = self.payload(ext)?;
+        if xxh3_64(data) != ext.checksum {
+            return corrupt(format!(
+                "the out-of-line data at {} ({} bytes) was modified",
+                ext.offset, ext.len
+            ));
+        }
+        Ok(data)
     }
 
     /// Check an array's metadata against its data and return where it lives.
-    pub fn array<'s>(
-        &'s self,
-        node: Node,
-        meta: &'s ArchivedArrayMeta,
-    ) -> Result<ArrayView<'s>, ArchiveError> {
-        let typestr = meta.typestr.as_str();
+    pub fn array(&self, a: ArrayAt) -> Result<ArrayView<'_>, ArchiveError> {
+        let at = a.pos as usize;
+        let rec = a.rec;
+        let end = self.array_meta_end(at)?;
+        let tl = self.byte(at)? as usize;
+        let typestr = std::str::from_utf8(self.get(at + 1, tl)?)
+            .map_err(|_| ArchiveError::Corrupt(format!("record {rec}: array dtype not UTF-8")))?;
         let Some(itemsize) = typestr_itemsize(typestr) else {
             return corrupt(format!("array with unsupported dtype {typestr:?}"));
         };
-        if meta.shape.len() > MAX_NDIM {
+        let nd = self.byte(at + 1 + tl)? as usize;
+        if nd > MAX_NDIM {
             return corrupt(format!(
-                "record {}: array with {} dimensions (at most {MAX_NDIM})",
-                node.rec,
-                meta.shape.len()
+                "record {rec}: array with {nd} dimensions (at most {MAX_NDIM})"
             ));
         }
-        let shape: Vec<usize> = meta.shape.iter().map(|d| d.to_native() as usize).collect();
+        let dims = at + 2 + tl;
+        let shape = (0..nd)
+            .map(|i| Ok(self.u64(dims + i * 8)? as usize))
+            .collect::<Result<Vec<usize>, ArchiveError>>()?;
         // numpy's own rule (it skips zero dimensions): the product of the other dimensions
         // times the item size must fit in an isize, else it refuses the array. An empty
         // array of shape (0, 2**62) holds no data but is still no array numpy can make.
-        let too_big =
-            || ArchiveError::Corrupt(format!("record {}: array shape overflows", node.rec));
+        let too_big = || ArchiveError::Corrupt(format!("record {rec}: array shape overflows"));
         let span = shape
             .iter()
             .filter(|&&d| d != 0)
@@ -556,78 +1124,99 @@ impl<B: AsRef<[u8]>> Reader<B> {
             .filter(|&n| isize::try_from(n).is_ok())
             .ok_or_else(too_big)?;
         let n = if shape.contains(&0) { 0 } else { span };
-        let (offset, nbytes) = self.extent(node, &meta.data)?;
-        if n != nbytes || offset % PAYLOAD_ALIGN as usize != 0 {
-            return corrupt(format!("record {}: array metadata inconsistent", node.rec));
+        let ext = self.ext_at(end - 24)?;
+        let data = self.payload(ext)?;
+        if n != data.len() {
+            return corrupt(format!("record {rec}: array metadata inconsistent"));
         }
+        let offset = ext.offset as usize;
         Ok(ArrayView {
             typestr,
             shape,
             offset,
-            nbytes,
+            nbytes: n,
         })
     }
 }
 
-/// Whether probing `index` (entry + 1 per slot, 0 = empty) from `hash` reaches `entry`.
-fn index_finds(index: &[rkyv::Archived<u32>], hash: u64, entry: usize, n: usize) -> bool {
-    let cap = index.len();
-    if cap == 0 {
-        return false;
-    }
-    // The same probe sequence as `dict_probe` (and the builder's `table::record_index`).
-    let mut i = table::home(hash, cap as u64) as usize;
-    for _ in 0..cap {
-        let slot = index[i].to_native() as usize;
-        if slot == 0 || slot > n {
-            return false;
-        }
-        if slot == entry + 1 {
-            return true;
-        }
-        i = table::next(i, cap);
-    }
-    false
+/// The state of a tree walk: the values still to visit (position, tagged or a str body,
+/// depth) and the last reference target seen.
+struct Walk {
+    queue: VecDeque<(usize, bool, usize)>,
+    last: usize,
+    end: usize,
 }
 
-fn is_container(v: &ArchivedValue) -> bool {
-    matches!(
-        v,
-        ArchivedValue::List(_)
-            | ArchivedValue::Tuple(_)
-            | ArchivedValue::Dict(_)
-            | ArchivedValue::IndexedDict(_)
-    )
+impl Walk {
+    fn push<B: AsRef<[u8]>>(
+        &mut self,
+        r: &Reader<B>,
+        at: usize,
+        tagged: bool,
+        depth: usize,
+    ) -> Result<(), ArchiveError> {
+        let t = r.follow(at)?;
+        if t <= self.last || t >= self.end {
+            return corrupt("a reference does not point forward inside the record");
+        }
+        if depth > MAX_VALUE_DEPTH + 1 {
+            return corrupt(format!(
+                "values nested deeper than {MAX_VALUE_DEPTH} levels"
+            ));
+        }
+        self.last = t;
+        self.queue.push_back((t, tagged, depth));
+        Ok(())
+    }
+
+    /// The references of a dict's slots (shape `sh`, at `at`); `depth` of its values.
+    fn slots<B: AsRef<[u8]>>(
+        &mut self,
+        r: &Reader<B>,
+        sh: &ShapeInfo,
+        at: usize,
+        depth: usize,
+    ) -> Result<(), ArchiveError> {
+        if depth > MAX_VALUE_DEPTH + 1 {
+            return corrupt(format!(
+                "values nested deeper than {MAX_VALUE_DEPTH} levels"
+            ));
+        }
+        for &f in sh.refs.iter() {
+            let f = f as usize;
+            let tagged = sh.shape.encs[f] == Enc::Ref;
+            self.push(r, at + sh.shape.offsets[f] as usize, tagged, depth)?;
+        }
+        Ok(())
+    }
 }
 
-/// rkyv's structural validation of the `Value` at `pos` in a record's bytes, with the
-/// format's depth limit: rkyv's check recurses once per pointer it follows, so without a
-/// limit a crafted record nested tens of thousands deep overflows the stack. With one,
-/// validation stops at [`MAX_SUBTREE_DEPTH`] levels and the record is corrupt; every later
-/// recursive reader (decode, compare, repr) only ever sees validated, bounded values.
-/// Low validator: `Value` holds no shared pointers.
-fn check_value(bytes: &[u8], pos: usize) -> Result<(), rancor::BoxedError> {
-    let depth = std::num::NonZeroUsize::new(MAX_SUBTREE_DEPTH);
-    let mut context = Validator::new(ArchiveValidator::with_max_depth(bytes, depth), ());
-    rkyv::api::check_pos_with_context::<ArchivedValue, _, rancor::BoxedError>(
-        bytes,
-        pos,
-        &mut context,
-    )
+#[derive(Clone, Copy)]
+enum SeqKind {
+    Refs,
+    Packed(Elem),
+    Struct(u32, usize),
+}
+
+fn msg(e: ArchiveError) -> String {
+    match e {
+        ArchiveError::Corrupt(m) => m,
+        e => e.to_string(),
+    }
 }
 
 fn parse_symbols(bytes: &[u8], h: &Header) -> Result<Vec<(usize, usize)>, ArchiveError> {
     let so = h.symbols_off as usize;
-    let sl = h.symbols_len as usize;
+    let sl = h.symbols_len() as usize;
     if sl < 8 {
         return corrupt("symbol table truncated");
     }
     let n = u32_at(bytes, so) as usize;
     let offs = so + 4;
-    let blob = offs + (n + 1) * 4;
-    if n > super::builder::MAX_SYMBOLS || blob > so + sl {
+    if n > super::encode::MAX_SYMBOLS || offs + (n + 1) * 4 > so + sl {
         return corrupt("symbol table malformed");
     }
+    let blob = offs + (n + 1) * 4;
     let mut out = Vec::with_capacity(n);
     let mut prev = u32_at(bytes, offs) as usize;
     for i in 0..n {
@@ -641,6 +1230,69 @@ fn parse_symbols(bytes: &[u8], h: &Header) -> Result<Vec<(usize, usize)>, Archiv
         }
         out.push((blob + prev, blob + next));
         prev = next;
+    }
+    Ok(out)
+}
+
+fn parse_shapes(bytes: &[u8], h: &Header, nsym: usize) -> Result<Vec<ShapeInfo>, ArchiveError> {
+    let start = h.shapes_off as usize;
+    let end = h.keys_off as usize;
+    let region = &bytes[start..end];
+    if region.len() < 4 {
+        return corrupt("shape table truncated");
+    }
+    let n = u32_at(region, 0) as usize;
+    if n > MAX_SHAPES {
+        return corrupt("shape table malformed");
+    }
+    let mut at = 4;
+    let mut out = Vec::with_capacity(n.min(region.len() / 2));
+    for s in 0..n {
+        let bad = || ArchiveError::Corrupt(format!("shape {s} malformed"));
+        let nf = region.get(at..at + 2).ok_or_else(bad)?;
+        let nf = u16::from_le_bytes([nf[0], nf[1]]) as usize;
+        at += 2;
+        if nf == 0 || nf > MAX_SHAPE_FIELDS {
+            return Err(bad());
+        }
+        let fields = region.get(at..at + nf * 8).ok_or_else(bad)?;
+        at += nf * 8;
+        let mut keys = Vec::with_capacity(nf);
+        let mut encs = Vec::with_capacity(nf);
+        for f in fields.chunks_exact(8) {
+            let k = u32_at(f, 0);
+            if k as usize >= nsym {
+                return Err(bad());
+            }
+            keys.push(k);
+            encs.push(Enc::decode(f[4..8].try_into().unwrap()).ok_or_else(bad)?);
+        }
+        let shape = Shape::new(keys.into(), encs.into());
+        let refs = (0..nf as u16)
+            .filter(|&i| shape.encs[i as usize].is_ref())
+            .collect();
+        out.push(ShapeInfo { shape, refs });
+    }
+    Ok(out)
+}
+
+fn parse_blocks(bytes: &[u8], h: &Header) -> Result<Vec<u64>, ArchiveError> {
+    let n = h.blocks() as usize;
+    let mut out = Vec::with_capacity(n);
+    for b in 0..n {
+        let first = u64_at(bytes, h.blocks_off as usize + b * BLOCK_ENTRY);
+        let ok = if b == 0 {
+            first == 0
+        } else {
+            first > out[b - 1] && first < h.count
+        };
+        if !ok {
+            return corrupt("block table malformed");
+        }
+        out.push(first);
+    }
+    if (h.count > 0) != (n > 0) {
+        return corrupt("block table malformed");
     }
     Ok(out)
 }

@@ -2,7 +2,7 @@
 //! where a hash starts probing ([`home`]), shared by both:
 //! - the table of a dict archive (a `SharedDict`): its size and 16-byte slots;
 //! - the index inside a stored dict of more than `DICT_INDEX_MIN` entries
-//!   (`Value::IndexedDict`): `entry + 1` per slot.
+//!   (the general dict layout): `entry + 1` per slot.
 //!
 //! Both probe linearly from `home`, wrapping, for at most their capacity. The builder writes
 //! them and the reader probes them through this module only.
@@ -59,23 +59,23 @@ pub fn record_index(hashes: &[u64]) -> Vec<u32> {
 /// One slot: `tag u32` (low 32 bits of the key hash), `entry + 1 u32` (0 = empty), and two
 /// hints that let a reader start loading the key and the record before it has read the keys'
 /// offsets and the index: `key u32` (offset of the key in the key blob, `u32::MAX` = none) and
-/// `end64 u32` (record span end / 64, 0 = none).
+/// `start64 u32` (record start / 64, 0 = none).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Slot {
     pub tag: u32,
     pub entry1: u32,
     pub key: u32,
-    pub end64: u32,
+    pub start64: u32,
 }
 
 impl Slot {
     /// A filled slot for `entry` (hints saturate to "none" when they do not fit).
-    pub fn new(hash: u64, entry: u32, key_offset: u64, span_end: u64) -> Self {
+    pub fn new(hash: u64, entry: u32, key_offset: u64, record_start: u64) -> Self {
         Slot {
             tag: hash as u32,
             entry1: entry + 1,
             key: u32::try_from(key_offset).unwrap_or(u32::MAX),
-            end64: u32::try_from(span_end / 64).unwrap_or(0),
+            start64: u32::try_from(record_start / 64).unwrap_or(0),
         }
     }
 
@@ -86,12 +86,12 @@ impl Slot {
             tag: super::u32_at(b, 0),
             entry1: super::u32_at(b, 4),
             key: super::u32_at(b, 8),
-            end64: super::u32_at(b, 12),
+            start64: super::u32_at(b, 12),
         }
     }
 
     pub fn write(&self, b: &mut [u8]) {
-        for (i, v) in [self.tag, self.entry1, self.key, self.end64]
+        for (i, v) in [self.tag, self.entry1, self.key, self.start64]
             .iter()
             .enumerate()
         {
@@ -111,10 +111,10 @@ impl Slot {
         (self.key != u32::MAX).then_some(self.key as usize)
     }
 
-    /// The record hint: a position in the 64 bytes before which the record's span ends.
+    /// The record hint: the record starts in the 64 bytes from this position.
     #[inline]
-    pub fn end_hint(&self) -> Option<usize> {
-        (self.end64 != 0).then(|| self.end64 as usize * 64)
+    pub fn start_hint(&self) -> Option<usize> {
+        (self.start64 != 0).then(|| self.start64 as usize * 64)
     }
 }
 

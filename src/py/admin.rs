@@ -196,6 +196,7 @@ pub(crate) fn _store_info<'py>(
     )?;
     d.set_item("metadata_nbytes", h.total_len - h.index_off)?;
     d.set_item("symbols", store.reader.symbol_count())?;
+    d.set_item("shapes", store.reader.shapes().len())?;
     d.set_item("created_unix_ms", h.created_unix_ms)?;
     d.set_item("creator_pid", h.creator_pid)?;
     d.set_item("owned_here", store.mapping().is_owner())?;
@@ -221,6 +222,12 @@ pub(crate) fn _crafted_archive<'py>(py: Python<'py>, name: &str) -> PyResult<Bou
     let (_, bytes) = crate::archive::fuzz::crafted(name)
         .ok_or_else(|| Error::Usage(format!("no archive {name:?}")))?;
     Ok(PyBytes::new(py, &bytes))
+}
+
+/// Testing hook: the names `_crafted_archive` knows (all corrupt but `deep-ok`).
+#[pyfunction]
+pub(crate) fn _crafted_names() -> Vec<&'static str> {
+    crate::archive::fuzz::CRAFTED.to_vec()
 }
 
 /// This user's regular files named `shmstore-*` (segments, `.part-` files being built, and

@@ -1,5 +1,5 @@
 //! Unpickling: a handle pickles as (class, path, flag) and a view as (path, flag, record,
-//! position) (`Store::pickle_args`); these functions attach again in the receiving process.
+//! position, form) (`Store::pickle_args`); these functions attach again in the receiving process.
 
 use std::path::PathBuf;
 
@@ -10,7 +10,7 @@ use super::handles::handle_for;
 use super::read::new_untracked;
 use super::read::{DictView, ListView};
 use super::store::{self, Source};
-use crate::archive::{ArchivedValue, Kind};
+use crate::archive::{Item, Kind};
 
 /// Unpickle a handle: attach by path (segment or file).
 #[pyfunction]
@@ -37,33 +37,37 @@ pub(crate) fn _rebuild<'py>(
     handle_for(py, store)
 }
 
-/// Unpickle a view: attach, then validate the position as a subtree of its record.
+/// Unpickle a view: attach, then rebuild the node (every read through a node is checked,
+/// so a forged one can at worst raise CorruptStoreError).
 #[pyfunction]
+#[pyo3(signature = (path, kind_flag, rec, pos, form=0, aux=0))]
 pub(crate) fn _rebuild_view<'py>(
     py: Python<'py>,
     path: PathBuf,
     kind_flag: String,
     rec: u64,
     pos: u64,
+    form: u8,
+    aux: u32,
 ) -> PyResult<Bound<'py, PyAny>> {
     let store = store::attach_source(py, Source::from_pickle(path, &kind_flag))?;
     let node = store
         .reader
-        .node_checked(rec, pos)
+        .node_from(rec, pos, (form, aux))
         .map_err(store.archive_err())?;
-    Ok(match store.reader.get(node) {
-        ArchivedValue::List(_) | ArchivedValue::Tuple(_) => {
-            new_untracked(py, ListView::new(store, node))?.into_any()
-        }
-        ArchivedValue::Dict(_) | ArchivedValue::IndexedDict(_) => {
-            new_untracked(py, DictView::new(store, node))?.into_any()
-        }
-        _ => {
-            return Err(Error::Corrupt {
-                at: store.describe(),
-                what: "pickled view does not point at a list or dict".into(),
+    Ok(
+        match store.reader.item(node).map_err(store.archive_err())? {
+            Item::List(node) | Item::Tuple(node) => {
+                new_untracked(py, ListView::new(store, node))?.into_any()
             }
-            .into())
-        }
-    })
+            Item::Dict(node) => new_untracked(py, DictView::new(store, node))?.into_any(),
+            _ => {
+                return Err(Error::Corrupt {
+                    at: store.describe(),
+                    what: "pickled view does not point at a list or dict".into(),
+                }
+                .into())
+            }
+        },
+    )
 }

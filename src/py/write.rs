@@ -16,7 +16,6 @@ use pyo3::types::{
 use super::errors::Error;
 use super::keys::{bigint_bytes, numpy, py_key};
 use super::read::is_view;
-use crate::archive::value::dict_has_index;
 use crate::archive::{ArchiveError, ArrayMeta, Builder, Key, Value};
 
 /// Containers nested deeper than this are refused: readers enforce the same limit.
@@ -208,7 +207,7 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
             return self.bytes(&b.to_vec());
         }
         if let Ok(c) = obj.cast::<PyComplex>() {
-            return Ok(Value::Complex(Box::new([c.real(), c.imag()])));
+            return Ok(Value::Complex([c.real(), c.imag()]));
         }
         if obj.cast::<PyMemoryView>().is_ok() {
             let b = obj.call_method0("tobytes")?;
@@ -259,49 +258,33 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
                 .builder
                 .write_payload(b)
                 .map_err(|e| self.archive_err(e))?;
-            return Ok(Value::BytesExt(Box::new(ext)));
+            return Ok(Value::BytesExt(ext));
         }
         Ok(Value::Bytes(b.to_vec()))
     }
 
     fn dict(&mut self, d: &Bound<'py, PyDict>, depth: usize) -> PyResult<Value> {
         let n = d.len();
-        let indexed = dict_has_index(n);
-        let mut items = Vec::with_capacity(2 * n);
-        let mut hashes = Vec::with_capacity(if indexed { n } else { 0 });
+        let mut pairs = Vec::with_capacity(n);
         for (k, v) in d.iter() {
             self.path.push(Seg::Key(k.clone()));
-            let (kv, h) = self.key(&k, indexed)?;
-            if indexed {
-                hashes.push(h);
-            }
-            items.push(kv);
-            items.push(self.value(&v, depth + 1)?);
+            let kv = self.key(&k)?;
+            pairs.push((kv, self.value(&v, depth + 1)?));
             self.path.pop();
         }
-        if items.len() != 2 * n {
+        if pairs.len() != n {
             return Err(self.error_at("dict changed size while it was being stored"));
         }
-        Ok(Value::dict(items, &hashes))
+        Ok(Value::Dict(pairs))
     }
 
-    /// A dict key as a stored value (str keys interned), and its stable hash if `hash`.
-    fn key(&mut self, k: &Bound<'_, PyAny>, hash: bool) -> PyResult<(Value, u64)> {
+    /// A dict key as a stored value.
+    fn key(&mut self, k: &Bound<'_, PyAny>) -> PyResult<Value> {
         if let Ok(s) = k.cast::<PyString>() {
-            let s = self.str_of(s)?;
-            let h = if hash {
-                crate::archive::key::hash_str(&s)
-            } else {
-                0
-            };
-            let v = match self.builder.intern(&s) {
-                Some(id) => Value::Sym(id),
-                None => Value::Str(s.into_owned()),
-            };
-            return Ok((v, h));
+            return Ok(Value::Str(self.str_of(s)?.into_owned()));
         }
         match py_key(k)? {
-            Some(key) => Ok((key_value(&key), key.stable_hash())),
+            Some(key) => Ok(key_value(&key)),
             None => Err(self.unsupported(
                 k,
                 " as a dict key (keys may be str, int, float, bool, None, bytes or tuples of these)",

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use pyo3::prelude::*;
+use pyo3::types::PyList;
 
 use super::{new_handle, open_of, repr, StoreHandle};
 use crate::archive::Kind;
@@ -89,6 +90,21 @@ impl SharedList {
     /// Number of records equal to `value`.
     fn count(slf: &Bound<'_, Self>, value: &Bound<'_, PyAny>) -> PyResult<usize> {
         Seq::Records(&slf.as_super().get().store()?).count(slf.py(), value)
+    }
+
+    /// The records at `indices` (any iterable of ints; negative ones count from the end), as
+    /// a list, in order. Faster than one `lst[i]` at a time for scattered indices: the
+    /// memory reads of the whole batch are started before the first record is decoded.
+    ///
+    /// >>> import shmstore
+    /// >>> with shmstore.SharedList([{"id": i} for i in range(10)]) as lst:
+    /// ...     [r["id"] for r in lst.get_many([7, 2, -1])]
+    /// [7, 2, 9]
+    fn get_many<'py>(
+        slf: &Bound<'py, Self>,
+        indices: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        Seq::Records(&*open_of(slf)?).get_many(slf.py(), indices)
     }
 
     /// All records as plain Python objects (a list).

@@ -6,12 +6,12 @@ use pyo3::prelude::*;
 use pyo3::pyclass::CompareOp;
 
 use super::protocol::{abc_view, iterator, next_key, AbcView, Map};
-use super::{compare_plain, reduce_view};
+use super::{compare_plain, reduce_view, ViewPickleArgs};
 use crate::archive::Node;
-use crate::py::store::{PickleArgs, Store};
+use crate::py::store::Store;
 
 /// A stored dict: a read-only `collections.abc.Mapping`.
-#[pyclass(name = "DictView", module = "shmstore", frozen, weakref, mapping)]
+#[pyclass(name = "DictView", module = "shmstore", frozen, weakref, mapping, freelist = 256)]
 pub(crate) struct DictView {
     store: Arc<Store>,
     node: Node,
@@ -92,7 +92,7 @@ impl DictView {
         Ok(format!("DictView({{{}}})", self.map().repr_items(py)?))
     }
 
-    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, PickleArgs)> {
+    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, ViewPickleArgs)> {
         reduce_view(py, &self.store, self.node)
     }
 }

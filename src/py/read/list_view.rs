@@ -6,13 +6,13 @@ use pyo3::prelude::*;
 use pyo3::pyclass::CompareOp;
 
 use super::protocol::{iterator, next_item, Seq};
-use super::{compare_plain, reduce_view};
-use crate::archive::{ArchivedValue, Node};
+use super::{compare_plain, reduce_view, ViewPickleArgs};
+use crate::archive::Node;
 use crate::py::errors::Error;
-use crate::py::store::{PickleArgs, Store};
+use crate::py::store::Store;
 
 /// A stored list or tuple: a read-only `collections.abc.Sequence`.
-#[pyclass(name = "ListView", module = "shmstore", frozen, weakref, sequence)]
+#[pyclass(name = "ListView", module = "shmstore", frozen, weakref, sequence, freelist = 256)]
 pub(crate) struct ListView {
     store: Arc<Store>,
     node: Node,
@@ -89,7 +89,7 @@ impl ListView {
     }
 
     fn __hash__(&self, py: Python<'_>) -> PyResult<isize> {
-        if matches!(self.store.reader.get(self.node), ArchivedValue::Tuple(_)) {
+        if self.store.reader.is_tuple(self.node) {
             return self.to_python(py)?.hash();
         }
         Err(Error::Unhashable {
@@ -100,16 +100,15 @@ impl ListView {
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
         let inner = self.seq().repr_items(py)?;
-        Ok(match self.store.reader.get(self.node) {
-            ArchivedValue::Tuple(items) => format!(
-                "ListView(({inner}{}))",
-                if items.len() == 1 { "," } else { "" }
-            ),
-            _ => format!("ListView([{inner}])"),
+        Ok(if self.store.reader.is_tuple(self.node) {
+            let one = self.seq().len() == 1;
+            format!("ListView(({inner}{}))", if one { "," } else { "" })
+        } else {
+            format!("ListView([{inner}])")
         })
     }
 
-    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, PickleArgs)> {
+    fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, ViewPickleArgs)> {
         reduce_view(py, &self.store, self.node)
     }
 }

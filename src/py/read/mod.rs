@@ -1,8 +1,8 @@
 //! Reading: archive values -> Python, lazily (views over containers, zero-copy arrays) or
 //! deeply (`to_python`). Every Python object made here lives in this process's private heap.
 //!
-//! A view holds an `Arc<Store>` and a validated `Node` — Rust data only, no Python
-//! references — so it is untracked by the cyclic GC and can never be part of a cycle.
+//! A view holds an `Arc<Store>` and a `Node` — Rust data only, no Python references — so it
+//! is untracked by the cyclic GC and can never be part of a cycle.
 
 mod array;
 mod dict_view;
@@ -24,9 +24,9 @@ use pyo3::{ffi, PyClass};
 
 use super::errors::Error;
 use super::keys::bigint;
-use super::store::{PickleArgs, Store};
+use super::store::Store;
 use crate::archive::value::MAX_VALUE_DEPTH;
-use crate::archive::{ArchiveError, ArchivedValue, Node};
+use crate::archive::{ArchiveError, Item, Node};
 
 /// Create a pyclass instance and take it out of the cyclic GC: it holds no Python
 /// references, so no cycle can pass through it (what CPython does for atomic tuples).
@@ -44,106 +44,79 @@ pub(crate) fn new_untracked<T: PyClass>(
 
 static NP_ASARRAY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
-/// The value at `v` (inside `parent`'s record). `deep`: containers become plain objects.
+/// A value read from `store` as Python. `deep`: containers become plain objects (else views).
 pub(crate) fn value<'py>(
     py: Python<'py>,
     store: &Arc<Store>,
-    parent: Node,
-    v: &ArchivedValue,
+    item: Item<'_>,
     deep: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
-    value_at(py, store, parent, v, deep, 0)
+    value_at(py, store, item, deep, 0)
 }
 
-/// `value`, `depth` containers below where the conversion started. Validation already
-/// bounds the nesting of every record; this guard keeps the recursion within the format's
-/// limit even so (a record can be well-formed for rkyv and still deeper than any writer
-/// makes).
+/// `value`, `depth` containers below where the conversion started. Records are checked to
+/// be trees within the format's depth limit when first read; this guard keeps a deep
+/// conversion within that limit even for a node rebuilt from a pickle.
 fn value_at<'py>(
     py: Python<'py>,
     store: &Arc<Store>,
-    parent: Node,
-    v: &ArchivedValue,
+    item: Item<'_>,
     deep: bool,
     depth: usize,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let corrupt = |what: String| -> PyErr {
-        store.archive_err()(ArchiveError::Corrupt(format!(
-            "record {}: {what}",
-            parent.record()
-        )))
-        .into()
-    };
-    if depth > MAX_VALUE_DEPTH {
-        return Err(corrupt(format!(
+    let err = store.archive_err();
+    if depth > MAX_VALUE_DEPTH + 1 {
+        return Err(err(ArchiveError::Corrupt(format!(
             "values nested deeper than {MAX_VALUE_DEPTH} levels"
-        )));
+        )))
+        .into());
     }
-    Ok(match v {
-        ArchivedValue::None => py.None().into_bound(py),
-        ArchivedValue::Bool(b) => PyBool::new(py, *b).to_owned().into_any(),
-        ArchivedValue::Int(i) => i.to_native().into_bound_py_any(py)?,
-        ArchivedValue::BigInt(b) => bigint(py, b.as_slice())?,
-        ArchivedValue::Float(f) => PyFloat::new(py, f.to_native()).into_any(),
-        ArchivedValue::Complex(c) => {
-            PyComplex::from_doubles(py, c[0].to_native(), c[1].to_native()).into_any()
+    Ok(match item {
+        Item::None => py.None().into_bound(py),
+        Item::Bool(b) => PyBool::new(py, b).to_owned().into_any(),
+        Item::Int(i) => i.into_bound_py_any(py)?,
+        Item::BigInt(b) => bigint(py, b)?,
+        Item::Float(f) => PyFloat::new(py, f).into_any(),
+        Item::Complex(re, im) => PyComplex::from_doubles(py, re, im).into_any(),
+        Item::Str(b) => py_str(py, store, b)?,
+        Item::Sym(id) => store.py_symbol(py, id)?.into_any(),
+        Item::Bytes(b) => PyBytes::new(py, b).into_any(),
+        Item::BytesExt(ext) => {
+            PyBytes::new(py, store.reader.payload_checked(ext).map_err(&err)?).into_any()
         }
-        ArchivedValue::Str(s) => PyString::new(py, s.as_str()).into_any(),
-        ArchivedValue::Sym(id) => store.py_symbol(py, id.to_native())?.into_any(),
-        ArchivedValue::Bytes(b) => PyBytes::new(py, b.as_slice()).into_any(),
-        ArchivedValue::BytesExt(ext) => PyBytes::new(
-            py,
-            store
-                .reader
-                .payload(parent, ext)
-                .map_err(store.archive_err())?,
-        )
-        .into_any(),
-        ArchivedValue::List(items) | ArchivedValue::Tuple(items) => {
-            let node = store.reader.child(parent, v);
-            let is_tuple = matches!(v, ArchivedValue::Tuple(_));
+        Item::List(node) | Item::Tuple(node) => {
             if !deep {
                 return Ok(new_untracked(py, ListView::new(store.clone(), node))?.into_any());
             }
-            let objs = items
-                .iter()
-                .map(|it| value_at(py, store, node, it, true, depth + 1))
+            let r = &store.reader;
+            let n = r.seq_len(node).map_err(&err)?;
+            let objs = (0..n)
+                .map(|i| {
+                    let it = r.seq_item(node, i).map_err(&err)?;
+                    value_at(py, store, it, true, depth + 1)
+                })
                 .collect::<PyResult<Vec<_>>>()?;
-            if is_tuple {
+            if r.is_tuple(node) {
                 PyTuple::new(py, objs)?.into_any()
             } else {
                 PyList::new(py, objs)?.into_any()
             }
         }
-        ArchivedValue::Dict(_) | ArchivedValue::IndexedDict(_) => {
-            let node = store.reader.child(parent, v);
+        Item::Dict(node) => {
             if !deep {
                 return Ok(new_untracked(py, DictView::new(store.clone(), node))?.into_any());
             }
-            let (items, _) = dict_parts(v);
-            if items.len() % 2 != 0 {
-                return Err(corrupt("a dict with a key but no value".into()));
-            }
+            let r = &store.reader;
             let d = PyDict::new(py);
-            for kv in items.chunks_exact(2) {
-                // Checked like a view's keys: a list in key position is a corrupt record
-                // (CorruptStoreError), not the TypeError `set_item` would raise.
-                store
-                    .reader
-                    .value_key(&kv[0])
-                    .map_err(store.archive_err())?;
-                d.set_item(
-                    value_at(py, store, node, &kv[0], true, depth + 1)?,
-                    value_at(py, store, node, &kv[1], true, depth + 1)?,
-                )?;
+            for i in 0..r.dict_len(node).map_err(&err)? {
+                let k = dict_key(py, store, node, i)?;
+                let v = r.dict_value(node, i).map_err(&err)?;
+                d.set_item(k, value_at(py, store, v, true, depth + 1)?)?;
             }
             d.into_any()
         }
-        ArchivedValue::Array(meta) => {
-            let a = store
-                .reader
-                .array(parent, meta)
-                .map_err(store.archive_err())?;
+        Item::Array(a) => {
+            let a = store.reader.array(a).map_err(&err)?;
             let owner = ArrayOwner::new(store.clone(), a.typestr, a.shape, a.offset);
             let owner = new_untracked(py, owner)?;
             let asarray = NP_ASARRAY.get_or_try_init(py, || {
@@ -157,12 +130,24 @@ fn value_at<'py>(
             // The metadata passed the reader's checks (dtype allowlist, numpy's size and
             // dimension limits), so numpy should accept it; if a numpy still refuses, the
             // array is unreadable here, which is reported as such.
-            asarray
-                .bind(py)
-                .call1((owner,))
-                .map_err(|e| corrupt(format!("numpy cannot represent the stored array ({e})")))?
+            asarray.bind(py).call1((owner,)).map_err(|e| {
+                PyErr::from(err(ArchiveError::Corrupt(format!(
+                    "numpy cannot represent the stored array ({e})"
+                ))))
+            })?
         }
     })
+}
+
+/// A stored str (UTF-8 checked here, by CPython's decoder: invalid bytes are corrupt data).
+fn py_str<'py>(py: Python<'py>, store: &Store, b: &[u8]) -> PyResult<Bound<'py, PyAny>> {
+    match std::str::from_utf8(b) {
+        Ok(s) => Ok(PyString::new(py, s).into_any()),
+        Err(_) => Err(store.archive_err()(ArchiveError::Corrupt(
+            "a stored str is not valid UTF-8".into(),
+        ))
+        .into()),
+    }
 }
 
 /// The value of a node (a record root or a view's position).
@@ -172,30 +157,25 @@ pub(crate) fn node_value<'py>(
     node: Node,
     deep: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let v = store.reader.get(node);
-    // A node's own value: its "parent" for payload bounds is the same record.
-    value(py, store, node, v, deep)
+    let item = store.reader.item(node).map_err(store.archive_err())?;
+    value(py, store, item, deep)
 }
 
-/// A key stored inside a record, checked to be of a key type: corrupted bytes can make
-/// any value sit in a key position, and that must be CorruptStoreError, not a TypeError.
+/// Key `i` of a stored dict, checked to be of a key type: corrupted bytes can make any
+/// value sit in a key position, and that must be CorruptStoreError, not a TypeError.
 pub(crate) fn dict_key<'py>(
     py: Python<'py>,
     store: &Arc<Store>,
     node: Node,
-    k: &ArchivedValue,
+    i: usize,
 ) -> PyResult<Bound<'py, PyAny>> {
-    store.reader.value_key(k).map_err(store.archive_err())?;
-    value(py, store, node, k, true)
-}
-
-/// Interleaved items and index of an archived dict (empty for anything else).
-pub(crate) fn dict_parts(v: &ArchivedValue) -> (&[ArchivedValue], &[rkyv::Archived<u32>]) {
-    match v {
-        ArchivedValue::Dict(items) => (items.as_slice(), &[]),
-        ArchivedValue::IndexedDict(d) => (d.items.as_slice(), d.index.as_slice()),
-        _ => (&[], &[]),
+    let r = &store.reader;
+    let k = r.dict_key(node, i).map_err(store.archive_err())?;
+    if let Item::Sym(id) = k {
+        return Ok(store.py_symbol(py, id)?.into_any());
     }
+    r.item_key(k).map_err(store.archive_err())?;
+    value(py, store, k, true)
 }
 
 pub(crate) fn is_view(obj: &Bound<'_, PyAny>) -> bool {
@@ -216,12 +196,18 @@ fn compare_plain<'py>(
     Ok(mine.rich_compare(theirs, op)?.unbind())
 }
 
-/// Pickle a view by (store, record, position); `_rebuild_view` (src/py/pickle.rs) undoes it.
+/// What a pickled view carries: the store's (path, flag), record, position, and form.
+pub(crate) type ViewPickleArgs = (String, String, u64, u64, u8, u32);
+
+/// Pickle a view by (store, record, position, form); `_rebuild_view` (src/py/pickle.rs)
+/// undoes it.
 fn reduce_view<'py>(
     py: Python<'py>,
     store: &Store,
     node: Node,
-) -> PyResult<(Bound<'py, PyAny>, PickleArgs)> {
+) -> PyResult<(Bound<'py, PyAny>, ViewPickleArgs)> {
     let rebuild = py.import("shmstore._native")?.getattr("_rebuild_view")?;
-    Ok((rebuild, store.pickle_args(node.record() as u64, node.pos())))
+    let (path, flag, rec, pos) = store.pickle_args(node.record() as u64, node.pos());
+    let (form, aux) = node.form_code();
+    Ok((rebuild, (path, flag, rec, pos, form, aux)))
 }

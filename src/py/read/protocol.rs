@@ -16,7 +16,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyInt, PyList, PySlice, PyString, PyTuple};
 
-use crate::archive::{ArchivedValue, Key, Node};
+use crate::archive::{Key, Node};
 use crate::py::errors::Error;
 use crate::py::keys::{self, py_key};
 use crate::py::read;
@@ -38,19 +38,11 @@ impl<'a> Seq<'a> {
         }
     }
 
-    /// The stored items of a list or tuple node, and whether it is a tuple.
-    fn items(store: &'a Store, node: Node) -> (&'a [ArchivedValue], bool) {
-        match store.reader.get(node) {
-            ArchivedValue::List(items) => (items.as_slice(), false),
-            ArchivedValue::Tuple(items) => (items.as_slice(), true),
-            _ => (&[], false),
-        }
-    }
-
     pub(crate) fn len(self) -> usize {
         match self {
             Seq::Records(store) => store.reader.len() as usize,
-            Seq::Items(store, node) => Self::items(store, node).0.len(),
+            // A corrupt container reads as empty here; its items' reads raise.
+            Seq::Items(store, node) => store.reader.seq_len(node).unwrap_or(0),
         }
     }
 
@@ -65,9 +57,64 @@ impl<'a> Seq<'a> {
         match self {
             Seq::Records(store) => record(py, store, i, deep),
             Seq::Items(store, node) => {
-                read::value(py, store, node, &Self::items(store, node).0[i], deep)
+                let it = store
+                    .reader
+                    .seq_item(node, i)
+                    .map_err(store.archive_err())?;
+                read::value(py, store, it, deep)
             }
         }
+    }
+
+    /// `seq.get_many(indices)`: the items at `indices`, as a list. For the records of a
+    /// store, the index entries of the whole batch are prefetched, then the records' first
+    /// bytes, then each is decoded: the cache misses overlap instead of following one
+    /// another.
+    pub(crate) fn get_many<'py>(
+        self,
+        py: Python<'py>,
+        indices: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let len = self.len();
+        let mut at = Vec::new();
+        for index in indices.try_iter()? {
+            let index = index?;
+            let i = match index.extract::<isize>() {
+                Ok(i) => i,
+                Err(e) if e.is_instance_of::<PyOverflowError>(py) => {
+                    return Err(self.out_of_range(&index, None))
+                }
+                Err(_) => {
+                    return Err(Error::IndexType {
+                        what: self.what(),
+                        got: type_name(&index),
+                    }
+                    .into())
+                }
+            };
+            let j = if i < 0 {
+                i.checked_add(len as isize)
+            } else {
+                Some(i)
+            };
+            match j {
+                Some(j) if j >= 0 && (j as usize) < len => at.push(j as usize),
+                _ => return Err(self.out_of_range(&index, Some(len))),
+            }
+        }
+        if let Seq::Records(store) = self {
+            for &i in &at {
+                store.reader.prefetch_record(i as u64);
+            }
+            for &i in &at {
+                store.reader.prefetch_body(i as u64);
+            }
+        }
+        let out = at
+            .into_iter()
+            .map(|i| self.item(py, i, false))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, out)
     }
 
     /// A slice comes back as a list (a tuple for a stored tuple).
@@ -78,7 +125,7 @@ impl<'a> Seq<'a> {
     ) -> PyResult<Bound<'py, PyAny>> {
         let is_tuple = match self {
             Seq::Records(_) => false,
-            Seq::Items(store, node) => Self::items(store, node).1,
+            Seq::Items(store, node) => store.reader.is_tuple(node),
         };
         Ok(if is_tuple {
             PyTuple::new(py, items)?.into_any()
@@ -211,15 +258,10 @@ pub(crate) enum Map<'a> {
 }
 
 impl<'a> Map<'a> {
-    /// Interleaved `k0, v0, k1, v1, ...` and the hash index of a stored dict.
-    fn parts(store: &'a Store, node: Node) -> (&'a [ArchivedValue], &'a [rkyv::Archived<u32>]) {
-        read::dict_parts(store.reader.get(node))
-    }
-
     pub(crate) fn len(self) -> usize {
         match self {
             Map::Entries(store) => store.reader.len() as usize,
-            Map::Dict(store, node) => Self::parts(store, node).0.len() / 2,
+            Map::Dict(store, node) => store.reader.dict_len(node).unwrap_or(0),
         }
     }
 
@@ -229,7 +271,7 @@ impl<'a> Map<'a> {
     pub(crate) fn find(self, key: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
         let found = self.find_unconfirmed(key)?;
         if let (None, Map::Dict(store, node)) = (found, self) {
-            if !Self::parts(store, node).1.is_empty() {
+            if store.reader.dict_indexed(node) {
                 store
                     .reader
                     .confirm_miss(node.record() as u64)
@@ -259,34 +301,29 @@ impl<'a> Map<'a> {
                 }
             }
             Map::Dict(store, node) => {
-                let (items, index) = Self::parts(store, node);
+                let r = &store.reader;
                 if let Ok(s) = key.cast::<PyString>() {
                     // Identity first: key literals in user code are interned, and so are
                     // the symbols, so the common case compares pointers, not bytes.
-                    if index.is_empty() {
+                    if let Some(keys) = r.dict_shape_keys(node) {
                         let syms = store.py_symbols(key.py())?;
                         let kp = key.as_ptr();
-                        for (i, k) in items.iter().step_by(2).enumerate() {
-                            if let ArchivedValue::Sym(id) = k {
-                                if syms.get(id.to_native() as usize).map(|p| p.as_ptr()) == Some(kp)
-                                {
-                                    return Ok(Some(i));
-                                }
+                        for (i, &k) in keys.iter().enumerate() {
+                            if syms.get(k as usize).map(|p| p.as_ptr()) == Some(kp) {
+                                return Ok(Some(i));
                             }
                         }
                     }
                     if let Ok(s) = s.to_str() {
-                        return Ok(store
-                            .reader
-                            .dict_find_str(items, index, s)
-                            .map_err(store.archive_err())?);
+                        return r
+                            .dict_find_str(node, s)
+                            .map_err(|e| store.archive_err()(e).into());
                     }
                 }
                 match py_key(key)? {
-                    Some(k) => Ok(store
-                        .reader
-                        .dict_find(items, index, &k)
-                        .map_err(store.archive_err())?),
+                    Some(k) => r
+                        .dict_find(node, &k)
+                        .map_err(|e| store.archive_err()(e).into()),
                     None => unhashable_is_absent(key),
                 }
             }
@@ -302,13 +339,13 @@ impl<'a> Map<'a> {
     ) -> PyResult<Bound<'py, PyAny>> {
         match self {
             Map::Entries(store) => record(py, store, i, deep),
-            Map::Dict(store, node) => read::value(
-                py,
-                store,
-                node,
-                &Self::parts(store, node).0[2 * i + 1],
-                deep,
-            ),
+            Map::Dict(store, node) => {
+                let it = store
+                    .reader
+                    .dict_value(node, i)
+                    .map_err(store.archive_err())?;
+                read::value(py, store, it, deep)
+            }
         }
     }
 
@@ -319,9 +356,7 @@ impl<'a> Map<'a> {
                 let k = store.reader.key(i as u64).map_err(store.archive_err())?;
                 keys::to_python(py, &k)
             }
-            Map::Dict(store, node) => {
-                read::dict_key(py, store, node, &Self::parts(store, node).0[2 * i])
-            }
+            Map::Dict(store, node) => read::dict_key(py, store, node, i),
         }
     }
 
@@ -529,7 +564,7 @@ pub(crate) fn next_key<'py>(
 /// or [`next_key`] of a [`Map`]). One macro, so every iterator behaves the same.
 macro_rules! iterator {
     ($ty:ident, $pyname:literal, $next:path) => {
-        #[pyo3::pyclass(name = $pyname, module = "shmstore", frozen)]
+        #[pyo3::pyclass(name = $pyname, module = "shmstore", frozen, freelist = 64)]
         pub(crate) struct $ty {
             src: $crate::py::read::protocol::Owned,
             cur: $crate::py::read::protocol::Cursor,
