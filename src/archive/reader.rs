@@ -273,6 +273,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
         Ok((n as usize, after))
     }
 
+    #[inline]
     fn shape(&self, id: u64) -> Result<&ShapeInfo, ArchiveError> {
         self.shapes
             .get(id as usize)
@@ -538,6 +539,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
     // --- values -------------------------------------------------------------------------
 
     /// The value a node names: a container node as List/Tuple/Dict, a tagged one decoded.
+    #[inline]
     pub fn item(&self, node: Node) -> Result<Item<'_>, ArchiveError> {
         match node.form {
             Form::Tagged => self.tagged(node.rec, node.pos as usize),
@@ -548,6 +550,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
     }
 
     /// The tagged value at `pos` of record `rec`.
+    #[inline]
     pub fn tagged(&self, rec: u32, pos: usize) -> Result<Item<'_>, ArchiveError> {
         let tag = self.byte(pos)?;
         let b = pos + 1;
@@ -669,17 +672,36 @@ impl<B: AsRef<[u8]>> Reader<B> {
         Ok(self.seq_layout(node)?.1)
     }
 
+    /// A sequence node's layout, read once: its length and how to reach item `i`.
+    #[inline]
+    pub fn seq(&self, node: Node) -> Result<SeqAt, ArchiveError> {
+        let (kind, len, at) = self.seq_layout(node)?;
+        Ok(SeqAt {
+            rec: node.rec,
+            kind,
+            len,
+            at,
+        })
+    }
+
     /// Item `i` of a sequence node (`Invalid` if `i` is out of range).
+    #[inline]
     pub fn seq_item(&self, node: Node, i: usize) -> Result<Item<'_>, ArchiveError> {
-        let (kind, n, at) = self.seq_layout(node)?;
-        if i >= n {
+        self.seq_get(self.seq(node)?, i)
+    }
+
+    /// Item `i` of a sequence whose layout is known (`Invalid` if `i` is out of range).
+    #[inline]
+    pub fn seq_get(&self, seq: SeqAt, i: usize) -> Result<Item<'_>, ArchiveError> {
+        let SeqAt { rec, kind, len, at } = seq;
+        if i >= len {
             return Err(ArchiveError::Invalid(format!("index {i} out of range")));
         }
         match kind {
-            SeqKind::Refs => self.tagged(node.rec, self.follow(at + i * REF)?),
+            SeqKind::Refs => self.tagged(rec, self.follow(at + i * REF)?),
             SeqKind::Packed(elem) => self.scalar(elem, at + i * elem.size()),
             SeqKind::Struct(id, size) => Ok(Item::Dict(Node {
-                rec: node.rec,
+                rec,
                 form: Form::Struct(id),
                 pos: (at + i * size) as u64,
             })),
@@ -719,6 +741,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
     }
 
     /// Value of entry `i` of a dict node.
+    #[inline]
     pub fn dict_value(&self, node: Node, i: usize) -> Result<Item<'_>, ArchiveError> {
         match node.form {
             Form::Struct(id) => {
@@ -1191,7 +1214,16 @@ impl Walk {
     }
 }
 
-#[derive(Clone, Copy)]
+/// A sequence's layout (`Reader::seq`).
+#[derive(Debug, Clone, Copy)]
+pub struct SeqAt {
+    rec: u32,
+    kind: SeqKind,
+    pub len: usize,
+    at: usize,
+}
+
+#[derive(Debug, Clone, Copy)]
 enum SeqKind {
     Refs,
     Packed(Elem),

@@ -4,25 +4,38 @@ use std::sync::Arc;
 
 use pyo3::prelude::*;
 use pyo3::pyclass::CompareOp;
+use pyo3::types::PyInt;
 
 use super::protocol::{iterator, next_item, Seq};
 use super::{compare_plain, reduce_view, ViewPickleArgs};
+use crate::archive::reader::SeqAt;
 use crate::archive::Node;
 use crate::py::errors::Error;
 use crate::py::store::Store;
 
 /// A stored list or tuple: a read-only `collections.abc.Sequence`.
-#[pyclass(name = "ListView", module = "shmstore", frozen, weakref, sequence, freelist = 256)]
+#[pyclass(
+    name = "ListView",
+    module = "shmstore",
+    frozen,
+    weakref,
+    sequence,
+    freelist = 256
+)]
 pub(crate) struct ListView {
     store: Arc<Store>,
     node: Node,
+    /// The layout, read once when the view is made (None if it is corrupt: then every
+    /// access goes the long way and raises).
+    seq: Option<SeqAt>,
 }
 
 iterator!(ListIter, "ListViewIterator", next_item);
 
 impl ListView {
     pub(crate) fn new(store: Arc<Store>, node: Node) -> Self {
-        ListView { store, node }
+        let seq = store.reader.seq(node).ok();
+        ListView { store, node, seq }
     }
 
     fn seq(&self) -> Seq<'_> {
@@ -33,7 +46,10 @@ impl ListView {
 #[pymethods]
 impl ListView {
     fn __len__(&self) -> usize {
-        self.seq().len()
+        match self.seq {
+            Some(seq) => seq.len,
+            None => self.seq().len(),
+        }
     }
 
     fn __getitem__<'py>(
@@ -41,6 +57,19 @@ impl ListView {
         py: Python<'py>,
         index: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        // The hot path: `view[i]` with an int, on the layout read at creation.
+        if let (Some(seq), true) = (self.seq, index.is_exact_instance_of::<PyInt>()) {
+            if let Ok(i) = index.extract::<isize>() {
+                let j = if i < 0 { i + seq.len as isize } else { i };
+                if j >= 0 && (j as usize) < seq.len {
+                    let r = &self.store.reader;
+                    let it = r
+                        .seq_get(seq, j as usize)
+                        .map_err(self.store.archive_err())?;
+                    return super::value(py, &self.store, it, false);
+                }
+            }
+        }
         self.seq().getitem(py, index)
     }
 

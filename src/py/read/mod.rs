@@ -89,10 +89,10 @@ fn value_at<'py>(
                 return Ok(new_untracked(py, ListView::new(store.clone(), node))?.into_any());
             }
             let r = &store.reader;
-            let n = r.seq_len(node).map_err(&err)?;
-            let objs = (0..n)
+            let seq = r.seq(node).map_err(&err)?;
+            let objs = (0..seq.len)
                 .map(|i| {
-                    let it = r.seq_item(node, i).map_err(&err)?;
+                    let it = r.seq_get(seq, i).map_err(&err)?;
                     value_at(py, store, it, true, depth + 1)
                 })
                 .collect::<PyResult<Vec<_>>>()?;
@@ -108,6 +108,20 @@ fn value_at<'py>(
             }
             let r = &store.reader;
             let d = PyDict::new(py);
+            if let Some(keys) = r.dict_shape_keys(node) {
+                // A shaped dict: its keys are symbols, made into Python strs once per store.
+                let syms = store.py_symbols(py)?;
+                for (i, &k) in keys.iter().enumerate() {
+                    let Some(key) = syms.get(k as usize) else {
+                        return Err(
+                            err(ArchiveError::Corrupt(format!("symbol {k} out of range"))).into(),
+                        );
+                    };
+                    let v = r.dict_value(node, i).map_err(&err)?;
+                    d.set_item(key.bind(py), value_at(py, store, v, true, depth + 1)?)?;
+                }
+                return Ok(d.into_any());
+            }
             for i in 0..r.dict_len(node).map_err(&err)? {
                 let k = dict_key(py, store, node, i)?;
                 let v = r.dict_value(node, i).map_err(&err)?;

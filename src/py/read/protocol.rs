@@ -141,6 +141,19 @@ impl<'a> Seq<'a> {
         py: Python<'py>,
         index: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        // The hot path, `view[i]` with an int: the layout is read once.
+        if let (Seq::Items(store, node), true) = (self, index.is_exact_instance_of::<PyInt>()) {
+            if let Ok(i) = index.extract::<isize>() {
+                let r = &store.reader;
+                let seq = r.seq(node).map_err(store.archive_err())?;
+                let j = if i < 0 { i + seq.len as isize } else { i };
+                if j >= 0 && (j as usize) < seq.len {
+                    let it = r.seq_get(seq, j as usize).map_err(store.archive_err())?;
+                    return read::value(py, store, it, false);
+                }
+                return Err(self.out_of_range(index, Some(seq.len)));
+            }
+        }
         let len = self.len();
         if index.is_instance_of::<PyInt>() || !index.is_instance_of::<PySlice>() {
             let i = match index.extract::<isize>() {
@@ -281,6 +294,21 @@ impl<'a> Map<'a> {
         Ok(found)
     }
 
+    /// The hot path of `view["field"]`: a shaped dict, and a key that is the very object of
+    /// the symbol (key literals in user code are interned, and so are the symbols), so it
+    /// is a pointer compare per field, no string compare and no hashing.
+    #[inline]
+    fn field_by_identity(self, py: Python<'_>, key: &Bound<'_, PyAny>) -> Option<usize> {
+        let Map::Dict(store, node) = self else {
+            return None;
+        };
+        let keys = store.reader.dict_shape_keys(node)?;
+        let syms = store.py_symbols(py).ok()?;
+        let kp = key.as_ptr();
+        keys.iter()
+            .position(|&k| syms.get(k as usize).is_some_and(|s| s.as_ptr() == kp))
+    }
+
     fn find_unconfirmed(self, key: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
         match self {
             Map::Entries(store) => {
@@ -303,16 +331,8 @@ impl<'a> Map<'a> {
             Map::Dict(store, node) => {
                 let r = &store.reader;
                 if let Ok(s) = key.cast::<PyString>() {
-                    // Identity first: key literals in user code are interned, and so are
-                    // the symbols, so the common case compares pointers, not bytes.
-                    if let Some(keys) = r.dict_shape_keys(node) {
-                        let syms = store.py_symbols(key.py())?;
-                        let kp = key.as_ptr();
-                        for (i, &k) in keys.iter().enumerate() {
-                            if syms.get(k as usize).map(|p| p.as_ptr()) == Some(kp) {
-                                return Ok(Some(i));
-                            }
-                        }
+                    if let Some(i) = self.field_by_identity(key.py(), key) {
+                        return Ok(Some(i));
                     }
                     if let Ok(s) = s.to_str() {
                         return r
@@ -366,6 +386,9 @@ impl<'a> Map<'a> {
         py: Python<'py>,
         key: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        if let Some(i) = self.field_by_identity(py, key) {
+            return self.value(py, i, false);
+        }
         match self.find(key)? {
             Some(i) => self.value(py, i, false),
             None => Err(Error::MissingKey(key.clone().unbind()).into()),
@@ -520,6 +543,8 @@ impl Cursor {
 pub(crate) struct Owned {
     pub(crate) store: Arc<Store>,
     pub(crate) node: Option<Node>,
+    /// A sequence node's layout, read once (None: records, a dict, or corrupt).
+    pub(crate) seq: Option<crate::archive::reader::SeqAt>,
 }
 
 impl Owned {
@@ -544,6 +569,16 @@ pub(crate) fn next_item<'py>(
     py: Python<'py>,
     cur: &Cursor,
 ) -> PyResult<Option<Bound<'py, PyAny>>> {
+    if let Some(at) = src.seq {
+        let store = &src.store;
+        return cur
+            .advance(at.len)
+            .map(|i| {
+                let it = store.reader.seq_get(at, i).map_err(store.archive_err())?;
+                read::value(py, store, it, false)
+            })
+            .transpose();
+    }
     let seq = src.seq();
     cur.advance(seq.len())
         .map(|i| seq.item(py, i, false))
@@ -585,6 +620,7 @@ macro_rules! iterator {
                         src: $crate::py::read::protocol::Owned {
                             store: store.clone(),
                             node,
+                            seq: node.and_then(|n| store.reader.seq(n).ok()),
                         },
                         cur: $crate::py::read::protocol::Cursor::new(reverse),
                     },
