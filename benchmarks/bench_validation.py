@@ -1,5 +1,6 @@
 """What checking a store costs: open (header + metadata checksum) and full verification
-(every record's checksum + rkyv structure), per GiB, for record-heavy and array-heavy stores.
+(every block checksum, every record walked as a tree, array data checksums), per GiB, for
+record-heavy and array-heavy stores.
 
 Run: .venv/bin/python benchmarks/bench_validation.py  ->  benchmarks/results/validation.md
 """
@@ -72,7 +73,8 @@ def main() -> None:
         "",
         "Median of "
         f"{args.repeats} runs. `open` = what attaching costs (header + metadata checksum);"
-        " `verify` = checking every record (span checksum + rkyv bytecheck), which readers"
+        " `verify` = checking every record (block checksums + tree walk) and array data,"
+        " which readers"
         " otherwise pay lazily, once per record actually read.",
         "",
         "| store | records | size | open | open per GiB | verify | verify per GiB |",

@@ -149,6 +149,25 @@ def test_inspect_json_and_text(env: Env, tmp_path: Path) -> None:
     assert r.returncode == 0 and "count" in r.stdout, r
 
 
+def test_inspect_verify_finds_modified_array_data(env: Env, tmp_path: Path) -> None:
+    """Array data is not hashed when read (docs/format.md, "Checking"): a modified array
+    still reads, and ``inspect --verify`` is what finds it."""
+    np = pytest.importorskip("numpy")
+    path = tmp_path / "arr.shm"
+    data = np.arange(4096, dtype=np.float64)
+    with shmstore.put(data) as ref:
+        ref.save(path)
+    r = env.run("inspect", str(path), "--verify", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["verified"] is True, r
+    raw = bytearray(path.read_bytes())
+    at = raw.index(data[1000:1001].tobytes())
+    raw[at] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    got = shmstore.Ref.open(path).get()
+    assert got[1000] != 1000.0  # read, unchecked
+    env.one_error_line(env.run("inspect", str(path), "--verify"), cli.EXIT_UNREADABLE, "modified")
+
+
 def test_rm_errors_and_json(env: Env) -> None:
     (env.dir / "shmstore-doomed").write_bytes(b"x")
     r = env.run("rm", "doomed", "missing", "--json")

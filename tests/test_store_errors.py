@@ -686,7 +686,7 @@ def access_all(s, kind, case, keys):
             fail(case, what, e)
 
 # 1. Every single-byte substitution (tag values and neighbours) in the records of a small
-#    object: e.g. a tuple tag turned into a dict tag passes rkyv's checks (same layout).
+#    object: e.g. a list tag turned into a tuple tag (same layout, another type).
 small = {"k": [1, (2, "s")], (1, 2.5): {None: b"b"}, "n": -(2**70), "f": 1.5,
          "arr": np.arange(3, dtype=">i2"), "d": {i: i for i in range(9)}}
 p = os.path.join(workdir, "small")

@@ -199,7 +199,7 @@ def _inspect(args: argparse.Namespace) -> int:
         raise UserError(f"{target}: is a directory, not a store", EXIT_UNREADABLE)
     try:
         info = dict(_native._store_info(target))
-        info.update(_copy_fields(target, info))
+        info.update(_copy_fields(target, info, verify=args.verify))
     except Exception as e:
         raise _classify(e, args.name) from e
     if args.json:
@@ -211,10 +211,11 @@ def _inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _copy_fields(target: str, info: dict[str, Any]) -> dict[str, Any]:
+def _copy_fields(target: str, info: dict[str, Any], verify: bool = False) -> dict[str, Any]:
     """The archive's content digest (xxh3-128, what ``shmstore.cluster`` verifies copies
     against; hashes the whole archive) and where this copy comes from: "built here", "fetched"
-    (a copy made by ``shmstore.cluster`` from another machine) or "saved file"."""
+    (a copy made by ``shmstore.cluster`` from another machine) or "saved file". With
+    ``verify``, every record and every array's data is checked first (``verify()``)."""
     import shmstore
 
     is_file = info["name"] == info["path"]
@@ -224,11 +225,16 @@ def _copy_fields(target: str, info: dict[str, Any]) -> dict[str, Any]:
         else shmstore.StoreHandle.attach(str(info["name"]))
     )
     try:
+        if verify:
+            h.verify()
         ident = _native._cluster_identity(h, True)
     finally:
         h.close()
     copy = "saved file" if is_file else ("fetched" if ident["fetched"] else "built here")
-    return {"digest": ident["digest"], "copy": copy}
+    out = {"digest": ident["digest"], "copy": copy}
+    if verify:
+        out["verified"] = True
+    return out
 
 
 def _gc(args: argparse.Namespace) -> int:
@@ -323,6 +329,11 @@ def _parser() -> argparse.ArgumentParser:
     verb("ls", _ls, "list this user's segments (size, kind, state, creator, users)")
     ins = verb("inspect", _inspect, "show a store's header (a name, or a saved file's path)")
     ins.add_argument("name")
+    ins.add_argument(
+        "--verify",
+        action="store_true",
+        help="check every record and every array's data against its checksum (reads it all)",
+    )
     gc = verb("gc", _gc, "remove orphaned segments (no live process maps them)")
     gc.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     gc.add_argument("-v", "--verbose", action="store_true", help="also list what is kept")

@@ -516,7 +516,7 @@ pub(crate) enum AbcView {
 /// bad read.
 pub(crate) struct Cursor {
     next: AtomicUsize,
-    reverse: bool,
+    pub(crate) reverse: bool,
 }
 
 impl Cursor {
@@ -580,9 +580,28 @@ pub(crate) fn next_item<'py>(
             .transpose();
     }
     let seq = src.seq();
-    cur.advance(seq.len())
-        .map(|i| seq.item(py, i, false))
-        .transpose()
+    let i = cur.advance(seq.len());
+    if let (Some(i), Seq::Records(store)) = (i, seq) {
+        // Records in order: start loading the next ones while this one is decoded.
+        let r = &store.reader;
+        let ahead = if cur.reverse {
+            i.checked_sub(2)
+        } else {
+            Some(i + 2)
+        };
+        if let Some(a) = ahead {
+            r.prefetch_record(a as u64);
+        }
+        let next = if cur.reverse {
+            i.checked_sub(1)
+        } else {
+            Some(i + 1)
+        };
+        if let Some(n) = next {
+            r.prefetch_body(n as u64);
+        }
+    }
+    i.map(|i| seq.item(py, i, false)).transpose()
 }
 
 /// The next key of a mapping iterator.
