@@ -237,12 +237,156 @@ def bench_large(sizes_mib: list[int], repeats: int) -> tuple[str, list[str]]:
     return text, raw
 
 
+# --- small objects across processes -------------------------------------------------------------
+
+
+def small_consumer(conn, q, how: str, n: int) -> None:
+    """Receive `n` objects (a pickled Ref, or the object through a Queue), read each, then
+    say done."""
+    import pickle as pk
+
+    conn.send("ready")
+    total = 0
+    for _ in range(n):
+        if q is not None:
+            a = q.get()
+        else:
+            ref = pk.loads(conn.recv_bytes())
+            a = ref.get()
+        total += int(a[-1])
+    conn.send(total)
+
+
+def small_round(how: str, size: int, n: int, ctx: Any) -> float:
+    """Seconds per object: put in this process, get (and read) in another."""
+    import pickle as pk
+
+    parent, child = ctx.Pipe()
+    q = ctx.Queue() if how == "queue" else None
+    p = ctx.Process(target=small_consumer, args=(child, q, how, n))
+    p.start()
+    assert parent.recv() == "ready"
+    objs = [np.full(size, i % 251, dtype=np.uint8) for i in range(n)]
+    keep = []
+    t = time.perf_counter()
+    for a in objs:
+        if q is not None:
+            q.put(a)
+        else:
+            ref = shmstore.put(a, arena=(how == "arena"))
+            keep.append(ref)  # the creator keeps its handle until the receiver is done
+            parent.send_bytes(pk.dumps(ref))
+    total = parent.recv()
+    dt = time.perf_counter() - t
+    p.join(60)
+    assert total == sum(i % 251 for i in range(n)), total
+    for ref in keep:
+        ref.close()
+    return dt / n
+
+
+def bench_small(sizes: list[int], n: int, repeats: int) -> tuple[str, list[str]]:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    hows = ["segment", "arena", "queue"]
+    rows, raw = [], []
+    for size in sizes:
+        got: dict[str, list[float]] = {h: [] for h in hows}
+        for r in range(repeats + 1):
+            order = hows[r % 3 :] + hows[: r % 3]
+            for how in order:
+                dt = small_round(how, size, n, ctx)
+                if r:
+                    got[how].append(dt)
+        med = {h: statistics.median(v) for h, v in got.items()}
+        vs_seg = med["segment"] / med["arena"]
+        vs_q = med["queue"] / med["arena"]
+        rows.append(
+            [
+                f"{size // 1024} KiB",
+                f"{med['segment'] * 1e6:,.0f} µs",
+                f"{med['queue'] * 1e6:,.0f} µs",
+                f"{med['arena'] * 1e6:,.0f} µs",
+                f"{vs_seg:.1f}x",
+                verdict(vs_seg >= 10),
+                f"{vs_q:.1f}x",
+                verdict(vs_q >= 2),
+            ]
+        )
+        raw.append(
+            f"{size // 1024} KiB small objects, µs per object: "
+            + "; ".join(f"{h} {', '.join(f'{x * 1e6:.0f}' for x in v)}" for h, v in got.items())
+        )
+        shmstore._native._arena_release()
+    text = "\n\n## small objects: put in one process, get in another\n\n"
+    text += (
+        f"{n} uint8 arrays per run, each put by this process and sent to a consumer process "
+        "(forkserver) that reads it: `put(a)` (a segment per object) or `put(a, arena=True)` "
+        "with the pickled `Ref` sent through a Pipe, or the array itself through a "
+        "`multiprocessing.Queue`. Time from the first put until the consumer has read the "
+        f"last, per object; median of {repeats}, the three alternating. The creator keeps its "
+        "handles until the consumer is done (docs/arena.md).\n\n"
+    )
+    text += md_table(
+        [
+            "size",
+            "segment per object",
+            "Queue",
+            "arena",
+            "arena vs segment",
+            "target >= 10x",
+            "arena vs Queue",
+            "target >= 2x",
+        ],
+        rows,
+    )
+    return text, raw
+
+
+def bench_fragmentation(ops: int) -> tuple[str, list[str]]:
+    sim = shmstore._native._arena_simulate
+    rows, raw = [], []
+    for policy in ("best-fit", "first-fit"):
+        r = sim(policy, ops, lo=64, hi=1 << 20, live_target=1000, seed=1)
+        ratio = r["peak_end"] / r["peak_live"]
+        rows.append(
+            [
+                "best fit + coalescing (the arena)"
+                if policy == "best-fit"
+                else "first fit, no coalescing",
+                f"{r['peak_live'] / MiB:,.1f} MiB",
+                f"{r['peak_end'] / MiB:,.1f} MiB",
+                f"{ratio:.2f}x",
+                verdict(ratio <= 1.3) if policy == "best-fit" else "",
+                f"{r['seconds']:.2f} s",
+            ]
+        )
+        raw.append(f"{policy}: {r}")
+    text = "\n\n## fragmentation: random put/free\n\n"
+    text += (
+        f"{ops:,} operations on the same seeded sequence for both allocators (the arena's "
+        "allocator, src/arena/alloc.rs, in a simulation without I/O): sizes log-uniform "
+        "64 B to 1 MiB; a put is twice as likely as a free below 1000 live objects, a free "
+        "twice as likely above; a free takes a random live object. Arena bytes = the "
+        "highest end of the region (it only grows), against the peak of the live bytes.\n\n"
+    )
+    text += md_table(
+        ["allocator", "peak live", "arena bytes", "ratio", "target <= 1.3x", "simulation time"],
+        rows,
+    )
+    return text, raw
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sizes", default="256,1024", help="array sizes in MiB, comma-separated")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "arrays.md"))
     ap.add_argument("--skip-large", action="store_true")
+    ap.add_argument("--small-sizes", default="1,8,64", help="small object sizes in KiB")
+    ap.add_argument("--small-n", type=int, default=2000, help="small objects per run")
+    ap.add_argument("--ops", type=int, default=1_000_000, help="fragmentation operations")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     parts = ["# Arrays and small objects\n", machine_md(), ""]
@@ -251,6 +395,17 @@ def main() -> None:
         text, r = bench_large(sizes, args.repeats)
         parts.append(text)
         raw += r
+    text, r = bench_small(
+        [int(k) * 1024 for k in args.small_sizes.split(",") if k], args.small_n, args.repeats
+    )
+    parts.append(text)
+    raw += r
+    text, r = bench_fragmentation(args.ops)
+    parts.append(text)
+    raw += r
+    parts.append(
+        f"\nLoad average at the end (1/5/15 min): {' / '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
     parts.append("\n## raw timings (s unless marked)\n")
     parts += [f"- {line}" for line in raw]
     out = Path(args.out)
