@@ -45,12 +45,31 @@ pub(crate) fn new_untracked<T: PyClass>(
 static NP_ASARRAY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
 /// A value read from `store` as Python. `deep`: containers become plain objects (else views).
+#[inline(always)]
 pub(crate) fn value<'py>(
     py: Python<'py>,
     store: &Arc<Store>,
     item: Item<'_>,
     deep: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
+    if !deep {
+        // The hot path (`view[k]`, `view[i]`, iteration), inlined into each caller so that the
+        // item never goes through memory: scalars and views here, the rest the long way.
+        match item {
+            Item::None => return Ok(py.None().into_bound(py)),
+            Item::Bool(b) => return Ok(PyBool::new(py, b).to_owned().into_any()),
+            Item::Int(i) => return i.into_bound_py_any(py),
+            Item::Float(f) => return Ok(PyFloat::new(py, f).into_any()),
+            Item::Sym(id) => return Ok(store.py_symbol(py, id)?.into_any()),
+            Item::List(node) | Item::Tuple(node) => {
+                return Ok(new_untracked(py, ListView::new(store.clone(), node))?.into_any())
+            }
+            Item::Dict(node) => {
+                return Ok(new_untracked(py, DictView::new(store.clone(), node))?.into_any())
+            }
+            _ => {}
+        }
+    }
     value_at(py, store, item, deep, 0)
 }
 
