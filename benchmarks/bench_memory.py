@@ -111,7 +111,7 @@ def run_one(method: str, approach: str, n: int, workers: int, seed: int = 0) -> 
             res["read"] = _measure(pool)
             if handle is not None:
                 # Resident pages of the segment, mapped or not (PSS only sees mapped pages).
-                res["shm_resident_bytes"] = os.stat(f"/dev/shm/{handle.name}").st_blocks * 512
+                res["shm_resident_bytes"] = os.stat(handle.path).st_blocks * 512
     finally:
         if handle is not None:
             handle.unlink()
