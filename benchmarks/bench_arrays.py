@@ -384,6 +384,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "arrays.md"))
     ap.add_argument("--skip-large", action="store_true")
+    ap.add_argument("--skip-small", action="store_true")
+    ap.add_argument("--skip-fragmentation", action="store_true")
     ap.add_argument("--small-sizes", default="1,8,64", help="small object sizes in KiB")
     ap.add_argument("--small-n", type=int, default=2000, help="small objects per run")
     ap.add_argument("--ops", type=int, default=1_000_000, help="fragmentation operations")
@@ -395,14 +397,16 @@ def main() -> None:
         text, r = bench_large(sizes, args.repeats)
         parts.append(text)
         raw += r
-    text, r = bench_small(
-        [int(k) * 1024 for k in args.small_sizes.split(",") if k], args.small_n, args.repeats
-    )
-    parts.append(text)
-    raw += r
-    text, r = bench_fragmentation(args.ops)
-    parts.append(text)
-    raw += r
+    if not args.skip_small:
+        text, r = bench_small(
+            [int(k) * 1024 for k in args.small_sizes.split(",") if k], args.small_n, args.repeats
+        )
+        parts.append(text)
+        raw += r
+    if not args.skip_fragmentation:
+        text, r = bench_fragmentation(args.ops)
+        parts.append(text)
+        raw += r
     parts.append(
         f"\nLoad average at the end (1/5/15 min): {' / '.join(f'{x:.2f}' for x in os.getloadavg())}"
     )
