@@ -161,15 +161,16 @@ pub(crate) fn put_archive(
     store::open_chunk(py, path, chunk).map(Some)
 }
 
-/// Let go of this process's arenas: no new object goes into them, and each is removed once
-/// no process uses a chunk of it any more (handles made before keep working). For tests
-/// and for long-lived processes that are done with small objects.
+/// Let go of this process's arenas (and of the arena it last read from): no new object goes
+/// into them, and each is removed once no process uses a chunk of it any more (handles made
+/// before keep working). For tests and for long-lived processes done with small objects.
 #[pyfunction]
 pub(crate) fn _arena_release(py: Python<'_>) -> usize {
     let gone = py.detach(|| std::mem::take(&mut *ARENAS.lock().unwrap_or_else(|p| p.into_inner())));
     let n = gone.len();
     // Dropping sends the supervisor a DROP for each (queued, never blocks).
     drop(gone);
+    store::forget_last_arena();
     n
 }
 

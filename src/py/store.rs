@@ -312,6 +312,19 @@ fn parse_chunk(s: &str) -> Option<Chunk> {
     })
 }
 
+/// The arena this process read a chunk of last, kept open and registered after its last
+/// chunk here is gone. A process that reads many chunks of one arena one after another would
+/// otherwise open the file again and register it with the supervisor (a round trip) for
+/// every chunk. At most one arena per process is held this way (docs/arena.md).
+type LastArena = Option<(PathBuf, Arc<ArenaFile>, Registration)>;
+static LAST_ARENA: Mutex<LastArena> = Mutex::new(None);
+
+/// Let go of the arena kept by [`LAST_ARENA`].
+pub(crate) fn forget_last_arena() {
+    let old = LAST_ARENA.lock().unwrap_or_else(|p| p.into_inner()).take();
+    drop(old); // outside the lock: queues a DROP (never blocks)
+}
+
 /// Map a chunk of an arena: register the arena (counted per process), take a lease on the
 /// chunk, check its generation, map just the chunk and open its archive.
 pub(crate) fn open_chunk(py: Python<'_>, path: PathBuf, chunk: Chunk) -> PyResult<Arc<Store>> {
@@ -330,9 +343,23 @@ pub(crate) fn open_chunk(py: Python<'_>, path: PathBuf, chunk: Chunk) -> PyResul
             .map_err(StoreErr::Segment)?;
         let mapping = Mapping::window(file.file(), &path, at, len).map_err(StoreErr::Segment)?;
         let reader = Reader::open(mapping).map_err(StoreErr::Archive)?;
-        Ok::<_, StoreErr>((reader, lease, ident))
+        Ok::<_, StoreErr>((reader, lease, ident, file))
     });
-    let (reader, lease, ident) = opened.map_err(|e| e.into_error(&context))?;
+    let (reader, lease, ident, file) = opened.map_err(|e| e.into_error(&context))?;
+    let known = LAST_ARENA
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+        .is_some_and(|(p, f, _)| *p == path && Arc::ptr_eq(f, &file));
+    if !known {
+        // Counted: this store's own registration makes it a local increment.
+        let keep = Registration::new(py, path.clone(), false);
+        let old = LAST_ARENA
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .replace((path, file, keep));
+        drop(old);
+    }
     Ok(Arc::new(Store {
         reader,
         source,
