@@ -11,14 +11,7 @@ use crate::archive::Node;
 use crate::py::store::Store;
 
 /// A stored dict: a read-only `collections.abc.Mapping`.
-#[pyclass(
-    name = "DictView",
-    module = "shmstore",
-    frozen,
-    weakref,
-    mapping,
-    freelist = 256
-)]
+#[pyclass(name = "DictView", module = "shmstore", frozen, weakref, mapping)]
 pub(crate) struct DictView {
     store: Arc<Store>,
     node: Node,

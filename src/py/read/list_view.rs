@@ -14,14 +14,7 @@ use crate::py::errors::Error;
 use crate::py::store::Store;
 
 /// A stored list or tuple: a read-only `collections.abc.Sequence`.
-#[pyclass(
-    name = "ListView",
-    module = "shmstore",
-    frozen,
-    weakref,
-    sequence,
-    freelist = 256
-)]
+#[pyclass(name = "ListView", module = "shmstore", frozen, weakref, sequence)]
 pub(crate) struct ListView {
     store: Arc<Store>,
     node: Node,

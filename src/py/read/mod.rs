@@ -18,7 +18,7 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::pyclass::CompareOp;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyBytes, PyComplex, PyDict, PyFloat, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyComplex, PyDict, PyFloat, PyList, PyTuple};
 use pyo3::IntoPyObjectExt;
 use pyo3::{ffi, PyClass};
 
@@ -172,15 +172,30 @@ fn value_at<'py>(
     })
 }
 
-/// A stored str (UTF-8 checked here, by CPython's decoder: invalid bytes are corrupt data).
+/// A stored str, UTF-8 checked once, by CPython's decoder: invalid bytes are corrupt data.
+#[inline]
 fn py_str<'py>(py: Python<'py>, store: &Store, b: &[u8]) -> PyResult<Bound<'py, PyAny>> {
-    match std::str::from_utf8(b) {
-        Ok(s) => Ok(PyString::new(py, s).into_any()),
-        Err(_) => Err(store.archive_err()(ArchiveError::Corrupt(
+    // SAFETY: `b` is a valid slice for the call (it borrows the store's mapping, which the
+    // caller's `store` keeps alive), its length fits an isize (a slice's always does), and
+    // "strict" is a NUL-terminated C string. The decoder copies the bytes and checks them;
+    // it returns a new reference or NULL with an exception set, which `from_owned_ptr_or_err`
+    // takes over.
+    let obj = unsafe {
+        Bound::from_owned_ptr_or_err(
+            py,
+            ffi::PyUnicode_DecodeUTF8(
+                b.as_ptr().cast(),
+                b.len() as ffi::Py_ssize_t,
+                c"strict".as_ptr(),
+            ),
+        )
+    };
+    obj.map_err(|_| {
+        store.archive_err()(ArchiveError::Corrupt(
             "a stored str is not valid UTF-8".into(),
         ))
-        .into()),
-    }
+        .into()
+    })
 }
 
 /// The value of a node (a record root or a view's position).

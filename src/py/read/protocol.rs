@@ -618,7 +618,7 @@ pub(crate) fn next_key<'py>(
 /// or [`next_key`] of a [`Map`]). One macro, so every iterator behaves the same.
 macro_rules! iterator {
     ($ty:ident, $pyname:literal, $next:path) => {
-        #[pyo3::pyclass(name = $pyname, module = "shmstore", frozen, freelist = 64)]
+        #[pyo3::pyclass(name = $pyname, module = "shmstore", frozen)]
         pub(crate) struct $ty {
             src: $crate::py::read::protocol::Owned,
             cur: $crate::py::read::protocol::Cursor,
