@@ -96,11 +96,7 @@ impl Encoder {
                         self.out.push(T_SYM);
                         put_varint(&mut self.out, id as u64);
                     }
-                    None => {
-                        self.out.push(T_STR);
-                        put_varint(&mut self.out, s.len() as u64);
-                        self.out.extend_from_slice(s.as_bytes());
-                    }
+                    None => put_blob(&mut self.out, T_STR, s.as_bytes()),
                 },
                 Job::Key(v) => self.tagged(v, &mut queue)?,
                 Job::Blob(b) => {
@@ -142,11 +138,7 @@ impl Encoder {
                 });
                 put_int(o, e, *i);
             }
-            Value::BigInt(b) => {
-                o.push(T_BIGINT);
-                put_varint(o, b.len() as u64);
-                o.extend_from_slice(b);
-            }
+            Value::BigInt(b) => put_blob(o, T_BIGINT, b),
             Value::Float(f) => {
                 o.push(T_F64);
                 o.extend_from_slice(&f.to_le_bytes());
@@ -156,16 +148,8 @@ impl Encoder {
                 o.extend_from_slice(&re.to_le_bytes());
                 o.extend_from_slice(&im.to_le_bytes());
             }
-            Value::Str(s) => {
-                o.push(T_STR);
-                put_varint(o, s.len() as u64);
-                o.extend_from_slice(s.as_bytes());
-            }
-            Value::Bytes(b) => {
-                o.push(T_BYTES);
-                put_varint(o, b.len() as u64);
-                o.extend_from_slice(b);
-            }
+            Value::Str(s) => put_blob(o, T_STR, s.as_bytes()),
+            Value::Bytes(b) => put_blob(o, T_BYTES, b),
             Value::BytesExt(e) => {
                 o.push(T_BYTES_EXT);
                 for f in [e.offset, e.len, e.checksum] {
@@ -410,6 +394,13 @@ fn packable(items: &[Value]) -> Option<Elem> {
         }
     }
     Some(elem)
+}
+
+/// A tag, then a varint length and the bytes.
+fn put_blob(o: &mut Vec<u8>, tag: u8, b: &[u8]) {
+    o.push(tag);
+    put_varint(o, b.len() as u64);
+    o.extend_from_slice(b);
 }
 
 fn put_int(o: &mut Vec<u8>, e: Elem, i: i64) {
