@@ -269,10 +269,13 @@ def measure(approach: str, spec: dict, procs: int, lookups: int, first: int, n_d
         mem = [C.smaps_rollup(pid) for pid in pool.pids]
     rates = [lookups / dt for dt, _, _ in results]
     firsts = [first / dt1 for _, dt1, _ in results]
+    # the lookups after the first ones (none when first == lookups)
+    rests = [(lookups - first) / (dt - dt1) for dt, dt1, _ in results if lookups > first]
     return {
         "load_s": load_s,
         "rate": sum(rates) / len(rates),
         "rate_first": sum(firsts) / len(firsts),
+        "rate_rest": sum(rests) / len(rests) if rests else float("nan"),
         "checksums": {c for _, _, c in results},
         "pss": sum(m["Pss"] for m in mem),
         "pss_shmem": sum(m.get("Pss_Shmem", 0) for m in mem),
