@@ -143,3 +143,47 @@ def test_simulation_compares_best_fit_with_first_fit() -> None:
     assert best["peak_end"] < first["peak_end"]
     with pytest.raises(ValueError):
         _native._arena_simulate("worst-fit", 10)
+
+
+def test_threads_putting_and_reading_at_once() -> None:
+    """Many threads share the process's arenas: every object reads back as put."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            refs = []
+            for i in range(300):
+                refs.append(shmstore.put({"t": t, "i": i, "b": bytes([i % 256]) * i}, arena=True))
+                if i % 3 == 0:
+                    refs.pop(0).close()  # freed chunks are reused while others put
+            for r in refs:
+                v = r.get()
+                assert v["b"] == bytes([v["i"] % 256]) * v["i"] and v["t"] == t
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(300)
+    assert not any(th.is_alive() for th in threads)
+    assert not errors, errors
+
+
+def test_without_a_supervisor_objects_get_segments_of_their_own() -> None:
+    """No supervisor: nothing would remove an arena after a crash, so none is made."""
+    import os
+
+    code = (
+        "import shmstore; r = shmstore.put([1, 2], arena=True); "
+        "print('@' in r.name, r.get()[1]); r.close()"
+    )
+    env = {**os.environ, "SHMSTORE_SUPERVISOR": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "2"]

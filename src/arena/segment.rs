@@ -126,6 +126,9 @@ pub struct ArenaWriter {
     path: PathBuf,
     bfc: Bfc,
     next_generation: u64,
+    /// Chunks written but not yet leased by the handle being made for them: never
+    /// reclaimed, whatever releases of their offset arrive (a stale handle's, say).
+    fresh: HashSet<u64>,
     /// The process that made it: a forked child must make its own.
     pid: u32,
 }
@@ -185,6 +188,7 @@ impl ArenaWriter {
             path,
             bfc: Bfc::new(capacity),
             next_generation: 1,
+            fresh: HashSet::new(),
             pid: std::process::id(),
         })
     }
@@ -201,7 +205,7 @@ impl ArenaWriter {
     /// Reuse every chunk of `pending` that no process holds a lease on; the others stay.
     pub fn reclaim(&mut self, pending: &mut HashSet<u64>) -> Result<(), ArenaError> {
         let mut freed = Vec::new();
-        for &off in pending.iter() {
+        for &off in pending.iter().filter(|off| !self.fresh.contains(off)) {
             let Some(size) = self.bfc.size_at(off - HEADER) else {
                 freed.push(off);
                 continue;
@@ -268,11 +272,18 @@ impl ArenaWriter {
             return Err(io_err(&self.path, e));
         }
         unlocked.map_err(|e| io_err(&self.path, e))?;
+        self.fresh.insert(off);
         Ok(Some(Chunk {
             offset: off,
             size,
             generation,
         }))
+    }
+
+    /// The handle for the chunk at `offset` holds its lease now (or was never made): from
+    /// here on the chunk is free once its leases are gone.
+    pub fn settled(&mut self, offset: u64) {
+        self.fresh.remove(&offset);
     }
 
     /// Bytes in used chunks, and the arena's capacity.
@@ -536,6 +547,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mut w = arena(dir.path());
         let c = w.put(&[1u8; 1000]).unwrap().unwrap();
+        w.settled(c.offset);
         let f = ArenaFile::open(w.path()).unwrap();
         let (lease, _, _) = f.lease(c).unwrap();
         // The creator gave it up, but a lease holds it: not reused.
@@ -549,6 +561,7 @@ mod tests {
         assert!(pending.is_empty());
         // Reused: same place, new generation; the old handle is stale.
         let e = w.put(&[3u8; 1000]).unwrap().unwrap();
+        w.settled(e.offset);
         assert_eq!(e.offset, c.offset);
         assert_ne!(e.generation, c.generation);
         match f.lease(c) {
@@ -559,6 +572,25 @@ mod tests {
         }
         // The refused lease left no lock behind: the new chunk can be freed and reused.
         let mut pending = HashSet::from([e.offset]);
+        w.reclaim(&mut pending).unwrap();
+        assert!(pending.is_empty());
+    }
+
+    /// A release of a chunk's offset that arrives between the write and the creator's own
+    /// lease (a stale handle of the same place let go meanwhile) does not free the chunk.
+    #[test]
+    fn a_fresh_chunk_is_not_reclaimed_before_it_is_settled() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = arena(dir.path());
+        let c = w.put(&[1u8; 100]).unwrap().unwrap();
+        let mut pending = HashSet::from([c.offset]);
+        w.reclaim(&mut pending).unwrap();
+        assert!(
+            pending.contains(&c.offset),
+            "freed before its handle held it"
+        );
+        assert_ne!(w.put(&[2u8; 100]).unwrap().unwrap().offset, c.offset);
+        w.settled(c.offset);
         w.reclaim(&mut pending).unwrap();
         assert!(pending.is_empty());
     }

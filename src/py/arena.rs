@@ -158,7 +158,20 @@ pub(crate) fn put_archive(
         }
     };
     let (path, chunk) = placed;
-    store::open_chunk(py, path, chunk).map(Some)
+    let opened = store::open_chunk(py, path.clone(), chunk);
+    let failed = opened.is_err();
+    // Held by its handle now (or failed): the chunk is an ordinary one from here on; if the
+    // handle was not made, this process holds no lease on it, so it is a reuse candidate.
+    py.detach(|| {
+        let mut arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(a) = arenas.iter_mut().find(|a| a.writer.path() == path) {
+            a.writer.settled(chunk.offset);
+            if failed {
+                a.pending.insert(chunk.offset);
+            }
+        }
+    });
+    opened.map(Some)
 }
 
 /// Let go of this process's arenas (and of the arena it last read from): no new object goes
