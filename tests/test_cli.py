@@ -101,6 +101,45 @@ def test_ls_shows_a_live_store_under_its_public_name_with_its_state(env: Env) ->
     assert creator.returncode == 0
 
 
+ARENA_CREATOR = """
+import sys, shmstore
+refs = [shmstore.put({"i": i}, arena=True) for i in range(3)]
+print(refs[0].name.split("@")[0], flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_ls_shows_an_arena_as_an_arena(env: Env, tmp_path: Path) -> None:
+    """An arena (docs/arena.md) is listed with its kind and creator, not as unreadable."""
+    supervised = {
+        **env.vars,
+        "SHMSTORE_SUPERVISOR": "1",
+        "SHMSTORE_SUPERVISOR_NAME": f"shmstore-test-cli-{os.getpid()}-{tmp_path.name}"[:80],
+        "SHMSTORE_SUPERVISOR_GRACE": "0.3",
+        "XDG_RUNTIME_DIR": str(tmp_path),
+    }
+    creator = subprocess.Popen(
+        [sys.executable, "-c", ARENA_CREATOR],
+        env=supervised,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert creator.stdout is not None
+        name = creator.stdout.readline().strip()
+        assert name.startswith("shmstore-"), name
+        r = env.run("ls", "--json")
+        assert r.returncode == 0, r
+        (row,) = json.loads(r.stdout)
+        assert row["name"] == name
+        assert row["kind"] == "arena" and row["state"] == "in use"
+        assert row["creator_pid"] == creator.pid and row["creator_alive"] is True
+    finally:
+        creator.communicate("\n", timeout=TIMEOUT_S)
+    assert creator.returncode == 0
+
+
 def test_ls_into_a_closed_pipe_stops_quietly(env: Env) -> None:
     """``shmstore ls --json | head``: a reader that goes away is not an error to report."""
     for args in (("ls", "--json"), ("ls",)):

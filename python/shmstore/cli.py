@@ -117,6 +117,23 @@ def _state(row: dict[str, Any]) -> str:
     return "in use" if row["users"] else "orphaned"
 
 
+def _arena_creator(path: Path) -> int | None:
+    """The creator's pid if ``path`` is an arena segment (docs/arena.md), else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        head = os.pread(fd, 32, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(head) < 32 or head[:8] != b"SHMARENA":
+        return None
+    return int.from_bytes(head[24:28], "little")
+
+
 def _rows() -> list[dict[str, Any]]:
     try:
         sup = _native.supervisor_info()
@@ -158,7 +175,12 @@ def _rows() -> list[dict[str, Any]]:
                 )
                 row["creator_alive"] = pid_alive(info["creator_pid"])
             except (ShmStoreError, OSError) as e:  # a corrupt or foreign file: still list it
-                row["kind"] = f"unreadable ({type(e).__name__})"
+                creator = _arena_creator(path)
+                if creator is None:
+                    row["kind"] = f"unreadable ({type(e).__name__})"
+                else:  # many small objects' chunks (docs/arena.md): no records of its own
+                    row.update(kind="arena", creator_pid=creator)
+                    row["creator_alive"] = pid_alive(creator)
         row["state"] = _state(row)
         rows.append(row)
     return rows
