@@ -20,7 +20,7 @@ use super::{table, ArchiveError};
 /// this many records ...
 pub const BLOCK_RECORDS: u64 = 64;
 /// ... or once its records hold this many bytes.
-pub const BLOCK_BYTES: u64 = 4 * 1024;
+pub const BLOCK_BYTES: u64 = 1024;
 /// Payloads are hashed and written in pieces of this size (the piece is hashed while it is
 /// in cache, then written).
 const PAYLOAD_PIECE: usize = 1 << 20;

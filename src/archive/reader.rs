@@ -125,7 +125,7 @@ pub struct Reader<B> {
     /// One bit per record: the hash indexes of its general dicts checked (`confirm_miss`).
     indexes_checked: Vec<AtomicU64>,
     /// First record of each block.
-    block_first: Vec<u64>,
+    pub(crate) block_first: Vec<u64>,
     /// Absolute [start, end) of each symbol's UTF-8 bytes.
     symbols: Vec<(usize, usize)>,
     shapes: Vec<ShapeInfo>,
@@ -141,7 +141,7 @@ fn corrupt<T>(msg: impl Into<String>) -> Result<T, ArchiveError> {
 pub const MAX_NDIM: usize = 64;
 
 /// How many bytes from a record's start a dict lookup prefetches.
-const PREFETCH_AHEAD: usize = 512;
+const PREFETCH_AHEAD: usize = 1024;
 
 /// Start loading the cache line of `bytes[at]`; out-of-range positions are ignored.
 #[inline(always)]
@@ -309,7 +309,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
         if self.is_validated(rec) {
             return Ok(());
         }
-        let b = self.block_first.partition_point(|&f| f <= rec) - 1;
+        let b = self.block_of(rec);
         let first = self.block_first[b];
         let last = self
             .block_first
@@ -317,11 +317,9 @@ impl<B: AsRef<[u8]>> Reader<B> {
             .copied()
             .unwrap_or(self.header.count);
         let mut h = Xxh3Default::new();
-        let mut spans = Vec::with_capacity((last - first) as usize);
         for r in first..last {
             let (s, e) = self.span(r)?;
             h.update(&self.bytes()[s..e]);
-            spans.push((s, e));
         }
         let at = self.header.blocks_off as usize + b * BLOCK_ENTRY;
         if h.digest() != u64_at(self.bytes(), at + 8) {
@@ -330,7 +328,8 @@ impl<B: AsRef<[u8]>> Reader<B> {
                  modified)"
             ));
         }
-        for (r, &(s, e)) in (first..last).zip(&spans) {
+        for r in first..last {
+            let (s, e) = self.span(r)?;
             self.walk(r, s, e, |_, _| Ok(()))
                 .map_err(|e| ArchiveError::Corrupt(format!("record {r}: {}", msg(e))))?;
         }
@@ -339,6 +338,29 @@ impl<B: AsRef<[u8]>> Reader<B> {
             self.validated[word].fetch_or(bit, Ordering::AcqRel);
         }
         Ok(())
+    }
+
+    /// The block holding record `rec` (< count). Blocks hold similar numbers of records, so
+    /// the search starts where `rec` would be if they were all alike and widens from there
+    /// (a few cache misses instead of a binary search over a table that may be megabytes).
+    pub(crate) fn block_of(&self, rec: u64) -> usize {
+        let f = &self.block_first;
+        let n = f.len();
+        let guess = ((rec as u128 * n as u128) / self.header.count.max(1) as u128) as usize;
+        let guess = guess.min(n - 1);
+        // Widen a window around the guess until it holds the answer, then search it.
+        let (mut lo, mut hi) = (guess, guess + 1);
+        let mut step = 1;
+        while lo > 0 && f[lo] > rec {
+            lo = lo.saturating_sub(step);
+            step *= 2;
+        }
+        step = 1;
+        while hi < n && f[hi] <= rec {
+            hi = (hi + step).min(n);
+            step *= 2;
+        }
+        lo + f[lo..hi].partition_point(|&x| x <= rec) - 1
     }
 
     /// Walk record `rec` ([start, end)) breadth first, as it was written: every reference
@@ -353,6 +375,16 @@ impl<B: AsRef<[u8]>> Reader<B> {
         mut visit: impl FnMut(usize, u8) -> Result<(), ArchiveError>,
     ) -> Result<(), ArchiveError> {
         let _ = rec;
+        // A record that is one str, bytes or number (documents, labels): no queue needed.
+        if let Ok(tag @ (T_STR | T_BYTES | T_BIGINT)) = self.byte(start) {
+            visit(start, tag)?;
+            let (n, after) = self.count(start + 1, 1)?;
+            return if after + n <= end {
+                Ok(())
+            } else {
+                corrupt("a value runs past its record")
+            };
+        }
         let mut w = Walk {
             queue: VecDeque::new(),
             last: start,

@@ -483,3 +483,30 @@ fn table_record_hints_are_only_prefetched() {
     }
     assert_eq!(r.lookup(&Key::Str("D99999999".into())).unwrap(), None);
 }
+
+/// Blocks of very different sizes (a few large records, runs of tiny ones): the block of
+/// every record is found, the one whose range holds it.
+#[test]
+fn the_block_of_every_record_is_found() {
+    let values: Vec<Value> = (0..3000)
+        .map(|i| {
+            if i % 97 < 3 {
+                s(&"x".repeat(5000))
+            } else {
+                Value::Int(i)
+            }
+        })
+        .collect();
+    let bytes = build(Kind::List, &values);
+    let r = Reader::open(&bytes[..]).unwrap();
+    let f = &r.block_first;
+    assert!(f.len() > 50, "{} blocks", f.len());
+    for rec in 0..values.len() as u64 {
+        let b = r.block_of(rec);
+        assert!(
+            f[b] <= rec && f.get(b + 1).is_none_or(|&n| rec < n),
+            "record {rec}"
+        );
+    }
+    roundtrip(&values);
+}
