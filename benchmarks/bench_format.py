@@ -102,6 +102,31 @@ def format_version(handle: Any) -> str:
     return "unknown"
 
 
+def source_commit() -> str:
+    """The commit of the checkout this runs from (the extension is assumed built from it)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(C.BENCH_DIR), "log", "-1", "--format=%h %s"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(C.BENCH_DIR), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (no git)"
+    if out.returncode != 0:
+        return "unknown (not a git checkout)"
+    line = out.stdout.strip()[:100]
+    return f"commit {line}" + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
+
+
 def _free(handle: Any) -> None:
     if handle is not None and not handle.closed:
         handle.unlink()
@@ -618,6 +643,7 @@ def render(results: dict[str, Any], targets: list[Target], args: argparse.Namesp
         f"archive format version **{version}** (read from the stores' header).",
         "",
         C.machine_md(),
+        f"- **source**: {results.get('source', 'unknown')}",
         "- **load average at the start of the run**: "
         + " / ".join(f"{x:.2f}" for x in results["load_start"]),
         f"- **run time**: {results['elapsed']:.0f} s",
@@ -848,7 +874,7 @@ def main(argv: list[str] | None = None) -> int:
         C.log(f"WARNING: shmstore not importable: {C.shmstore_error()}")
 
     t0 = time.perf_counter()
-    results: dict[str, Any] = {"load_start": os.getloadavg()}
+    results: dict[str, Any] = {"load_start": os.getloadavg(), "source": source_commit()}
     targets: list[Target] = []
     if "coco" in sections:
         results["coco"] = run_coco(shm, args.n, args.repeats, args.micro_iter)
