@@ -316,13 +316,28 @@ impl<B: AsRef<[u8]>> Reader<B> {
             .get(b + 1)
             .copied()
             .unwrap_or(self.header.count);
-        let mut h = Xxh3Default::new();
-        for r in first..last {
+        // The checksum of the block's records, one after another. They usually lie back to
+        // back (no payload or long-record length between them): then one call over the
+        // whole range, which is the same hash and faster than feeding them one by one.
+        let (s0, mut end) = self.span(first)?;
+        let mut contiguous = true;
+        for r in first + 1..last {
             let (s, e) = self.span(r)?;
-            h.update(&self.bytes()[s..e]);
+            contiguous &= s == end;
+            end = e;
         }
+        let sum = if contiguous {
+            xxh3_64(&self.bytes()[s0..end])
+        } else {
+            let mut h = Xxh3Default::new();
+            for r in first..last {
+                let (s, e) = self.span(r)?;
+                h.update(&self.bytes()[s..e]);
+            }
+            h.digest()
+        };
         let at = self.header.blocks_off as usize + b * BLOCK_ENTRY;
-        if h.digest() != u64_at(self.bytes(), at + 8) {
+        if sum != u64_at(self.bytes(), at + 8) {
             return corrupt(format!(
                 "record {rec}: checksum mismatch in records {first}..{last} (the data was \
                  modified)"
@@ -530,6 +545,30 @@ impl<B: AsRef<[u8]>> Reader<B> {
             let at = self.header.index_off as usize + rec as usize * 8;
             prefetch(b, at);
         }
+    }
+
+    /// Start loading what checking record `rec`'s block reads first: where the block is
+    /// expected in the table of first records ([`Self::block_of`]'s guess) and its checksum.
+    pub fn prefetch_block(&self, rec: u64) {
+        let n = self.block_first.len();
+        if n == 0 || rec >= self.header.count {
+            return;
+        }
+        let guess = ((rec as u128 * n as u128) / self.header.count as u128) as usize;
+        let guess = guess.min(n - 1);
+        #[cfg(target_arch = "x86_64")]
+        {
+            let p = self.block_first[guess..].as_ptr();
+            // SAFETY: as in `prefetch`: a hint that never faults, and `p` points into the
+            // vector (`guess < n`).
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    p as *const i8,
+                )
+            };
+        }
+        let at = self.header.blocks_off as usize + guess * BLOCK_ENTRY + 8;
+        prefetch(self.bytes(), at);
     }
 
     /// Second step of [`Self::prefetch_record`]: the record's bytes (its index entry is
@@ -1104,6 +1143,12 @@ impl<B: AsRef<[u8]>> Reader<B> {
                     for line in (start..start.saturating_add(PREFETCH_AHEAD)).step_by(64) {
                         prefetch(b, line);
                     }
+                }
+                // And what reading the record will look at first: its index entry and, if it
+                // is not checked yet in this process, its block's entries.
+                self.prefetch_record(e);
+                if !self.is_validated(e) {
+                    self.prefetch_block(e);
                 }
                 if matches(e, key_at)? {
                     return Ok(Some(e));
