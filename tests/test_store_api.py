@@ -563,3 +563,32 @@ def test_error_hierarchy():
         assert issubclass(cls, E.ShmStoreError) and issubclass(cls, builtin), cls
         assert cls.__module__ == "shmstore"
     assert issubclass(E.ShmStoreError, Exception)
+
+
+def test_get_many_reads_a_batch_in_order(records):
+    with shmstore.SharedList(records) as lst:
+        idx = [7, 2, -1, 0, 7, np.int64(3)]
+        got = lst.get_many(idx)
+        assert isinstance(got, list)
+        assert [r.to_python() for r in got] == [records[int(i)] for i in idx]
+        assert lst.get_many([]) == []
+        assert [r["image_id"] for r in lst.get_many(range(3))] == [
+            records[i]["image_id"] for i in range(3)
+        ]
+        with pytest.raises(IndexError, match="out of range"):
+            lst.get_many([0, len(records)])
+        with pytest.raises(TypeError):
+            lst.get_many([0, "1"])
+    with pytest.raises(shmstore.StoreClosedError):
+        lst.get_many([0])
+
+
+def test_dataset_getitems_is_a_batch_of_getitem(records):
+    """What DataLoader calls for a whole batch when the dataset has it."""
+    import shmstore.torch as st
+
+    with shmstore.SharedList(records) as lst:
+        plain = st.SharedListDataset(lst)
+        assert [r.to_python() for r in plain.__getitems__([3, 1])] == [records[3], records[1]]
+        ids = st.SharedListDataset(lst, transform=lambda r: r["image_id"])
+        assert ids.__getitems__([5, 0]) == [ids[5], ids[0]]
