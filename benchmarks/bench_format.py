@@ -618,6 +618,18 @@ HOW = f"""\
 """
 
 
+def _size_table(s: dict[str, Any], n: int, rows: list[tuple[str, str]]) -> str:
+    """Sizes of the representations `rows` names (key, label), per record and vs pickle."""
+    out = []
+    for k, label in rows:
+        v = s.get(k)
+        if v is None:
+            out.append([label, "not measured", "", ""])
+        else:
+            out.append([label, C.mib(v), f"{v / n:,.0f}", f"{v / s['pickle']:.2f}x"])
+    return C.md_table(["", "MiB", "bytes/record", "vs pickle + offsets"], out)
+
+
 def _time_table(
     title: str, times: dict[str, list[float]], n: int, unit_name: str = "per record"
 ) -> str:
@@ -679,20 +691,14 @@ def render(results: dict[str, Any], targets: list[Target], args: argparse.Namesp
             f"one process, {args.repeats} rounds.",
             "",
         ]
-        size_rows = []
-        for k, label in [
+        sizes = [
             ("pickled records", "pickled records alone (sum of `pickle.dumps`)"),
             ("pickle", "pickle-per-record buffer + int64 offsets"),
             ("msgpack", "msgpack-per-record buffer + int64 offsets"),
             ("arrow", "Arrow IPC stream, uncompressed"),
             ("shmstore", "shmstore archive (`nbytes`)"),
-        ]:
-            v = s.get(k)
-            if v is None:
-                size_rows.append([label, "not measured", "", ""])
-            else:
-                size_rows.append([label, C.mib(v), f"{v / n:,.0f}", f"{v / s['pickle']:.2f}x"])
-        out += [C.md_table(["", "MiB", "bytes/record", "vs pickle + offsets"], size_rows), ""]
+        ]
+        out += [_size_table(s, n, sizes), ""]
         out += [_time_table("build", r["build"], n), ""]
         out += [_time_table("field-touch loop, in order (warm)", r["touch"], n), ""]
         out += [_time_table("field-touch loop, random order", r["random"], n), ""]
@@ -750,18 +756,12 @@ def render(results: dict[str, Any], targets: list[Target], args: argparse.Namesp
             f"{args.repeats} rounds.",
             "",
         ]
-        size_rows = []
-        for k, label in [
+        sizes = [
             ("pickle", "pickle-per-record buffer + int64 offsets"),
             ("msgpack", "msgpack-per-record buffer + int64 offsets"),
             ("shmstore", "shmstore archive (`nbytes`)"),
-        ]:
-            v = s.get(k)
-            if v is None:
-                size_rows.append([label, "not measured", "", ""])
-            else:
-                size_rows.append([label, C.mib(v), f"{v / n:,.0f}", f"{v / s['pickle']:.2f}x"])
-        out += [C.md_table(["", "MiB", "bytes/record", "vs pickle + offsets"], size_rows), ""]
+        ]
+        out += [_size_table(s, n, sizes), ""]
         out += [_time_table("build", r["build"], n), ""]
         out += [_time_table("field access, in order (warm)", r["touch"], n), ""]
         out += [_time_table("to_python vs pickle.loads, every record", r["to_python"], n), ""]
