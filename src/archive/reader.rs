@@ -345,7 +345,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
         }
         for r in first..last {
             let (s, e) = self.span(r)?;
-            self.walk(r, s, e, |_, _| Ok(()))
+            self.walk(s, e, |_, _| Ok(()))
                 .map_err(|e| ArchiveError::Corrupt(format!("record {r}: {}", msg(e))))?;
         }
         for r in first..last {
@@ -361,8 +361,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
     pub(crate) fn block_of(&self, rec: u64) -> usize {
         let f = &self.block_first;
         let n = f.len();
-        let guess = ((rec as u128 * n as u128) / self.header.count.max(1) as u128) as usize;
-        let guess = guess.min(n - 1);
+        let guess = self.block_guess(rec);
         // Widen a window around the guess until it holds the answer, then search it.
         let (mut lo, mut hi) = (guess, guess + 1);
         let mut step = 1;
@@ -378,18 +377,24 @@ impl<B: AsRef<[u8]>> Reader<B> {
         lo + f[lo..hi].partition_point(|&x| x <= rec) - 1
     }
 
-    /// Walk record `rec` ([start, end)) breadth first, as it was written: every reference
+    /// Where record `rec`'s block would be if every block held as many records (a block
+    /// table is never empty when there are records).
+    fn block_guess(&self, rec: u64) -> usize {
+        let n = self.block_first.len();
+        let guess = (rec as u128 * n as u128) / self.header.count.max(1) as u128;
+        (guess as usize).min(n - 1)
+    }
+
+    /// Walk the record at [start, end) breadth first, as it was written: every reference
     /// must point forward of the one before it and inside the record (so the record is a
     /// tree and the walk ends), containers nest at most `MAX_VALUE_DEPTH` deep. `visit` sees
     /// every tagged value (its position and tag).
     fn walk(
         &self,
-        rec: u64,
         start: usize,
         end: usize,
         mut visit: impl FnMut(usize, u8) -> Result<(), ArchiveError>,
     ) -> Result<(), ArchiveError> {
-        let _ = rec;
         // A record that is one str, bytes or number (documents, labels): no queue needed.
         if let Ok(tag @ (T_STR | T_BYTES | T_BIGINT)) = self.byte(start) {
             visit(start, tag)?;
@@ -505,7 +510,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
         for r in 0..self.header.count {
             let (s, e) = self.span(r)?;
             let mut found = Vec::new();
-            self.walk(r, s, e, |pos, tag| {
+            self.walk(s, e, |pos, tag| {
                 if tag == T_BYTES_EXT {
                     found.push(self.ext_at(pos + 1)?);
                 } else if tag == T_ARRAY {
@@ -550,12 +555,10 @@ impl<B: AsRef<[u8]>> Reader<B> {
     /// Start loading what checking record `rec`'s block reads first: where the block is
     /// expected in the table of first records ([`Self::block_of`]'s guess) and its checksum.
     pub fn prefetch_block(&self, rec: u64) {
-        let n = self.block_first.len();
-        if n == 0 || rec >= self.header.count {
+        if self.block_first.is_empty() || rec >= self.header.count {
             return;
         }
-        let guess = ((rec as u128 * n as u128) / self.header.count as u128) as usize;
-        let guess = guess.min(n - 1);
+        let guess = self.block_guess(rec);
         #[cfg(target_arch = "x86_64")]
         {
             let p = self.block_first[guess..].as_ptr();
@@ -973,7 +976,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
         }
         let (s, e) = self.span(rec)?;
         let mut dicts = Vec::new();
-        self.walk(rec, s, e, |pos, tag| {
+        self.walk(s, e, |pos, tag| {
             if tag == T_DICT {
                 dicts.push(pos);
             }

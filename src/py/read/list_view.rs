@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::pyclass::CompareOp;
 use pyo3::types::PyInt;
 
-use super::protocol::{iterator, next_item, Seq};
+use super::protocol::{index_item, iterator, next_item, Seq};
 use super::{compare_plain, reduce_view, ViewPickleArgs};
 use crate::archive::reader::SeqAt;
 use crate::archive::Node;
@@ -52,15 +52,12 @@ impl ListView {
     ) -> PyResult<Bound<'py, PyAny>> {
         // The hot path: `view[i]` with an int, on the layout read at creation.
         if let (Some(seq), true) = (self.seq, index.is_exact_instance_of::<PyInt>()) {
-            if let Ok(i) = index.extract::<isize>() {
-                let j = if i < 0 { i + seq.len as isize } else { i };
-                if j >= 0 && (j as usize) < seq.len {
-                    let r = &self.store.reader;
-                    let it = r
-                        .seq_get(seq, j as usize)
-                        .map_err(self.store.archive_err())?;
-                    return super::value(py, &self.store, it, false);
-                }
+            if let Some(item) = index
+                .extract::<isize>()
+                .ok()
+                .and_then(|i| index_item(py, &self.store, seq, i))
+            {
+                return item;
             }
         }
         self.seq().getitem(py, index)

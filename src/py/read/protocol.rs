@@ -16,6 +16,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyInt, PyList, PySlice, PyString, PyTuple};
 
+use crate::archive::reader::SeqAt;
 use crate::archive::{Key, Node};
 use crate::py::errors::Error;
 use crate::py::keys::{self, py_key};
@@ -144,14 +145,9 @@ impl<'a> Seq<'a> {
         // The hot path, `view[i]` with an int: the layout is read once.
         if let (Seq::Items(store, node), true) = (self, index.is_exact_instance_of::<PyInt>()) {
             if let Ok(i) = index.extract::<isize>() {
-                let r = &store.reader;
-                let seq = r.seq(node).map_err(store.archive_err())?;
-                let j = if i < 0 { i + seq.len as isize } else { i };
-                if j >= 0 && (j as usize) < seq.len {
-                    let it = r.seq_get(seq, j as usize).map_err(store.archive_err())?;
-                    return read::value(py, store, it, false);
-                }
-                return Err(self.out_of_range(index, Some(seq.len)));
+                let seq = store.reader.seq(node).map_err(store.archive_err())?;
+                return index_item(py, store, seq, i)
+                    .unwrap_or_else(|| Err(self.out_of_range(index, Some(seq.len))));
             }
         }
         let len = self.len();
@@ -261,6 +257,28 @@ impl<'a> Seq<'a> {
     pub(crate) fn repr_items(self, py: Python<'_>) -> PyResult<String> {
         truncated_repr((0..self.len()).map(|i| Ok(self.item(py, i, false)?.repr()?.to_string())))
     }
+}
+
+/// Item `i` (an int; negative counts from the end) of a sequence whose layout is known, as
+/// a scalar or a view; `None` when `i` is out of range.
+#[inline]
+pub(crate) fn index_item<'py>(
+    py: Python<'py>,
+    store: &Arc<Store>,
+    seq: SeqAt,
+    i: isize,
+) -> Option<PyResult<Bound<'py, PyAny>>> {
+    let j = if i < 0 { i + seq.len as isize } else { i };
+    if j < 0 || j as usize >= seq.len {
+        return None;
+    }
+    Some(
+        store
+            .reader
+            .seq_get(seq, j as usize)
+            .map_err(|e| store.archive_err()(e).into())
+            .and_then(|it| read::value(py, store, it, false)),
+    )
 }
 
 /// A mapping: the entries of a dict store, or of a stored dict.
@@ -544,7 +562,7 @@ pub(crate) struct Owned {
     pub(crate) store: Arc<Store>,
     pub(crate) node: Option<Node>,
     /// A sequence node's layout, read once (None: records, a dict, or corrupt).
-    pub(crate) seq: Option<crate::archive::reader::SeqAt>,
+    pub(crate) seq: Option<SeqAt>,
 }
 
 impl Owned {
