@@ -218,7 +218,7 @@ def test_rm_errors_and_json(env: Env) -> None:
     env.one_error_line(env.run("rm", ".hidden"), cli.EXIT_USAGE, "not a store name")
 
 
-def test_gc_json(env: Env) -> None:
+def _sealed_orphan(env: Env) -> Path:
     orphan = env.dir / "shmstore-orphan"
     orphan.write_bytes(b"\0" * 4096)
     # Sealed as shmstore's writer seals a segment (read-only, its mark in the mtime's
@@ -226,6 +226,11 @@ def test_gc_json(env: Env) -> None:
     now = time.time_ns()
     os.utime(orphan, ns=(now, now // 10**9 * 10**9 + 314_159_265))
     orphan.chmod(0o400)
+    return orphan
+
+
+def test_gc_json(env: Env) -> None:
+    _sealed_orphan(env)
     r = env.run("gc", "--dry-run", "--json")
     assert r.returncode == cli.EXIT_NOT_FOUND, r
     report = json.loads(r.stdout)
@@ -234,6 +239,27 @@ def test_gc_json(env: Env) -> None:
     r = env.run("gc", "--json")
     assert r.returncode == 0 and json.loads(r.stdout)["removed"] == 1, r
     assert not (env.dir / "shmstore-orphan").exists()
+
+
+def test_gc_and_ls_when_the_supervisor_cannot_be_asked(env: Env, tmp_path: Path) -> None:
+    """The supervisor's directory is not safe to use (a file stands where it should be), so
+    no supervisor can say which segments are in use: ``gc`` removes nothing and says why in
+    one line (exit 4, without blaming a supervisor that never answered); ``ls`` says so in
+    one line and still lists the files."""
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    (runtime / "shmstore").write_text("")
+    env.vars["XDG_RUNTIME_DIR"] = str(runtime)
+    orphan = _sealed_orphan(env)
+    for args in (("gc",), ("gc", "--json"), ("gc", "--dry-run")):
+        line = env.one_error_line(
+            env.run(*args), cli.EXIT_OS_ERROR, "not sweeping", "not a directory"
+        )
+        assert "answer" not in line, line
+    assert orphan.exists()
+    r = env.run("ls", "--json")
+    env.one_error_line(r, cli.EXIT_OK, "no information from the supervisor", "not a directory")
+    assert [row["name"] for row in json.loads(r.stdout)] == ["shmstore-orphan"]
 
 
 def test_usage_errors(env: Env) -> None:

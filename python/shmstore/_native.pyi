@@ -359,7 +359,8 @@ def sweep(dry_run: bool = False, dirs: list[_Path] | None = None) -> list[dict[s
     """Remove this user's shmstore files that no live process maps or holds open.
 
     Raises StoreIOError (removing nothing) when a supervisor is running but its list of
-    tracked segments is missing or incomplete."""
+    tracked segments is missing or incomplete, or when the supervisor's directory is not safe
+    to use (so no supervisor could be asked)."""
 
 def supervisor_info() -> dict[str, Any] | None:
     """The running supervisor: pid, log path, segments and the pids using them (or None).

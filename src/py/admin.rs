@@ -75,7 +75,8 @@ pub(crate) fn _supervisor_main(py: Python<'_>) -> PyResult<()> {
 /// Remove orphaned segments: this user's shmstore files in the segment directory that no
 /// live process maps or holds open (and that a running supervisor does not track).
 /// Raises `StoreIOError` (touching nothing) when a supervisor is running but its list of
-/// tracked segments is missing or incomplete.
+/// tracked segments is missing or incomplete, or when the supervisor's directory is not safe
+/// to use (so no supervisor could be asked).
 ///
 /// Returns one dict per file: path, size, removed, users (pids), locked.
 #[pyfunction]
@@ -92,11 +93,16 @@ pub(crate) fn sweep<'py>(
             .unwrap_or_default();
         Ok::<_, std::io::Error>(sw::sweep(&dirs, &keep, dry_run))
     });
-    let report = report.map_err(|err| Error::Io {
-        at: "not sweeping: the running supervisor's answer was missing or incomplete, so \
+    let report = report.map_err(|err| {
+        let at = if err.kind() == std::io::ErrorKind::PermissionDenied {
+            // The supervisor's directory is unsafe (`client::list`): no supervisor was asked.
+            "not sweeping: cannot ask the supervisor which segments are in use, so segments \
+             in use could look orphaned"
+        } else {
+            "not sweeping: the running supervisor's answer was missing or incomplete, so \
              segments in use could look orphaned; try again, or stop the supervisor first"
-            .into(),
-        err,
+        };
+        Error::Io { at: at.into(), err }
     })?;
     let out = PyList::empty(py);
     for s in report {
