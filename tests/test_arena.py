@@ -187,3 +187,42 @@ def test_without_a_supervisor_objects_get_segments_of_their_own() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "2"]
+
+
+def _arena_mappings(arena: str) -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if line.rstrip().endswith("/" + arena))
+
+
+def test_one_mapping_per_arena_per_process() -> None:
+    """Every chunk read in a process is a window of the arena's one mapping there: not a
+    mapping per object, in the creator or in a reader."""
+    refs = [shmstore.put(np.full(3000, i, dtype=np.uint8), arena=True) for i in range(50)]
+    arena = chunk_of(refs[0])[0]
+    assert {chunk_of(r)[0] for r in refs} == {arena}
+    arrays = [r.get() for r in refs]
+    again = [pickle.loads(pickle.dumps(r)).get() for r in refs]
+    assert _arena_mappings(arena) == 1
+    assert [int(a[0]) for a in again] == list(range(50))
+    code = (
+        "import pickle, sys\n"
+        "refs = pickle.loads(sys.stdin.buffer.read())\n"
+        "arrays = [r.get() for r in refs]\n"
+        "assert [int(a[-1]) for a in arrays] == list(range(50))\n"
+        "arena = refs[0].name.split('@')[0]\n"
+        "print(sum(l.rstrip().endswith('/' + arena) for l in open('/proc/self/maps')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        input=pickle.dumps(refs),
+        capture_output=True,
+        check=True,
+        timeout=300,
+    )
+    assert out.stdout.strip() == b"1"
+    # The mapping outlives the handles while views of it exist.
+    for r in refs:
+        r.close()
+    del refs, again
+    gc.collect()
+    assert [int(a[1]) for a in arrays] == list(range(50))

@@ -7,10 +7,13 @@
 //!
 //! Leases are open-file-description (OFD) byte-range locks on the chunk's range of the file:
 //! a process using a chunk holds a shared (read) lock on it, which the kernel drops when the
-//! process dies, however it dies. The creator reuses a chunk only under an exclusive (write)
-//! lock of its range, which it gets only when nobody holds a lease; it writes the chunk with
-//! a new generation, so a handle made before sees a generation that is not its own and
-//! never reads the new bytes.
+//! process dies, however it dies. The creator holds an exclusive (write) lock on all free
+//! space, through its read-write descriptor: it takes one on a chunk it wants to reuse, which
+//! it gets only when nobody holds a lease, and keeps it while the chunk is free; it writes a
+//! chunk with a new generation and only then unlocks its range, so a handle made before
+//! sees a generation that is not its own and never reads the new bytes. The creator's own
+//! handles need no lock: it reuses only chunks whose last handle in its process is gone
+//! (`ArenaFile::lease_own`).
 //!
 //! The file is sealed like every segment (mode 0400, the seal mark in its mtime), so the
 //! supervisor and `shmstore gc` treat it as one: removed once no process maps or holds it.
@@ -178,6 +181,10 @@ impl ArenaWriter {
             file.set_permissions(std::fs::Permissions::from_mode(0o400))
                 .map_err(|e| io_err(&tmp, e))?;
             segment::mark_sealed(&file).map_err(|e| io_err(&tmp, e))?;
+            // All of the chunk region is free: locked by the creator until it is written.
+            if !ofd_lock(&file, Lock::Exclusive, HEADER, capacity).map_err(|e| io_err(&tmp, e))? {
+                return Err(io_err(&tmp, io::Error::from(io::ErrorKind::WouldBlock)));
+            }
             std::fs::hard_link(&tmp, &path).map_err(|e| io_err(&path, e))?;
             Ok::<(), ArenaError>(())
         })();
@@ -213,9 +220,7 @@ impl ArenaWriter {
             if ofd_lock(&self.file, Lock::Exclusive, off, size)
                 .map_err(|e| io_err(&self.path, e))?
             {
-                // Nobody holds it: it can be freed. (Release the probe at once: the next
-                // allocation locks what it takes.)
-                ofd_lock(&self.file, Lock::Unlock, off, size).map_err(|e| io_err(&self.path, e))?;
+                // Nobody holds it: free, and locked (like all free space) until rewritten.
                 self.bfc.free(off - HEADER);
                 freed.push(off);
             }
@@ -231,47 +236,28 @@ impl ArenaWriter {
         let need = CHUNK_HEADER
             .checked_add(archive.len() as u64)
             .ok_or_else(|| io_err(&self.path, io::Error::from(io::ErrorKind::InvalidInput)))?;
-        // A chunk can be busy only for a moment (a stale handle's reader checking its
-        // generation); skip such chunks a few times, then give up (the caller falls back).
-        let mut busy = Vec::new();
-        let mut chunk = None;
-        for _ in 0..8 {
-            let Some((rel, size)) = self.bfc.alloc(need) else {
-                break;
-            };
-            let off = HEADER + rel;
-            if ofd_lock(&self.file, Lock::Exclusive, off, size)
-                .map_err(|e| io_err(&self.path, e))?
-            {
-                chunk = Some((off, size));
-                break;
-            }
-            busy.push(rel);
-        }
-        for rel in busy {
-            self.bfc.free(rel);
-        }
-        let Some((off, size)) = chunk else {
+        // Free space is locked by this descriptor already (see the module docs): no reader
+        // holds a lease on any of it, and none can take one until it is unlocked below.
+        let Some((rel, size)) = self.bfc.alloc(need) else {
             return Ok(None);
         };
+        let off = HEADER + rel;
         let generation = self.next_generation;
         self.next_generation += 1;
         let mut head = [0u8; CHUNK_HEADER as usize];
         head[..4].copy_from_slice(&CHUNK_MAGIC.to_le_bytes());
         head[8..16].copy_from_slice(&generation.to_le_bytes());
         head[16..24].copy_from_slice(&(archive.len() as u64).to_le_bytes());
-        let written = self
-            .file
-            .write_all_at(archive, off + CHUNK_HEADER)
-            .and_then(|()| self.file.write_all_at(&head, off))
+        let written = write_chunk(&self.file, off, &head, archive)
             // pwrite set the mtime: put the seal mark back (sweeps recognise segments by it).
-            .and_then(|()| segment::mark_sealed(&self.file));
-        let unlocked = ofd_lock(&self.file, Lock::Unlock, off, size);
+            .and_then(|()| segment::mark_sealed(&self.file))
+            // Written: leases may be taken from now on.
+            .and_then(|()| ofd_lock(&self.file, Lock::Unlock, off, size).map(|_| ()));
         if let Err(e) = written {
-            self.bfc.free(off - HEADER);
+            // Still locked (an unlock that failed left it so): free space again.
+            self.bfc.free(rel);
             return Err(io_err(&self.path, e));
         }
-        unlocked.map_err(|e| io_err(&self.path, e))?;
         self.fresh.insert(off);
         Ok(Some(Chunk {
             offset: off,
@@ -292,17 +278,48 @@ impl ArenaWriter {
     }
 }
 
+/// Write a chunk's header and archive at `off`: one `pwritev`, then plain writes of whatever
+/// it left (tmpfs writes it all at once).
+fn write_chunk(file: &File, off: u64, head: &[u8], archive: &[u8]) -> io::Result<()> {
+    let total = head.len() + archive.len();
+    let n = loop {
+        match rustix::io::pwritev(
+            file,
+            &[io::IoSlice::new(head), io::IoSlice::new(archive)],
+            off,
+        ) {
+            Ok(n) => break n,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    };
+    if n < total {
+        let rest = |from: usize| off + from as u64;
+        if n < head.len() {
+            file.write_all_at(&head[n..], rest(n))?;
+            file.write_all_at(archive, rest(head.len()))?;
+        } else {
+            file.write_all_at(&archive[n - head.len()..], rest(n))?;
+        }
+    }
+    Ok(())
+}
+
 // --- every user's side ------------------------------------------------------------------------
 
 /// An arena file opened read-only by a process that uses chunks of it, with this process's
 /// lease counts (one OFD lock per leased chunk, however many handles share it).
 pub struct ArenaFile {
     file: File,
+    /// The whole file mapped read-only, once per process: every chunk read here is a window
+    /// of it (`Mapping::window`). Only leased windows are ever read through it.
+    map: Arc<memmap2::Mmap>,
     path: PathBuf,
     ident: (u64, u64),
     len: u64,
     pid: u32,
-    leases: Mutex<HashMap<u64, (u64, usize)>>,
+    /// offset -> (size, handles here, whether this process holds an OFD lock on it).
+    leases: Mutex<HashMap<u64, (u64, usize, bool)>>,
     /// In the creator only: chunks whose last lease in this process ended (reuse
     /// candidates). Other processes record nothing.
     released: Mutex<Option<HashSet<u64>>>,
@@ -376,8 +393,23 @@ impl ArenaFile {
                 what: "bad header (magic, version or size)".into(),
             });
         }
+        // SAFETY: memmap2 requires that the mapped bytes do not change while mapped. Here
+        // they do, outside the chunks leased in this process: the creator rewrites chunks
+        // nobody leases. So no reference to these bytes is ever made except to a window of
+        // a chunk this process holds a lease on (whose bytes the creator never writes while
+        // the lease lasts, and nobody else can write: the file is ours and mode 0400, checked
+        // above): `ArenaFile::lease` reads a chunk's header by copy after taking its lease,
+        // `Mapping::window` makes a slice of the leased archive only. PROT_READ; the length
+        // is the file's, which never changes (reserved with fallocate at creation, sealed).
+        let map = unsafe {
+            memmap2::MmapOptions::new()
+                .len(meta.len() as usize)
+                .map(&file)
+        }
+        .map_err(|e| io_err(path, e))?;
         let f = Arc::new(ArenaFile {
             file,
+            map: Arc::new(map),
             path: path.to_owned(),
             ident: (meta.dev(), meta.ino()),
             len: meta.len(),
@@ -389,8 +421,14 @@ impl ArenaFile {
         Ok(f)
     }
 
+    #[cfg(test)]
     pub fn file(&self) -> &File {
         &self.file
+    }
+
+    /// The arena mapped in this process (read only leased windows of it).
+    pub fn map(&self) -> &Arc<memmap2::Mmap> {
+        &self.map
     }
 
     /// (device, inode) of the file.
@@ -438,16 +476,16 @@ impl ArenaFile {
         {
             let mut leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
             match leases.get_mut(&chunk.offset) {
-                Some((size, n)) if *size == chunk.size => *n += 1,
+                Some((size, n, _)) if *size == chunk.size => *n += 1,
                 Some(_) => return Err(stale(0)),
                 None => {
-                    // Refused: the creator is rewriting the chunk, so it was freed.
+                    // Refused: the chunk is free (or being rewritten) in the creator.
                     if !ofd_lock(&self.file, Lock::Shared, chunk.offset, chunk.size)
                         .map_err(|e| io_err(&self.path, e))?
                     {
                         return Err(stale(0));
                     }
-                    leases.insert(chunk.offset, (chunk.size, 1));
+                    leases.insert(chunk.offset, (chunk.size, 1, true));
                 }
             }
         }
@@ -456,9 +494,18 @@ impl ArenaFile {
             offset: chunk.offset,
         };
         let mut head = [0u8; 24];
-        self.file
-            .read_exact_at(&mut head, chunk.offset)
-            .map_err(|e| io_err(&self.path, e))?;
+        // The chunk's header, copied out of the mapping: leased now, so the creator does not
+        // write it (it writes a chunk only under an exclusive lock of its range).
+        // `chunk.offset + 24 <= chunk.offset + chunk.size <= len` (checked above).
+        // SAFETY: the 24 bytes at `chunk.offset` lie inside the mapping (its length is `len`)
+        // and do not change while the lease is held; a copy makes no reference to them.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.map.as_ptr().add(chunk.offset as usize),
+                head.as_mut_ptr(),
+                head.len(),
+            )
+        };
         let magic = u32::from_le_bytes(head[..4].try_into().unwrap_or_default());
         let generation = u64::from_le_bytes(head[8..16].try_into().unwrap_or_default());
         let len = u64::from_le_bytes(head[16..24].try_into().unwrap_or_default());
@@ -478,6 +525,25 @@ impl ArenaFile {
     }
 }
 
+impl ArenaFile {
+    /// The creator's lease on `chunk`, which its writer just wrote with an archive of `len`
+    /// bytes (not settled yet, so not reclaimed meanwhile): counted here, without a lock. The
+    /// creator reuses only chunks released here (whose last handle in this process is gone),
+    /// so its own handles need no lock; other processes' leases are their locks.
+    pub fn lease_own(self: &Arc<Self>, chunk: Chunk, len: u64) -> (Lease, u64, u64) {
+        let mut leases = self.leases.lock().unwrap_or_else(|p| p.into_inner());
+        leases
+            .entry(chunk.offset)
+            .and_modify(|(_, n, _)| *n += 1)
+            .or_insert((chunk.size, 1, false));
+        let lease = Lease {
+            arena: self.clone(),
+            offset: chunk.offset,
+        };
+        (lease, chunk.offset + CHUNK_HEADER, len)
+    }
+}
+
 /// This process uses a chunk: a shared OFD lock on its range, released with the last
 /// lease of the chunk in this process (or by the kernel when the process dies).
 pub struct Lease {
@@ -488,19 +554,21 @@ pub struct Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         let mut leases = self.arena.leases.lock().unwrap_or_else(|p| p.into_inner());
-        let Some((size, n)) = leases.get_mut(&self.offset) else {
+        let Some((size, n, locked)) = leases.get_mut(&self.offset) else {
             return;
         };
         *n -= 1;
         if *n > 0 {
             return;
         }
-        let size = *size;
+        let (size, locked) = (*size, *locked);
         leases.remove(&self.offset);
         drop(leases);
         // Unlocking never blocks; a failure (it cannot fail for a valid range) would only
         // keep the chunk from reuse until this process exits.
-        let _ = ofd_lock(&self.arena.file, Lock::Unlock, self.offset, size);
+        if locked {
+            let _ = ofd_lock(&self.arena.file, Lock::Unlock, self.offset, size);
+        }
         if let Some(r) = self
             .arena
             .released

@@ -47,7 +47,7 @@ fn place(
     arenas: &mut [Owned],
     dir: &Path,
     archive: &[u8],
-) -> Result<Option<(PathBuf, Chunk)>, Error> {
+) -> Result<Option<(PathBuf, Chunk, Arc<ArenaFile>)>, Error> {
     for a in arenas
         .iter_mut()
         .rev()
@@ -62,7 +62,7 @@ fn place(
         };
         a.writer.reclaim(&mut a.pending).map_err(arena_err)?;
         if let Some(chunk) = a.writer.put(archive).map_err(arena_err)? {
-            return Ok(Some((path, chunk)));
+            return Ok(Some((path, chunk, a.file.clone())));
         }
     }
     Ok(None)
@@ -157,8 +157,8 @@ pub(crate) fn put_archive(
             }
         }
     };
-    let (path, chunk) = placed;
-    let opened = store::open_chunk(py, path.clone(), chunk);
+    let (path, chunk, file) = placed;
+    let opened = store::open_chunk(py, path.clone(), chunk, Some((file, archive.len() as u64)));
     let failed = opened.is_err();
     // Held by its handle now (or failed): the chunk is an ordinary one from here on; if the
     // handle was not made, this process holds no lease on it, so it is a reuse candidate.

@@ -325,39 +325,54 @@ pub(crate) fn forget_last_arena() {
     drop(old); // outside the lock: queues a DROP (never blocks)
 }
 
-/// Map a chunk of an arena: register the arena (counted per process), take a lease on the
-/// chunk, check its generation, map just the chunk and open its archive.
-pub(crate) fn open_chunk(py: Python<'_>, path: PathBuf, chunk: Chunk) -> PyResult<Arc<Store>> {
-    let source = Source::Arena {
-        path: path.clone(),
-        chunk,
-    };
-    let context = format!("store {:?}", source.name());
+/// Open a chunk of an arena: register the arena (counted per process), take a lease on the
+/// chunk, check its generation, and open its archive in a window of the arena's one mapping
+/// in this process. `own`: the creator's put, which just wrote the chunk (an archive of
+/// this many bytes) into its arena (`ArenaFile::lease_own`); else the arena is opened (or
+/// found open) by path.
+pub(crate) fn open_chunk(
+    py: Python<'_>,
+    path: PathBuf,
+    chunk: Chunk,
+    own: Option<(Arc<ArenaFile>, u64)>,
+) -> PyResult<Arc<Store>> {
     let mut registration = Registration::new(py, path.clone(), false);
     let opened = py.detach(|| {
-        let file = ArenaFile::open(&path).map_err(StoreErr::Arena)?;
-        let (lease, at, len) = file.lease(chunk).map_err(StoreErr::Arena)?;
+        let (file, (lease, at, len)) = match own {
+            Some((file, len)) => {
+                let leased = file.lease_own(chunk, len);
+                (file, leased)
+            }
+            None => {
+                let file = ArenaFile::open(&path).map_err(StoreErr::Arena)?;
+                let leased = file.lease(chunk).map_err(StoreErr::Arena)?;
+                (file, leased)
+            }
+        };
         let ident = file.ident();
         registration
             .lock_if_unsupervised(ident)
             .map_err(StoreErr::Segment)?;
-        let mapping = Mapping::window(file.file(), &path, at, len).map_err(StoreErr::Segment)?;
+        let mapping = Mapping::window(file.map(), &path, at, len).map_err(StoreErr::Segment)?;
         let reader = Reader::open(mapping).map_err(StoreErr::Archive)?;
         Ok::<_, StoreErr>((reader, lease, ident, file))
     });
-    let (reader, lease, ident, file) = opened.map_err(|e| e.into_error(&context))?;
+    let source = Source::Arena { path, chunk };
+    let (reader, lease, ident, file) =
+        opened.map_err(|e| e.into_error(&format!("store {:?}", source.name())))?;
+    let path = source.path();
     let known = LAST_ARENA
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .as_ref()
-        .is_some_and(|(p, f, _)| *p == path && Arc::ptr_eq(f, &file));
+        .is_some_and(|(p, f, _)| p == path && Arc::ptr_eq(f, &file));
     if !known {
         // Counted: this store's own registration makes it a local increment.
-        let keep = Registration::new(py, path.clone(), false);
+        let keep = Registration::new(py, path.to_owned(), false);
         let old = LAST_ARENA
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .replace((path, file, keep));
+            .replace((path.to_owned(), file, keep));
         drop(old);
     }
     Ok(Arc::new(Store {
@@ -372,7 +387,7 @@ pub(crate) fn open_chunk(py: Python<'_>, path: PathBuf, chunk: Chunk) -> PyResul
 
 fn open_store(py: Python<'_>, source: Source) -> PyResult<Arc<Store>> {
     if let Source::Arena { path, chunk } = source {
-        return open_chunk(py, path, chunk);
+        return open_chunk(py, path, chunk, None);
     }
     if let Some(s) = cached(source.path()) {
         return Ok(s);
@@ -462,7 +477,7 @@ pub(crate) fn attach(py: Python<'_>, name: &str, dir: Option<&Path>) -> PyResult
             .map(|d| d.join(&arena))
             .find(|p| p.exists())
             .unwrap_or_else(|| dirs[0].join(&arena));
-        return open_chunk(py, path, chunk);
+        return open_chunk(py, path, chunk, None);
     }
     let name = segment::normalize_name(name).map_err(Error::from)?;
     let dirs = match dir {

@@ -4,7 +4,7 @@ use std::collections::HashSet;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use memmap2::Mmap;
 
@@ -30,16 +30,28 @@ pub fn cleanup_owned() -> usize {
     mine.len()
 }
 
-/// A sealed segment mapped read-only.
+/// A sealed segment mapped read-only, or a window of an arena's mapping.
 pub struct Mapping {
-    mmap: Mmap,
+    mmap: Mapped,
     path: PathBuf,
     /// Set in the creating process: (path, pid) of the name it owns.
     owner: Mutex<Option<(PathBuf, u32)>>,
     /// Mapped from a private sealed copy, not the file (see `Mapping::from_file`).
     private_copy: bool,
-    /// A window of the mapping (start, length): a chunk of an arena (`Mapping::window`).
-    window: Option<(usize, usize)>,
+}
+
+/// The pages behind a [`Mapping`].
+enum Mapped {
+    /// A mapping of its own (a segment or saved file), all of it readable.
+    Own(Mmap),
+    /// `len` bytes at `start` of an arena's one mapping in this process (a chunk's archive),
+    /// shared with every other chunk of that arena read here: it stays mapped as long as
+    /// any window into it exists.
+    Window {
+        arena: Arc<Mmap>,
+        start: usize,
+        len: usize,
+    },
 }
 
 /// "a FIFO (named pipe) owned by uid 1001" and so on, for error messages.
@@ -193,47 +205,41 @@ impl Mapping {
         // write the pages.
         let mmap = unsafe { Mmap::map(&mapped) }.map_err(|e| SegmentError::io(path, e))?;
         Ok(Mapping {
-            mmap,
+            mmap: Mapped::Own(mmap),
             path: path.to_owned(),
             owner: Mutex::new(None),
             private_copy,
-            window: None,
         })
     }
 
-    /// Map `len` bytes at `offset` of an arena file (a chunk's archive), read-only. The
-    /// pages around the window belong to other chunks; only the window is ever read.
-    pub fn window(file: &File, path: &Path, offset: u64, len: u64) -> Result<Self, SegmentError> {
-        let page = rustix::param::page_size() as u64;
-        let start = offset & !(page - 1);
-        let (Ok(skip), Ok(len)) = (usize::try_from(offset - start), usize::try_from(len)) else {
+    /// The `len` bytes at `offset` of `arena`, an arena's mapping (a chunk's archive),
+    /// read-only. The rest of `arena` belongs to other chunks and is never read through
+    /// this window; it stays mapped as long as the window exists.
+    pub fn window(
+        arena: &Arc<Mmap>,
+        path: &Path,
+        offset: u64,
+        len: u64,
+    ) -> Result<Self, SegmentError> {
+        let (Ok(start), Ok(len)) = (usize::try_from(offset), usize::try_from(len)) else {
             return Err(SegmentError::Empty {
                 path: path.to_owned(),
             });
         };
-        if len == 0 {
+        if len == 0 || start.checked_add(len).is_none_or(|end| end > arena.len()) {
             return Err(SegmentError::Empty {
                 path: path.to_owned(),
             });
         }
-        // SAFETY: memmap2 requires that the mapped bytes do not change while mapped. The
-        // window's bytes are a chunk this process holds a lease on: the arena's creator
-        // never writes a leased chunk (docs/arena.md), and nobody else can write the file
-        // (ours, mode 0400, checked by `ArenaFile::open`). Bytes outside the window may
-        // change; they are never read (`as_ref` gives only the window). PROT_READ.
-        let mmap = unsafe {
-            memmap2::MmapOptions::new()
-                .offset(start)
-                .len(skip + len)
-                .map(file)
-        }
-        .map_err(|e| SegmentError::io(path, e))?;
         Ok(Mapping {
-            mmap,
+            mmap: Mapped::Window {
+                arena: arena.clone(),
+                start,
+                len,
+            },
             path: path.to_owned(),
             owner: Mutex::new(None),
             private_copy: false,
-            window: Some((skip, len)),
         })
     }
 
@@ -262,7 +268,7 @@ impl Mapping {
     /// Remove the name now (live mappings, here and elsewhere, keep working). Returns
     /// whether a file was removed.
     pub fn unlink(&self) -> Result<bool, SegmentError> {
-        if self.window.is_some() {
+        if matches!(self.mmap, Mapped::Window { .. }) {
             // A chunk of an arena has no name of its own; the arena is removed once no
             // process uses it (docs/arena.md).
             return Ok(false);
@@ -283,13 +289,16 @@ impl Mapping {
 
 impl AsRef<[u8]> for Mapping {
     fn as_ref(&self) -> &[u8] {
-        match self.window {
-            None => &self.mmap,
-            // SAFETY: the window lies inside the mapping (`window` mapped skip + len bytes),
-            // which lives as long as `self`; `as_ptr` does not make a reference to the
-            // bytes outside the window.
-            Some((skip, len)) => unsafe {
-                std::slice::from_raw_parts(self.mmap.as_ptr().add(skip), len)
+        match &self.mmap {
+            Mapped::Own(m) => m,
+            // SAFETY: the window lies inside the arena's mapping (checked in `window`), which
+            // lives as long as `self` holds its `Arc`. `as_ptr` makes no reference to the
+            // bytes outside the window (other chunks, which may change). The window's bytes
+            // do not change while it exists: it is a chunk this process holds a lease on,
+            // which the arena's creator never writes, and nobody else can write the file
+            // (ours, mode 0400, checked by `ArenaFile::open`; docs/arena.md).
+            Mapped::Window { arena, start, len } => unsafe {
+                std::slice::from_raw_parts(arena.as_ptr().add(*start), *len)
             },
         }
     }
