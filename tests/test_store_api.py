@@ -487,7 +487,8 @@ def test_nothing_is_tracked_by_the_gc(kind):
         tracked = [f"{what} ({type(o).__name__})" for what, o in objs.items() if gc.is_tracked(o)]
         assert tracked == [], "GC-tracked"
         for what, obj in objs.items():
-            # Holds no Python references (a heap type's instance may report its type).
+            # Reports no Python references (a heap type's instance may report its type): a
+            # view's one reference, to its store's holder object, leads to nothing further.
             assert set(map(id, gc.get_referents(obj))) <= {id(type(obj))}, what
         arr = (s[0] if kind == "list" else s["r"] if kind == "dict" else s.get())["arr"]
         assert type(arr.base).__name__ == "ArrayOwner"
@@ -505,6 +506,29 @@ def test_weakrefs(kind):
             del obj
             if what != "handle":  # `s` still refers to the handle
                 assert r() is None and called, f"{what} still alive after del"
+
+
+def test_views_made_again_after_many_were_dropped_are_fresh():
+    """Views are recycled (a free list per type): a recycled one must be a new object in every
+    way that shows: correct contents, no weakref of its predecessor pointing at it, its own
+    weakrefs cleared when it goes."""
+    records = [{"l": [i, [i]], "t": (i, -i), "d": {"k": i}} for i in range(600)]
+    with make("list", records) as s:
+        for rounds in range(3):
+            # More views alive at once than a free list keeps, then all dropped at once.
+            views = [s[i]["l"] for i in range(600)]
+            dicts = [s[i]["d"] for i in range(600)]
+            refs = [weakref.ref(v) for v in views[:50]]
+            assert [v[0] for v in views] == list(range(600))
+            assert [d["k"] for d in dicts] == list(range(600))
+            del views, dicts
+            assert all(r() is None for r in refs), rounds
+            again = [s[i]["t"] for i in range(100)]
+            assert all(r() is None for r in refs), "a weakref followed a recycled view"
+            assert [tuple(v) for v in again] == [(i, -i) for i in range(100)]
+            it = iter(s[5]["l"])
+            assert list(it) == [5, [5]]
+            assert not any(gc.is_tracked(v) for v in again)
 
 
 @pytest.mark.parametrize("kind", KINDS)

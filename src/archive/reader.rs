@@ -711,7 +711,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
     }
 
     /// Layout of a sequence node: (kind, count, position of the first element).
-    #[inline]
+    #[inline(always)]
     fn seq_layout(&self, node: Node) -> Result<(SeqKind, usize, usize), ArchiveError> {
         let pos = node.pos as usize;
         match node.form {
@@ -815,7 +815,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
     }
 
     /// Value of entry `i` of a dict node.
-    #[inline]
+    #[inline(always)]
     pub fn dict_value(&self, node: Node, i: usize) -> Result<Item<'_>, ArchiveError> {
         match node.form {
             Form::Struct(id) => {
@@ -853,7 +853,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
     }
 
     /// A typed slot's value.
-    #[inline]
+    #[inline(always)]
     fn slot(&self, rec: u32, enc: Enc, at: usize) -> Result<Item<'_>, ArchiveError> {
         Ok(match enc {
             Enc::None => Item::None,

@@ -179,7 +179,7 @@ pub(crate) fn _store_info<'py>(
     target: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let store: std::sync::Arc<Store> = if let Ok(h) = target.cast::<StoreHandle>() {
-        h.get().store()?
+        StoreHandle::store(h)?
     } else {
         let s: PathBuf = target.extract()?;
         let text = s.to_string_lossy().to_string();

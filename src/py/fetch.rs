@@ -62,7 +62,7 @@ pub(crate) fn _cluster_identity<'py>(
     handle: &Bound<'py, StoreHandle>,
     with_digest: bool,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let store = handle.get().store()?;
+    let store = StoreHandle::store(handle)?;
     let h = store.reader.header();
     let d = PyDict::new(py);
     d.set_item("name", store.source.name())?;

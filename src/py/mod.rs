@@ -60,6 +60,7 @@ mod _native {
         errors::register(m)?;
         graph::register(m)?;
         admin::configure(m.py())?;
+        read::install_freelists(m.py())?;
         Ok(())
     }
 }

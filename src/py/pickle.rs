@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use super::errors::Error;
 use super::handles::handle_for;
 use super::read::new_untracked;
-use super::read::{DictView, ListView};
+use super::read::{DictView, ListView, StoreRef};
 use super::store::{self, Source};
 use crate::archive::{Item, Kind};
 
@@ -58,9 +58,11 @@ pub(crate) fn _rebuild_view<'py>(
     Ok(
         match store.reader.item(node).map_err(store.archive_err())? {
             Item::List(node) | Item::Tuple(node) => {
-                new_untracked(py, ListView::new(store, node))?.into_any()
+                new_untracked(py, ListView::new(StoreRef::new(py, store)?, node))?.into_any()
             }
-            Item::Dict(node) => new_untracked(py, DictView::new(store, node))?.into_any(),
+            Item::Dict(node) => {
+                new_untracked(py, DictView::new(StoreRef::new(py, store)?, node))?.into_any()
+            }
             _ => {
                 return Err(Error::Corrupt {
                     at: store.describe(),

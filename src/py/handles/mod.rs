@@ -11,24 +11,27 @@ pub(crate) use object_ref::{put, Ref};
 pub(crate) use shared_dict::{KeyIter, SharedDict};
 pub(crate) use shared_list::{RecordIter, SharedList};
 
+use std::cell::UnsafeCell;
 use std::path::PathBuf;
-use std::sync::{Arc, RwLock, RwLockReadGuard};
+use std::sync::Arc;
 
 use pyo3::impl_::pyclass::PyClassBaseType;
 use pyo3::prelude::*;
+use pyo3::sync::critical_section::with_critical_section;
 use pyo3::types::PyType;
 use pyo3::PyClass;
 use pyo3::PyClassInitializer;
 
 use super::errors::Error;
-use super::read::new_untracked;
+use super::read::{new_untracked, StoreRef};
 use super::store::{self, Source, Store};
 use crate::archive::Kind;
 
-/// What every store handle has. Holds only `Arc<Store>` (no Python references).
+/// What every store handle has. Holds only a `StoreRef` (a Python reference to an object
+/// that holds none, so no cycle can pass through a handle).
 #[pyclass(name = "StoreHandle", module = "shmstore", frozen, weakref, subclass)]
 pub(crate) struct StoreHandle {
-    inner: RwLock<Option<Arc<Store>>>,
+    inner: Slot,
     /// Cached for messages and `path` after close.
     name: String,
     path: PathBuf,
@@ -37,45 +40,64 @@ pub(crate) struct StoreHandle {
     created: bool,
 }
 
-/// The store of an open handle, borrowed under its lock (no reference-count traffic on the
-/// hot paths).
-pub(crate) struct Open<'a>(RwLockReadGuard<'a, Option<Arc<Store>>>);
+/// A handle's store, until `close()` takes it. Every read or write of it happens inside a
+/// critical section on the handle object (`with_critical_section`): with the GIL that costs
+/// nothing (the GIL already serialises them), on a free-threaded interpreter it is the
+/// handle's own lock. Inside, only a reference is cloned or taken — nothing calls back into
+/// Python, so the section is never suspended while the slot is borrowed. `lst[i]` thus pays
+/// no lock and no atomic instruction to reach its store.
+struct Slot(UnsafeCell<Option<StoreRef>>);
 
-impl std::ops::Deref for Open<'_> {
-    type Target = Arc<Store>;
+// SAFETY: the slot is only touched through `Slot::get`/`Slot::take`, each inside a critical
+// section on the handle that owns it (see above), which serialises every access.
+unsafe impl Sync for Slot {}
 
-    fn deref(&self) -> &Arc<Store> {
-        // `StoreHandle::live` only makes an `Open` from a guard holding a store.
-        self.0.as_ref().expect("checked open")
+impl Slot {
+    fn get(&self, owner: &Bound<'_, PyAny>) -> Option<StoreRef> {
+        let py = owner.py();
+        with_critical_section(owner, || {
+            // SAFETY: inside the owner's critical section (the type's contract); the clone
+            // is a reference-count increment, no call into Python.
+            unsafe { (*self.0.get()).as_ref().map(|s| s.clone_ref(py)) }
+        })
+    }
+
+    fn take(&self, owner: &Bound<'_, PyAny>) -> Option<StoreRef> {
+        // SAFETY: as in `get`; the store is dropped by the caller, after the section.
+        with_critical_section(owner, || unsafe { (*self.0.get()).take() })
+    }
+
+    fn is_none(&self, owner: &Bound<'_, PyAny>) -> bool {
+        // SAFETY: as in `get`.
+        with_critical_section(owner, || unsafe { (*self.0.get()).is_none() })
     }
 }
 
 impl StoreHandle {
-    fn new(store: Arc<Store>, created: bool) -> Self {
-        StoreHandle {
+    fn new(py: Python<'_>, store: Arc<Store>, created: bool) -> PyResult<Self> {
+        Ok(StoreHandle {
             name: store.source.name(),
             path: store.source.path().to_owned(),
             kind: store.kind(),
-            inner: RwLock::new(Some(store)),
+            inner: Slot(UnsafeCell::new(Some(StoreRef::new(py, store)?))),
             created,
-        }
+        })
     }
 
-    /// The store, or StoreClosedError.
-    pub(crate) fn live(&self) -> PyResult<Open<'_>> {
-        let guard = self.inner.read().unwrap_or_else(|p| p.into_inner());
-        if guard.is_none() {
-            return Err(Error::Closed {
-                name: self.name.clone(),
+    /// A reference to the store, or StoreClosedError.
+    pub(crate) fn live(slf: &Bound<'_, Self>) -> PyResult<StoreRef> {
+        let h = slf.get();
+        h.inner.get(slf.as_any()).ok_or_else(|| {
+            Error::Closed {
+                name: h.name.clone(),
             }
-            .into());
-        }
-        Ok(Open(guard))
+            .into()
+        })
     }
 
-    /// A reference of its own to the store (for iterators), or StoreClosedError.
-    pub(crate) fn store(&self) -> PyResult<Arc<Store>> {
-        Ok(Arc::clone(&*self.live()?))
+    /// The store itself, for work done without the GIL, or StoreClosedError.
+    pub(crate) fn store(slf: &Bound<'_, Self>) -> PyResult<Arc<Store>> {
+        Ok(Arc::clone(Self::live(slf)?.arc()))
     }
 }
 
@@ -92,13 +114,13 @@ where
 {
     new_untracked(
         py,
-        PyClassInitializer::from(StoreHandle::new(store, created)).add_subclass(value),
+        PyClassInitializer::from(StoreHandle::new(py, store, created)?).add_subclass(value),
     )
 }
 
-/// The store of a subclass instance's base handle, borrowed.
-fn open_of<'a, T: PyClass<BaseType = StoreHandle>>(slf: &'a Bound<'_, T>) -> PyResult<Open<'a>> {
-    slf.as_super().get().live()
+/// The store of a subclass instance's base handle, or StoreClosedError.
+fn open_of<T: PyClass<BaseType = StoreHandle>>(slf: &Bound<'_, T>) -> PyResult<StoreRef> {
+    StoreHandle::live(slf.as_super())
 }
 
 /// The kind of store a handle class holds; None for `StoreHandle` itself (any kind).
@@ -127,8 +149,9 @@ pub(crate) fn handle_as<'py>(
 }
 
 /// `Name(name='…', len=…, nbytes=…)`, or `Name(name='…', closed)`.
-fn repr(class: &str, h: &StoreHandle, len: bool) -> String {
-    match h.live() {
+fn repr(class: &str, slf: &Bound<'_, StoreHandle>, len: bool) -> String {
+    let h = slf.get();
+    match StoreHandle::live(slf) {
         Ok(s) if len => format!(
             "{class}(name='{}', len={}, nbytes={})",
             h.name,
@@ -182,29 +205,28 @@ impl StoreHandle {
 
     /// Size of the archive in bytes.
     #[getter]
-    fn nbytes(&self) -> PyResult<usize> {
-        Ok(self.live()?.nbytes())
+    fn nbytes(slf: &Bound<'_, Self>) -> PyResult<usize> {
+        Ok(Self::live(slf)?.nbytes())
     }
 
     /// Whether `close()` was called on this handle.
     #[getter]
-    fn closed(&self) -> bool {
-        self.inner
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_none()
+    fn closed(slf: &Bound<'_, Self>) -> bool {
+        slf.get().inner.is_none(slf.as_any())
     }
 
     /// Drop this handle's reference to the mapping. Views and arrays already handed out
     /// keep working; calling methods on this handle raises StoreClosedError.
-    fn close(&self) {
-        self.inner.write().unwrap_or_else(|p| p.into_inner()).take();
+    fn close(slf: &Bound<'_, Self>) {
+        // Dropped here, after the critical section: the last reference unmaps.
+        drop(slf.get().inner.take(slf.as_any()));
     }
 
     /// Remove the store's name now: nobody can attach any more; every existing mapping,
     /// here or in other processes, keeps working until dropped.
-    fn unlink(&self, py: Python<'_>) -> PyResult<()> {
-        let store = self.store()?;
+    fn unlink(slf: &Bound<'_, Self>) -> PyResult<()> {
+        let py = slf.py();
+        let store = Self::store(slf)?;
         if let Source::File { path } = &store.source {
             return Err(Error::Invalid {
                 at: path.display().to_string(),
@@ -218,7 +240,7 @@ impl StoreHandle {
         // One line per event: a second unlink (e.g. `with` exiting after an explicit
         // unlink()) or a name the supervisor already removed logs nothing.
         if removed {
-            log::debug!("unlinked {}", self.name);
+            log::debug!("unlinked {}", slf.get().name);
         }
         Ok(())
     }
@@ -226,14 +248,15 @@ impl StoreHandle {
     /// Write the archive to a regular file; `open(path)` maps it read-only later (processes
     /// share it through the page cache). The file gets `mode` (default 0o600: only you).
     #[pyo3(signature = (path, *, mode=0o600))]
-    fn save(&self, py: Python<'_>, path: PathBuf, mode: u32) -> PyResult<()> {
-        store::save(py, &*self.store()?, &path, mode)
+    fn save(slf: &Bound<'_, Self>, path: PathBuf, mode: u32) -> PyResult<()> {
+        store::save(slf.py(), &*Self::store(slf)?, &path, mode)
     }
 
     /// Check every record now (checksums and structure). Reading checks each record on
     /// first access anyway; this is for verifying a file end to end.
-    fn verify(&self, py: Python<'_>) -> PyResult<()> {
-        let store = self.store()?;
+    fn verify(slf: &Bound<'_, Self>) -> PyResult<()> {
+        let py = slf.py();
+        let store = Self::store(slf)?;
         py.detach(|| store.reader.validate_all())
             .map_err(store.archive_err())?;
         Ok(())
@@ -245,16 +268,15 @@ impl StoreHandle {
 
     /// Close; a handle that created the store also unlinks it.
     fn __exit__(
-        &self,
-        py: Python<'_>,
+        slf: &Bound<'_, Self>,
         _exc_type: Option<Bound<'_, PyAny>>,
         _exc: Option<Bound<'_, PyAny>>,
         _tb: Option<Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
-        if self.created && !self.closed() {
-            self.unlink(py)?;
+        if slf.get().created && !Self::closed(slf) {
+            Self::unlink(slf)?;
         }
-        self.close();
+        Self::close(slf);
         Ok(false)
     }
 
@@ -263,7 +285,7 @@ impl StoreHandle {
         slf: &Bound<'py, Self>,
     ) -> PyResult<(Bound<'py, PyAny>, (String, String, String))> {
         let py = slf.py();
-        let (path, flag, _, _) = slf.get().live()?.pickle_args(0, 0);
+        let (path, flag, _, _) = Self::live(slf)?.pickle_args(0, 0);
         let cls: String = slf.get_type().name()?.to_string();
         let rebuild = py.import("shmstore._native")?.getattr("_rebuild")?;
         Ok((rebuild, (cls, path, flag)))

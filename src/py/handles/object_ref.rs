@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use super::{new_handle, repr, StoreHandle};
+use super::{new_handle, open_of, repr, StoreHandle};
 use crate::archive::Kind;
 use crate::py::read::protocol::Seq;
 use crate::py::write::Encoder;
@@ -25,11 +25,11 @@ impl Ref {
     /// The shared object: a read-only view, a read-only numpy array, or a scalar.
     fn get<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
         // An object store is a store of one record.
-        Seq::Records(&slf.as_super().get().store()?).item(slf.py(), 0, false)
+        Seq::Records(&open_of(slf)?).item(slf.py(), 0, false)
     }
 
     fn __repr__(slf: &Bound<'_, Self>) -> String {
-        repr("Ref", slf.as_super().get(), false)
+        repr("Ref", slf.as_super(), false)
     }
 }
 

@@ -110,14 +110,14 @@ impl SharedDict {
         super::generic_alias(cls, item)
     }
     fn __len__(slf: &Bound<'_, Self>) -> PyResult<usize> {
-        Ok(Map::Entries(&*open_of(slf)?).len())
+        Ok(Map::Entries(&open_of(slf)?).len())
     }
 
     fn __getitem__<'py>(
         slf: &Bound<'py, Self>,
         key: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        Map::Entries(&*open_of(slf)?).getitem(slf.py(), key)
+        Map::Entries(&open_of(slf)?).getitem(slf.py(), key)
     }
 
     /// `d[key]` if present, else `default`.
@@ -127,17 +127,15 @@ impl SharedDict {
         key: &Bound<'py, PyAny>,
         default: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        Map::Entries(&slf.as_super().get().store()?).get(slf.py(), key, default)
+        Map::Entries(&open_of(slf)?).get(slf.py(), key, default)
     }
 
     fn __contains__(slf: &Bound<'_, Self>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
-        Ok(Map::Entries(&slf.as_super().get().store()?)
-            .find(key)?
-            .is_some())
+        Ok(Map::Entries(&open_of(slf)?).find(key)?.is_some())
     }
 
     fn __iter__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, KeyIter>> {
-        KeyIter::start(slf.py(), &*open_of(slf)?, None, false)
+        KeyIter::start(slf.py(), &open_of(slf)?, None, false)
     }
 
     fn keys<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
@@ -171,10 +169,10 @@ impl SharedDict {
 
     /// All entries as a plain dict.
     fn to_python<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        Map::Entries(&slf.as_super().get().store()?).to_python(slf.py())
+        Map::Entries(&open_of(slf)?).to_python(slf.py())
     }
 
     fn __repr__(slf: &Bound<'_, Self>) -> String {
-        repr("SharedDict", slf.as_super().get(), true)
+        repr("SharedDict", slf.as_super(), true)
     }
 }

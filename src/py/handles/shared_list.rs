@@ -54,26 +54,26 @@ impl SharedList {
         super::generic_alias(cls, item)
     }
     fn __len__(slf: &Bound<'_, Self>) -> PyResult<usize> {
-        Ok(Seq::Records(&*open_of(slf)?).len())
+        Ok(Seq::Records(&open_of(slf)?).len())
     }
 
     fn __getitem__<'py>(
         slf: &Bound<'py, Self>,
         index: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        Seq::Records(&*open_of(slf)?).getitem(slf.py(), index)
+        Seq::Records(&open_of(slf)?).getitem(slf.py(), index)
     }
 
     fn __iter__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, RecordIter>> {
-        RecordIter::start(slf.py(), &*open_of(slf)?, None, false)
+        RecordIter::start(slf.py(), &open_of(slf)?, None, false)
     }
 
     fn __reversed__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, RecordIter>> {
-        RecordIter::start(slf.py(), &*open_of(slf)?, None, true)
+        RecordIter::start(slf.py(), &open_of(slf)?, None, true)
     }
 
     fn __contains__(slf: &Bound<'_, Self>, value: &Bound<'_, PyAny>) -> PyResult<bool> {
-        Seq::Records(&slf.as_super().get().store()?).contains(slf.py(), value)
+        Seq::Records(&open_of(slf)?).contains(slf.py(), value)
     }
 
     /// Index of the first record equal to `value` (ValueError if absent).
@@ -84,12 +84,12 @@ impl SharedList {
         start: isize,
         stop: Option<isize>,
     ) -> PyResult<usize> {
-        Seq::Records(&slf.as_super().get().store()?).index(slf.py(), value, start, stop)
+        Seq::Records(&open_of(slf)?).index(slf.py(), value, start, stop)
     }
 
     /// Number of records equal to `value`.
     fn count(slf: &Bound<'_, Self>, value: &Bound<'_, PyAny>) -> PyResult<usize> {
-        Seq::Records(&slf.as_super().get().store()?).count(slf.py(), value)
+        Seq::Records(&open_of(slf)?).count(slf.py(), value)
     }
 
     /// The records at `indices` (any iterable of ints; negative ones count from the end), as
@@ -104,15 +104,15 @@ impl SharedList {
         slf: &Bound<'py, Self>,
         indices: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
-        Seq::Records(&*open_of(slf)?).get_many(slf.py(), indices)
+        Seq::Records(&open_of(slf)?).get_many(slf.py(), indices)
     }
 
     /// All records as plain Python objects (a list).
     fn to_python<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        Seq::Records(&slf.as_super().get().store()?).to_python(slf.py())
+        Seq::Records(&open_of(slf)?).to_python(slf.py())
     }
 
     fn __repr__(slf: &Bound<'_, Self>) -> String {
-        repr("SharedList", slf.as_super().get(), true)
+        repr("SharedList", slf.as_super(), true)
     }
 }

@@ -1,26 +1,24 @@
 //! `DictView`: a stored dict as a read-only `collections.abc.Mapping`.
 
-use std::sync::Arc;
-
 use pyo3::prelude::*;
 use pyo3::pyclass::CompareOp;
 
 use super::protocol::{abc_view, iterator, next_key, AbcView, Map};
 use super::{compare_plain, reduce_view, ViewPickleArgs};
 use crate::archive::Node;
-use crate::py::store::Store;
+use crate::py::read::StoreRef;
 
 /// A stored dict: a read-only `collections.abc.Mapping`.
 #[pyclass(name = "DictView", module = "shmstore", frozen, weakref, mapping)]
 pub(crate) struct DictView {
-    store: Arc<Store>,
+    store: StoreRef,
     node: Node,
 }
 
 iterator!(DictIter, "DictViewIterator", next_key);
 
 impl DictView {
-    pub(crate) fn new(store: Arc<Store>, node: Node) -> Self {
+    pub(crate) fn new(store: StoreRef, node: Node) -> Self {
         DictView { store, node }
     }
 

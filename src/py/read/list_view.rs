@@ -1,7 +1,5 @@
 //! `ListView`: a stored list or tuple as a read-only `collections.abc.Sequence`.
 
-use std::sync::Arc;
-
 use pyo3::prelude::*;
 use pyo3::pyclass::CompareOp;
 use pyo3::types::PyInt;
@@ -11,12 +9,12 @@ use super::{compare_plain, reduce_view, ViewPickleArgs};
 use crate::archive::reader::SeqAt;
 use crate::archive::Node;
 use crate::py::errors::Error;
-use crate::py::store::Store;
+use crate::py::read::StoreRef;
 
 /// A stored list or tuple: a read-only `collections.abc.Sequence`.
 #[pyclass(name = "ListView", module = "shmstore", frozen, weakref, sequence)]
 pub(crate) struct ListView {
-    store: Arc<Store>,
+    store: StoreRef,
     node: Node,
     /// The layout, read once when the view is made (None if it is corrupt: then every
     /// access goes the long way and raises).
@@ -26,7 +24,7 @@ pub(crate) struct ListView {
 iterator!(ListIter, "ListViewIterator", next_item);
 
 impl ListView {
-    pub(crate) fn new(store: Arc<Store>, node: Node) -> Self {
+    pub(crate) fn new(store: StoreRef, node: Node) -> Self {
         let seq = store.reader.seq(node).ok();
         ListView { store, node, seq }
     }

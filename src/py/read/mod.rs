@@ -1,19 +1,21 @@
 //! Reading: archive values -> Python, lazily (views over containers, zero-copy arrays) or
 //! deeply (`to_python`). Every Python object made here lives in this process's private heap.
 //!
-//! A view holds an `Arc<Store>` and a `Node` — Rust data only, no Python references — so it
-//! is untracked by the cyclic GC and can never be part of a cycle.
+//! A view holds a `StoreRef` and a `Node`: its only Python reference is to an object that
+//! holds none, so the view is untracked by the cyclic GC and can never be part of a cycle.
 
 mod array;
 mod dict_view;
+mod freelist;
 mod list_view;
+mod owner;
 pub(crate) mod protocol;
 
 pub(crate) use array::ArrayOwner;
 pub(crate) use dict_view::{DictIter, DictView};
+pub(crate) use freelist::install as install_freelists;
 pub(crate) use list_view::{ListIter, ListView};
-
-use std::sync::Arc;
+pub(crate) use owner::StoreRef;
 
 use pyo3::prelude::*;
 use pyo3::pyclass::CompareOp;
@@ -48,7 +50,7 @@ static NP_ASARRAY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 #[inline(always)]
 pub(crate) fn value<'py>(
     py: Python<'py>,
-    store: &Arc<Store>,
+    store: &StoreRef,
     item: Item<'_>,
     deep: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
@@ -62,10 +64,10 @@ pub(crate) fn value<'py>(
             Item::Float(f) => return Ok(PyFloat::new(py, f).into_any()),
             Item::Sym(id) => return Ok(store.py_symbol(py, id)?.into_any()),
             Item::List(node) | Item::Tuple(node) => {
-                return Ok(new_untracked(py, ListView::new(store.clone(), node))?.into_any())
+                return Ok(new_untracked(py, ListView::new(store.clone_ref(py), node))?.into_any())
             }
             Item::Dict(node) => {
-                return Ok(new_untracked(py, DictView::new(store.clone(), node))?.into_any())
+                return Ok(new_untracked(py, DictView::new(store.clone_ref(py), node))?.into_any())
             }
             _ => {}
         }
@@ -78,7 +80,7 @@ pub(crate) fn value<'py>(
 /// conversion within that limit even for a node rebuilt from a pickle.
 fn value_at<'py>(
     py: Python<'py>,
-    store: &Arc<Store>,
+    store: &StoreRef,
     item: Item<'_>,
     deep: bool,
     depth: usize,
@@ -105,7 +107,7 @@ fn value_at<'py>(
         }
         Item::List(node) | Item::Tuple(node) => {
             if !deep {
-                return Ok(new_untracked(py, ListView::new(store.clone(), node))?.into_any());
+                return Ok(new_untracked(py, ListView::new(store.clone_ref(py), node))?.into_any());
             }
             let r = &store.reader;
             let seq = r.seq(node).map_err(&err)?;
@@ -123,7 +125,7 @@ fn value_at<'py>(
         }
         Item::Dict(node) => {
             if !deep {
-                return Ok(new_untracked(py, DictView::new(store.clone(), node))?.into_any());
+                return Ok(new_untracked(py, DictView::new(store.clone_ref(py), node))?.into_any());
             }
             let r = &store.reader;
             let d = PyDict::new(py);
@@ -150,7 +152,7 @@ fn value_at<'py>(
         }
         Item::Array(a) => {
             let a = store.reader.array(a).map_err(&err)?;
-            let owner = ArrayOwner::new(store.clone(), a.typestr, a.shape, a.offset);
+            let owner = ArrayOwner::new(store.arc().clone(), a.typestr, a.shape, a.offset);
             let owner = new_untracked(py, owner)?;
             let asarray = NP_ASARRAY.get_or_try_init(py, || {
                 let np = py.import("numpy").map_err(|e| {
@@ -201,7 +203,7 @@ fn py_str<'py>(py: Python<'py>, store: &Store, b: &[u8]) -> PyResult<Bound<'py, 
 /// The value of a node (a record root or a view's position).
 pub(crate) fn node_value<'py>(
     py: Python<'py>,
-    store: &Arc<Store>,
+    store: &StoreRef,
     node: Node,
     deep: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
@@ -213,7 +215,7 @@ pub(crate) fn node_value<'py>(
 /// value sit in a key position, and that must be CorruptStoreError, not a TypeError.
 pub(crate) fn dict_key<'py>(
     py: Python<'py>,
-    store: &Arc<Store>,
+    store: &StoreRef,
     node: Node,
     i: usize,
 ) -> PyResult<Bound<'py, PyAny>> {

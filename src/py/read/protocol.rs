@@ -9,7 +9,6 @@
 //! `handles/` and `read/` only forward to them.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 
 use pyo3::exceptions::PyOverflowError;
 use pyo3::prelude::*;
@@ -21,13 +20,13 @@ use crate::archive::{Key, Node};
 use crate::py::errors::Error;
 use crate::py::keys::{self, py_key};
 use crate::py::read;
-use crate::py::store::Store;
+use crate::py::read::StoreRef;
 
 /// A sequence: the records of a list store, or the items of a stored list or tuple.
 #[derive(Clone, Copy)]
 pub(crate) enum Seq<'a> {
-    Records(&'a Arc<Store>),
-    Items(&'a Arc<Store>, Node),
+    Records(&'a StoreRef),
+    Items(&'a StoreRef, Node),
 }
 
 impl<'a> Seq<'a> {
@@ -264,7 +263,7 @@ impl<'a> Seq<'a> {
 #[inline]
 pub(crate) fn index_item<'py>(
     py: Python<'py>,
-    store: &Arc<Store>,
+    store: &StoreRef,
     seq: SeqAt,
     i: isize,
 ) -> Option<PyResult<Bound<'py, PyAny>>> {
@@ -284,8 +283,8 @@ pub(crate) fn index_item<'py>(
 /// A mapping: the entries of a dict store, or of a stored dict.
 #[derive(Clone, Copy)]
 pub(crate) enum Map<'a> {
-    Entries(&'a Arc<Store>),
-    Dict(&'a Arc<Store>, Node),
+    Entries(&'a StoreRef),
+    Dict(&'a StoreRef, Node),
 }
 
 impl<'a> Map<'a> {
@@ -455,7 +454,7 @@ impl<'a> Map<'a> {
 /// Record `i` (< len) of a store: its root value (checked on first access).
 fn record<'py>(
     py: Python<'py>,
-    store: &Arc<Store>,
+    store: &StoreRef,
     i: usize,
     deep: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
@@ -559,7 +558,7 @@ impl Cursor {
 
 /// What an iterator walks: its own reference to the store, plus the node for a view.
 pub(crate) struct Owned {
-    pub(crate) store: Arc<Store>,
+    pub(crate) store: StoreRef,
     pub(crate) node: Option<Node>,
     /// A sequence node's layout, read once (None: records, a dict, or corrupt).
     pub(crate) seq: Option<SeqAt>,
@@ -647,7 +646,7 @@ macro_rules! iterator {
             /// `reverse`.
             pub(crate) fn start<'py>(
                 py: pyo3::Python<'py>,
-                store: &std::sync::Arc<$crate::py::store::Store>,
+                store: &$crate::py::read::StoreRef,
                 node: Option<$crate::archive::Node>,
                 reverse: bool,
             ) -> pyo3::PyResult<pyo3::Bound<'py, Self>> {
@@ -655,7 +654,7 @@ macro_rules! iterator {
                     py,
                     $ty {
                         src: $crate::py::read::protocol::Owned {
-                            store: store.clone(),
+                            store: store.clone_ref(py),
                             node,
                             seq: node.and_then(|n| store.reader.seq(n).ok()),
                         },

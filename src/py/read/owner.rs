@@ -1,0 +1,50 @@
+//! `StoreRef`: how views, iterators and handles hold their store.
+//!
+//! A view is made for every container a read passes through, so taking a reference to the
+//! store is on the hot path. An `Arc` costs two atomic (locked) instructions per view, one
+//! to clone and one to drop. `StoreRef` puts the `Arc` in a small Python object and counts
+//! references to that object instead: with the GIL, CPython's reference count is a plain
+//! increment; on a free-threaded interpreter it is biased towards the owning thread, which
+//! is also cheap there. The object holds no Python references, so it is kept out of the
+//! cyclic GC, and views holding it still cannot be part of a cycle.
+
+use std::ops::Deref;
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+
+use super::new_untracked;
+use crate::py::store::Store;
+
+/// The Python object behind a `StoreRef` (never handed to Python code).
+#[pyclass(name = "_StoreRef", module = "shmstore._native", frozen)]
+pub(crate) struct StoreCell(Arc<Store>);
+
+/// A counted reference to a store; dereferences to the `Store`.
+pub(crate) struct StoreRef(Py<StoreCell>);
+
+impl StoreRef {
+    pub(crate) fn new(py: Python<'_>, store: Arc<Store>) -> PyResult<Self> {
+        Ok(StoreRef(new_untracked(py, StoreCell(store))?.unbind()))
+    }
+
+    /// Another reference to the same store (a plain reference-count increment).
+    #[inline]
+    pub(crate) fn clone_ref(&self, py: Python<'_>) -> Self {
+        StoreRef(self.0.clone_ref(py))
+    }
+
+    /// The shared `Arc`, for what outlives the Python side (arrays' owners, saving).
+    pub(crate) fn arc(&self) -> &Arc<Store> {
+        &self.0.get().0
+    }
+}
+
+impl Deref for StoreRef {
+    type Target = Store;
+
+    #[inline]
+    fn deref(&self) -> &Store {
+        &self.0.get().0
+    }
+}
