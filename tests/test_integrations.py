@@ -305,7 +305,14 @@ def test_joblib_dask_backend_is_kept_inside_and_around_sharing():
     tasks = [delayed(_on_a_dask_worker)(i) for i in range(4)]
     with (
         LocalCluster(
-            n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None
+            n_workers=1,
+            threads_per_worker=2,
+            processes=False,
+            dashboard_address=None,
+            # The scheduler's HTTP server (health, metrics) starts even without a dashboard,
+            # on 8787 by default: when another process holds that port it warns (an error
+            # here). Any free port instead.
+            scheduler_kwargs={"dashboard_address": ":0"},
         ) as cluster,
         Client(cluster),
     ):
