@@ -62,6 +62,7 @@ class Machine:
         self.index = index
         self.ns = ns
         self.ip = f"10.213.0.{index + 1}" if ns else "127.0.0.1"
+        self.iface = "lo"  # the interface of ``ip`` (GLOO_SOCKET_IFNAME); set by _start/_link
         self.procs: list[subprocess.Popen[bytes]] = []
         self.holder: Optional[subprocess.Popen[str]] = None
         self.env = dict(os.environ)
@@ -213,6 +214,7 @@ def _link(head: Machine, other: Machine, bridge: str, tag: str) -> None:
         r = m.run(c)
         if r.returncode != 0:
             raise RuntimeError(f"{' '.join(c)}: {r.stderr.strip()}")
+    other.iface = b
 
 
 def _start(names: list[str], base: Path, ns: bool, shm_size: str) -> list[Machine]:
@@ -232,6 +234,7 @@ def _start(names: list[str], base: Path, ns: bool, shm_size: str) -> list[Machin
                 r = head.run(c)
                 if r.returncode != 0:
                     raise RuntimeError(f"{' '.join(c)}: {r.stderr.strip()}")
+            head.iface = bridge
             for m in started[1:]:
                 _link(head, m, bridge, tag)
     except BaseException:

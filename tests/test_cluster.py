@@ -8,6 +8,7 @@ separate segment directories, and says so in its output.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -23,6 +24,7 @@ import shmstore.cluster as sc
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _machines import machines, wait_for
+from conftest import make_records
 
 HERE = Path(__file__).parent
 
@@ -473,3 +475,104 @@ def test_spawned_torch_ranks_without_local_rank_build_one_store(tmp_path):
     assert [p.exitcode for p in procs] == [0, 0]
     assert len({name for _, name, _ in reports}) == 1
     assert [v for *_, v in reports] == [99, 99]
+
+
+# ---------------------------------------------------------------------------------------------
+# torchrun --nnodes=2 across machines
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["group", "torch_broadcast"])
+def test_torchrun_two_machines_two_ranks_each(tmp_path, capsys, how):
+    """torchrun --nnodes=2 --nproc-per-node=2 with gloo, one torchrun per machine: one build
+    (global rank 0), one copy per machine (machine b's leader receives it by broadcasts in the
+    process group), every rank reads identical records, SIGKILL of everything leaves nothing.
+
+    "torch_broadcast": ``broadcast=torch_broadcast()`` passes names, not bytes: each machine's
+    local rank 0 builds, the other rank attaches to its own machine's store. It used to tell
+    machines apart by host name and boot id, which machines sharing a kernel (containers,
+    these namespaces) have in common: a rank of b took a's store name and failed to attach."""
+    pytest.importorskip("torch", reason="torch is not installed (make test-torch installs it)")
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("this torch has no gloo backend")
+    n = 3000
+    out = tmp_path / "out"
+    out.mkdir()
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    with machines(["a", "b"], tmp_path) as (ms, mode):
+        with capsys.disabled():
+            print(f"\n[torchrun test] machines as: {mode}")
+        a = ms[0]
+        port = 29500 if a.ns else _free_port()  # a private network namespace has every port
+        runs = []
+        for i, m in enumerate(ms):
+            m.env["GLOO_SOCKET_IFNAME"] = m.iface
+            m.env["PYTHONPATH"] = os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                   "--nproc-per-node=2", f"--node-rank={i}", f"--master-addr={a.ip}",
+                   f"--master-port={port}", "--max-restarts=0",
+                   str(HERE / "_torchrun_rank.py"), str(out), str(n), how]  # fmt: skip
+            runs.append(
+                m.popen(cmd, stdout=subprocess.DEVNULL, log=_log(logs, f"torchrun-{m.name}"))
+            )
+
+        def done() -> bool:
+            failed = [r.args for r in runs if r.poll() is not None]
+            assert not failed, f"torchrun exited early: {_tails(logs)}"
+            return len(list(out.glob("rank*.json"))) == 4
+
+        wait_for(done, "4 ranks to report", float(os.environ.get("CLUSTER_TEST_WAIT", 300)))
+        reports = sorted(
+            (json.loads(f.read_text()) for f in out.glob("rank*.json")), key=lambda r: r["rank"]
+        )
+        expect = hashlib.sha256()
+        for rec in make_records(n):
+            expect.update(repr(rec).encode())
+        assert {r["sha"] for r in reports} == {expect.hexdigest()}  # identical records
+        assert {r["len"] for r in reports} == {n}
+        by_node: dict[str, list[dict]] = {}
+        for r in reports:
+            by_node.setdefault(r["node"], []).append(r)
+        assert len(by_node) == 2  # ranks grouped by machine identity: two machines
+        if how == "torch_broadcast":  # one build per machine (its local rank 0), no fetch
+            assert [r["built"] for r in reports] == [[0], [], [2], []]
+            for rs in by_node.values():
+                assert len(rs) == 2 and rs[0]["name"] == rs[1]["name"]
+                assert all(r["segments"] == [r["name"]] for r in rs), rs
+                assert not any(r["stats"]["fetched"] for r in rs)
+            for m in ms:
+                m.kill_all()
+            for m in ms:
+                wait_for(lambda m=m: not m.segments(), f"machine {m.name}'s segments to go", 60)
+            return
+        assert len({r["name"] for r in reports}) == 1
+        assert [r["built"] for r in reports] == [[0], [], [], []]  # one build, global rank 0
+        for rs in by_node.values():
+            assert len(rs) == 2
+            # exactly one segment on each machine: the store (built on a, fetched on b)
+            assert all(r["segments"] == [rs[0]["name"]] for r in rs), rs
+            fetches = sum(r["stats"]["fetched"] for r in rs)
+            if 0 in (r["rank"] for r in rs):
+                assert fetches == 0 and not any(r["fetched"] for r in rs)
+            else:
+                assert fetches == 1  # one fetch on machine b, the other rank attached
+                assert sum(r["stats"]["attached"] for r in rs) == 1
+                assert all(r["fetched"] for r in rs)
+        for m in ms:
+            assert m.segments() == [reports[0]["name"]]
+        # SIGKILL every process (both torchruns and their ranks) on every machine at once.
+        for m in ms:
+            m.kill_all()
+        for m in ms:
+            wait_for(lambda m=m: not m.segments(), f"machine {m.name}'s segments to go", 60)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -166,21 +165,16 @@ def _local_rank() -> int:
     return 0
 
 
-def _machine_id() -> str:
-    """Processes that see the same /dev/shm: same host name and same boot."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
-
-
 def torch_broadcast(group: Any = None) -> Optional[Broadcast]:
     """A broadcast over ``torch.distributed``, or None if torch is absent or not initialised.
 
     Every rank contributes (machine, local rank, payload) with ``all_gather_object``; each takes
     the payload of local rank 0 *on its own machine*, so a multi-machine job gets one copy per
-    machine. A collective: every rank of ``group`` must call :func:`shared_per_machine`.
+    machine (each machine's local rank 0 builds its own). The machine is
+    :func:`shmstore.cluster.node_id` (the ranks that see the same segment directory), not the
+    host name: containers or namespaces on one kernel can share a host name and boot id and
+    still have separate /dev/shm. A collective: every rank of ``group`` must call
+    :func:`shared_per_machine`.
     """
     try:
         import torch.distributed as dist
@@ -190,7 +184,9 @@ def torch_broadcast(group: Any = None) -> Optional[Broadcast]:
         return None
 
     def broadcast(payload: Optional[Payload]) -> Payload:
-        me = (_machine_id(), _local_rank(), payload)
+        from shmstore import cluster
+
+        me = (cluster.node_id(), _local_rank(), payload)
         gathered: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, me, group=group)
         for machine, local_rank, value in gathered:
