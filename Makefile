@@ -32,16 +32,19 @@ test-python: build ## pytest (slow tests included)
 
 test: build test-rust test-python ## set up everything, then run the Rust and Python tests
 
-# torch (~5 GB with its CUDA libraries from PyPI) is kept out of .venv and `make test`; this
-# target runs the tests that skip without it (real DataLoader, torch.distributed) in .venv-torch.
+# torch (~6 GB installed with its CUDA libraries from PyPI; about 2 min to download and install
+# here) is kept out of .venv and `make test`; this target runs the tests that skip without it
+# (real DataLoader, torch.distributed, torchrun --nnodes=2 across namespace machines) in
+# .venv-torch. CI runs it after `make test` (.ci/run).
 TORCH_VENV ?= .venv-torch
-test-torch: venv ## the integration tests with real torch, in .venv-torch (downloads ~5 GB once)
+test-torch: venv ## the integration tests with real torch, in .venv-torch (~6 GB, installed once)
 	test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
 	$(TORCH_VENV)/bin/python -m pip install -q torch -r requirements-dev.txt
 	rm -rf target/torch-wheel
 	$(VENV)/bin/maturin build --release -q -o target/torch-wheel -i $(TORCH_VENV)/bin/python
 	$(TORCH_VENV)/bin/python -m pip install -q --force-reinstall --no-deps target/torch-wheel/*.whl
-	$(TORCH_VENV)/bin/python -m pytest -q tests/test_integrations.py tests/test_examples.py
+	$(TORCH_VENV)/bin/python -m pytest -q tests/test_integrations.py tests/test_examples.py \
+		tests/test_cluster.py
 
 # CI runs 20k cases each way inside `make test`; this runs many more, from other seeds.
 FUZZ_CASES ?= 1000000

@@ -457,7 +457,7 @@ def _spawned_rank(rank, world, init_file, base, q):
 def test_spawned_torch_ranks_without_local_rank_build_one_store(tmp_path):
     """Under torch.multiprocessing.spawn nothing sets LOCAL_RANK: every rank used to believe
     it was local rank 0 and build its own store. Ranks are grouped by machine now."""
-    pytest.importorskip("torch", reason="torch is not installed (too big for CI)")
+    pytest.importorskip("torch", reason="torch is not installed (make test-torch installs it)")
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")

@@ -454,7 +454,7 @@ def test_dataset_relative_file_path_is_a_file(records, tmp_path, monkeypatch):
 
 
 def test_real_torch_dataloader(records):
-    pytest.importorskip("torch", reason="torch is not installed (too big for CI)")
+    pytest.importorskip("torch", reason="torch is not installed (make test-torch installs it)")
     from torch.utils.data import DataLoader
 
     totals = []
@@ -519,7 +519,7 @@ def _ddp_rank(rank, world, init_file, n, q):
 
 def test_shared_per_machine_over_real_torch_distributed(tmp_path):
     """The default broadcast: torch.distributed (gloo) all-gathers only the name."""
-    pytest.importorskip("torch", reason="torch is not installed (too big for CI)")
+    pytest.importorskip("torch", reason="torch is not installed (make test-torch installs it)")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     world, n = 3, 500
