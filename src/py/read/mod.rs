@@ -20,7 +20,7 @@ pub(crate) use owner::StoreRef;
 use pyo3::prelude::*;
 use pyo3::pyclass::CompareOp;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyBytes, PyComplex, PyDict, PyFloat, PyList, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyComplex, PyDict, PyFloat};
 use pyo3::IntoPyObjectExt;
 use pyo3::{ffi, PyClass};
 
@@ -111,16 +111,14 @@ fn value_at<'py>(
             }
             let r = &store.reader;
             let seq = r.seq(node).map_err(&err)?;
-            let objs = (0..seq.len)
-                .map(|i| {
-                    let it = r.seq_get(seq, i).map_err(&err)?;
-                    value_at(py, store, it, true, depth + 1)
-                })
-                .collect::<PyResult<Vec<_>>>()?;
+            let items = (0..seq.len).map(|i| {
+                let it = r.seq_get(seq, i).map_err(&err)?;
+                value_at(py, store, it, true, depth + 1)
+            });
             if r.is_tuple(node) {
-                PyTuple::new(py, objs)?.into_any()
+                new_sequence(py, true, seq.len, items)?
             } else {
-                PyList::new(py, objs)?.into_any()
+                new_sequence(py, false, seq.len, items)?
             }
         }
         Item::Dict(node) => {
@@ -130,7 +128,8 @@ fn value_at<'py>(
             let r = &store.reader;
             let d = PyDict::new(py);
             if let Some(keys) = r.dict_shape_keys(node) {
-                // A shaped dict: its keys are symbols, made into Python strs once per store.
+                // A shaped dict: its keys are symbols, made into Python strs once per store
+                // (with their hash cached), set straight into the new dict.
                 let syms = store.py_symbols(py)?;
                 for (i, &k) in keys.iter().enumerate() {
                     let Some(key) = syms.get(k as usize) else {
@@ -139,7 +138,12 @@ fn value_at<'py>(
                         );
                     };
                     let v = r.dict_value(node, i).map_err(&err)?;
-                    d.set_item(key.bind(py), value_at(py, store, v, true, depth + 1)?)?;
+                    let v = value_at(py, store, v, true, depth + 1)?;
+                    // SAFETY: `d` is a new dict of ours, `key` a str, `v` a live object; the
+                    // call takes its own references (or fails with an exception set).
+                    if unsafe { ffi::PyDict_SetItem(d.as_ptr(), key.as_ptr(), v.as_ptr()) } < 0 {
+                        return Err(PyErr::fetch(py));
+                    }
                 }
                 return Ok(d.into_any());
             }
@@ -172,6 +176,52 @@ fn value_at<'py>(
             })?
         }
     })
+}
+
+/// A new list (or tuple) of `len` items, each set in place as it is made: no intermediate
+/// vector. If an item fails, the container is dropped with the slots not yet set still
+/// empty, which the list and tuple deallocators allow.
+#[inline]
+fn new_sequence<'py>(
+    py: Python<'py>,
+    tuple: bool,
+    len: usize,
+    items: impl Iterator<Item = PyResult<Bound<'py, PyAny>>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let n = len as ffi::Py_ssize_t; // a stored count is bounded by the archive's size
+                                    // SAFETY: the constructors return a new reference or NULL with an exception set, which
+                                    // `from_owned_ptr_or_err` takes over.
+    let seq = unsafe {
+        Bound::from_owned_ptr_or_err(
+            py,
+            if tuple {
+                ffi::PyTuple_New(n)
+            } else {
+                ffi::PyList_New(n)
+            },
+        )?
+    };
+    for (i, item) in items.take(len).enumerate() {
+        let item = item?.into_ptr();
+        // SAFETY: `seq` is a new list/tuple of exactly `len` slots, nobody else sees it yet,
+        // `i < len`, and the slot is empty; the setter steals the reference `into_ptr` gave
+        // up. (The stable ABI has only the checked setters, which cannot fail here.)
+        unsafe {
+            #[cfg(not(feature = "abi3"))]
+            if tuple {
+                ffi::PyTuple_SET_ITEM(seq.as_ptr(), i as ffi::Py_ssize_t, item);
+            } else {
+                ffi::PyList_SET_ITEM(seq.as_ptr(), i as ffi::Py_ssize_t, item);
+            }
+            #[cfg(feature = "abi3")]
+            if tuple {
+                ffi::PyTuple_SetItem(seq.as_ptr(), i as ffi::Py_ssize_t, item);
+            } else {
+                ffi::PyList_SetItem(seq.as_ptr(), i as ffi::Py_ssize_t, item);
+            }
+        }
+    }
+    Ok(seq)
 }
 
 /// A stored str, UTF-8 checked once, by CPython's decoder: invalid bytes are corrupt data.
