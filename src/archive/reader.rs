@@ -14,11 +14,11 @@
 //!   [`Reader::verify`] and never on the read path: any bit pattern of a numeric array is a
 //!   valid array, so reading one needs no hash (docs/format.md, "Integrity").
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use xxhash_rust::xxh3::{xxh3_64, Xxh3Default};
 
+use super::builder::BLOCK_RECORDS;
 use super::format::*;
 use super::header::{record_span, Header, Kind, BLOCK_ENTRY, HEADER_LEN, PAYLOAD_ALIGN};
 use super::key::{decode_key, Key};
@@ -296,7 +296,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
         }
     }
 
-    fn is_validated(&self, rec: u64) -> bool {
+    pub(crate) fn is_validated(&self, rec: u64) -> bool {
         let (word, bit) = ((rec / 64) as usize, 1u64 << (rec % 64));
         self.validated[word].load(Ordering::Acquire) & bit != 0
     }
@@ -316,13 +316,30 @@ impl<B: AsRef<[u8]>> Reader<B> {
             .get(b + 1)
             .copied()
             .unwrap_or(self.header.count);
+        // The records' spans, read once (a block written by us holds at most
+        // BLOCK_RECORDS; a forged one that claims more is read span by span instead).
+        let mut spans = [(0usize, 0usize); BLOCK_RECORDS as usize];
+        let k = (last - first) as usize;
+        let cached = k <= spans.len();
+        let span = |r: u64, spans: &[(usize, usize)]| -> Result<(usize, usize), ArchiveError> {
+            if cached {
+                Ok(spans[(r - first) as usize])
+            } else {
+                self.span(r)
+            }
+        };
+        if cached {
+            for (i, r) in (first..last).enumerate() {
+                spans[i] = self.span(r)?;
+            }
+        }
         // The checksum of the block's records, one after another. They usually lie back to
         // back (no payload or long-record length between them): then one call over the
         // whole range, which is the same hash and faster than feeding them one by one.
-        let (s0, mut end) = self.span(first)?;
+        let (s0, mut end) = span(first, &spans)?;
         let mut contiguous = true;
         for r in first + 1..last {
-            let (s, e) = self.span(r)?;
+            let (s, e) = span(r, &spans)?;
             contiguous &= s == end;
             end = e;
         }
@@ -331,7 +348,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
         } else {
             let mut h = Xxh3Default::new();
             for r in first..last {
-                let (s, e) = self.span(r)?;
+                let (s, e) = span(r, &spans)?;
                 h.update(&self.bytes()[s..e]);
             }
             h.digest()
@@ -343,14 +360,24 @@ impl<B: AsRef<[u8]>> Reader<B> {
                  modified)"
             ));
         }
+        let mut queue = Vec::new();
         for r in first..last {
-            let (s, e) = self.span(r)?;
-            self.walk(s, e, |_, _| Ok(()))
+            let (s, e) = span(r, &spans)?;
+            self.walk_with(&mut queue, s, e, |_, _| Ok(()))
                 .map_err(|e| ArchiveError::Corrupt(format!("record {r}: {}", msg(e))))?;
         }
-        for r in first..last {
-            let (word, bit) = ((r / 64) as usize, 1u64 << (r % 64));
-            self.validated[word].fetch_or(bit, Ordering::AcqRel);
+        // The block's bits, a word at a time (a block spans at most two words).
+        let mut r = first;
+        while r < last {
+            let (word, lo) = ((r / 64) as usize, r % 64);
+            let hi = (last - r + lo).min(64);
+            let mask = if hi - lo == 64 {
+                u64::MAX
+            } else {
+                ((1u64 << (hi - lo)) - 1) << lo
+            };
+            self.validated[word].fetch_or(mask, Ordering::AcqRel);
+            r += hi - lo;
         }
         Ok(())
     }
@@ -393,6 +420,19 @@ impl<B: AsRef<[u8]>> Reader<B> {
         &self,
         start: usize,
         end: usize,
+        visit: impl FnMut(usize, u8) -> Result<(), ArchiveError>,
+    ) -> Result<(), ArchiveError> {
+        self.walk_with(&mut Vec::new(), start, end, visit)
+    }
+
+    /// `walk` with the caller's queue (emptied first), so that checking a block of records
+    /// allocates it once. Queued positions only grow (each reference points past the one
+    /// before), so the queue is a vector read from the front, never shifted.
+    fn walk_with(
+        &self,
+        queue: &mut Vec<(usize, bool, usize)>,
+        start: usize,
+        end: usize,
         mut visit: impl FnMut(usize, u8) -> Result<(), ArchiveError>,
     ) -> Result<(), ArchiveError> {
         // A record that is one str, bytes or number (documents, labels): no queue needed.
@@ -405,13 +445,16 @@ impl<B: AsRef<[u8]>> Reader<B> {
                 corrupt("a value runs past its record")
             };
         }
+        queue.clear();
         let mut w = Walk {
-            queue: VecDeque::new(),
+            queue,
             last: start,
             end,
         };
-        w.queue.push_back((start, true, 0));
-        while let Some((pos, tagged, depth)) = w.queue.pop_front() {
+        w.queue.push((start, true, 0));
+        let mut next = 0;
+        while let Some(&(pos, tagged, depth)) = w.queue.get(next) {
+            next += 1;
             if !tagged {
                 let (n, after) = self.count(pos, 1)?;
                 if after + n > end {
@@ -1244,13 +1287,13 @@ impl<B: AsRef<[u8]>> Reader<B> {
 
 /// The state of a tree walk: the values still to visit (position, tagged or a str body,
 /// depth) and the last reference target seen.
-struct Walk {
-    queue: VecDeque<(usize, bool, usize)>,
+struct Walk<'q> {
+    queue: &'q mut Vec<(usize, bool, usize)>,
     last: usize,
     end: usize,
 }
 
-impl Walk {
+impl Walk<'_> {
     fn push<B: AsRef<[u8]>>(
         &mut self,
         r: &Reader<B>,
@@ -1268,7 +1311,7 @@ impl Walk {
             ));
         }
         self.last = t;
-        self.queue.push_back((t, tagged, depth));
+        self.queue.push((t, tagged, depth));
         Ok(())
     }
 

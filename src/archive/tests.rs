@@ -440,6 +440,37 @@ fn blocks_cover_records_in_groups() {
     assert_eq!(r.item(r.root(129).unwrap()).unwrap(), Item::Int(129));
 }
 
+/// Checking a block marks exactly its own records as checked, also when the block straddles
+/// two words of the bitmap: a record of another block must never be taken as checked.
+#[test]
+fn checking_a_block_marks_exactly_its_records() {
+    // Records of ~40 bytes: blocks close at BLOCK_BYTES before BLOCK_RECORDS, so their
+    // bounds fall at places other than multiples of 64.
+    let values: Vec<Value> = (0..700).map(|i| s(&format!("{i:038}"))).collect();
+    let bytes = build(Kind::List, &values);
+    let r = Reader::open(&bytes[..]).unwrap();
+    let firsts = r.block_first.clone();
+    assert!(
+        firsts.iter().any(|&f| f % 64 != 0),
+        "no block starts inside a word"
+    );
+    let mut checked = vec![false; 700];
+    for (b, &first) in firsts.iter().enumerate().step_by(3) {
+        let last = firsts.get(b + 1).copied().unwrap_or(700);
+        r.validate_record(last - 1).unwrap();
+        for c in &mut checked[first as usize..last as usize] {
+            *c = true;
+        }
+        for (rec, &want) in checked.iter().enumerate() {
+            assert_eq!(
+                r.is_validated(rec as u64),
+                want,
+                "record {rec} after block {b}"
+            );
+        }
+    }
+}
+
 #[test]
 fn long_records_keep_their_length_outside_the_index() {
     let big = s(&"x".repeat(100_000));
