@@ -9,11 +9,38 @@
 //! time. On a free-threaded interpreter there is no GIL, so the lists are not installed
 //! (`install` checks at run time), nor with the stable ABI (abi3), which hides the type
 //! object's slots.
+//!
+//! Where the lists are installed, instances of these types are also born untracked (the
+//! allocator untracks a fresh object at once), so making a view needs no separate untrack
+//! call ([`new_view`]), and nothing ever tracks them: a kept object is never in the
+//! collector's lists.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use pyo3::prelude::*;
+use pyo3::PyClass;
+
+/// Whether `install` put the free lists (and untracked allocation) in place.
+static INSTALLED: AtomicBool = AtomicBool::new(false);
+
+/// A new view or iterator object, untracked by the cyclic GC (as [`super::new_untracked`]):
+/// with the free lists installed it is untracked from birth.
+#[inline]
+pub(crate) fn new_view<T: PyClass>(
+    py: Python<'_>,
+    value: impl Into<pyo3::PyClassInitializer<T>>,
+) -> PyResult<Bound<'_, T>> {
+    if INSTALLED.load(Ordering::Relaxed) {
+        return Bound::new(py, value);
+    }
+    super::new_untracked(py, value)
+}
 
 #[cfg(not(feature = "abi3"))]
 mod imp {
     use std::cell::UnsafeCell;
     use std::os::raw::c_void;
+    use std::sync::atomic::Ordering;
 
     use pyo3::prelude::*;
     use pyo3::{ffi, PyTypeInfo};
@@ -63,8 +90,15 @@ mod imp {
                     return unsafe { ffi::PyObject_Init(obj, subtype) };
                 }
             }
-            // SAFETY: the generic allocator, as the type had before `install`.
-            unsafe { ffi::PyType_GenericAlloc(subtype, nitems) }
+            // SAFETY: the generic allocator, as the type had before `install`; the new
+            // object is untracked at once (it holds no reference a traversal would need).
+            unsafe {
+                let obj = ffi::PyType_GenericAlloc(subtype, nitems);
+                if !obj.is_null() {
+                    ffi::PyObject_GC_UnTrack(obj.cast());
+                }
+                obj
+            }
         }
 
         /// # Safety
@@ -74,10 +108,8 @@ mod imp {
             if obj.is_null() {
                 return;
             }
-            // SAFETY: `obj`'s header is still valid (only its contents were dropped), and
-            // untracking an untracked object is a no-op; a kept object must not stay in the
-            // collector's lists.
-            unsafe { ffi::PyObject_GC_UnTrack(obj.cast()) };
+            // Not tracked by the collector: born untracked (`alloc`), never tracked since, and
+            // pyo3's dealloc untracks before calling here too.
             // SAFETY: the GIL is held (the caller's contract).
             let items = unsafe { &mut *self.items.get() };
             // SAFETY: `Py_TYPE` reads the header; the type is still alive (pyo3's dealloc
@@ -132,6 +164,7 @@ mod imp {
                         (*ty).tp_free = Some($free);
                     }
                 )*
+                super::INSTALLED.store(true, Ordering::Relaxed);
                 Ok(())
             }
         };

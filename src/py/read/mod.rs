@@ -13,7 +13,7 @@ pub(crate) mod protocol;
 
 pub(crate) use array::ArrayOwner;
 pub(crate) use dict_view::{DictIter, DictView};
-pub(crate) use freelist::install as install_freelists;
+pub(crate) use freelist::{install as install_freelists, new_view};
 pub(crate) use list_view::{ListIter, ListView};
 pub(crate) use owner::StoreRef;
 
@@ -64,10 +64,10 @@ pub(crate) fn value<'py>(
             Item::Float(f) => return Ok(PyFloat::new(py, f).into_any()),
             Item::Sym(id) => return Ok(store.py_symbol(py, id)?.into_any()),
             Item::List(node) | Item::Tuple(node) => {
-                return Ok(new_untracked(py, ListView::new(store.clone_ref(py), node))?.into_any())
+                return Ok(new_view(py, ListView::new(store.clone_ref(py), node))?.into_any())
             }
             Item::Dict(node) => {
-                return Ok(new_untracked(py, DictView::new(store.clone_ref(py), node))?.into_any())
+                return Ok(new_view(py, DictView::new(store.clone_ref(py), node))?.into_any())
             }
             _ => {}
         }
@@ -107,7 +107,7 @@ fn value_at<'py>(
         }
         Item::List(node) | Item::Tuple(node) => {
             if !deep {
-                return Ok(new_untracked(py, ListView::new(store.clone_ref(py), node))?.into_any());
+                return Ok(new_view(py, ListView::new(store.clone_ref(py), node))?.into_any());
             }
             let r = &store.reader;
             let seq = r.seq(node).map_err(&err)?;
@@ -123,7 +123,7 @@ fn value_at<'py>(
         }
         Item::Dict(node) => {
             if !deep {
-                return Ok(new_untracked(py, DictView::new(store.clone_ref(py), node))?.into_any());
+                return Ok(new_view(py, DictView::new(store.clone_ref(py), node))?.into_any());
             }
             let r = &store.reader;
             let d = PyDict::new(py);

@@ -650,7 +650,7 @@ macro_rules! iterator {
                 node: Option<$crate::archive::Node>,
                 reverse: bool,
             ) -> pyo3::PyResult<pyo3::Bound<'py, Self>> {
-                $crate::py::read::new_untracked(
+                $crate::py::read::new_view(
                     py,
                     $ty {
                         src: $crate::py::read::protocol::Owned {
