@@ -127,7 +127,11 @@ class Cluster:
                     except OSError:
                         continue
                     total += s.get("Pss", 0) - s.get("Pss_Shmem", 0)
-            for f in d.iterdir():
+            try:
+                files = list(d.iterdir())
+            except OSError:  # closed meanwhile
+                files = []
+            for f in files:
                 try:
                     total += f.stat().st_blocks * 512
                 except OSError:
@@ -298,10 +302,11 @@ def main() -> None:
     for kind in kinds:
         for rep in range(args.repeats):
             for m in methods:  # round-robin: the methods see the same load
+                t_run = time.monotonic()
                 try:
                     r = run_method(m, kind, args, records, array)
                 except Exception as e:  # e.g. a time-out: reported, the others still run
-                    r = {"error": f"{type(e).__name__} after the {args.budget:g} s budget"}
+                    r = {"error": f"{type(e).__name__} after {time.monotonic() - t_run:.0f} s"}
                 print(kind, m, rep, r, flush=True)
                 results.setdefault((kind, m), []).append(r)
     rows = []

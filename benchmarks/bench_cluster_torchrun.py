@@ -143,7 +143,11 @@ class Job:
                 except OSError:
                     continue
                 total += s.get("Pss", 0) - s.get("Pss_Shmem", 0)
-            for f in d.iterdir():
+            try:
+                files = list(d.iterdir())
+            except OSError:  # closed meanwhile
+                files = []
+            for f in files:
                 try:
                     total += f.stat().st_blocks * 512
                 except OSError:
@@ -252,6 +256,11 @@ def main() -> None:
     ap.add_argument("--kinds", default="records,array")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
+    try:
+        import torch.distributed  # noqa: F401
+    except ImportError:  # `make bench` runs every script with .venv, which has no torch
+        print("torch is not installed here: run this with .venv-torch/bin/python (make test-torch)")
+        return
     from coco import make_records
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-torchrun-data-"))
