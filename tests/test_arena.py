@@ -105,6 +105,17 @@ def test_large_objects_get_a_segment_of_their_own() -> None:
     named = shmstore.put(1, arena=True, name="shmstore-arena-test-named")
     assert named.name == "shmstore-arena-test-named"
     named.close()
+    # No size known in advance: found out while encoding (at most 1 MiB buffered).
+    big = {"rows": [str(i) * 40 for i in range(40_000)]}
+    ref = shmstore.put(big, arena=True)
+    assert "@" not in ref.name and ref.get()["rows"][39_999] == "39999" * 40
+    ref.close()
+    many = list(range(100_000))  # more items than an arena is tried for
+    ref = shmstore.put(many, arena=True)
+    assert "@" not in ref.name and ref.get()[99_999] == 99_999
+    ref.close()
+    small = shmstore.put({"rows": [str(i) for i in range(100)]}, arena=True)
+    assert "@" in small.name
 
 
 @pytest.mark.parametrize(

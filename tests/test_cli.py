@@ -140,6 +140,68 @@ def test_ls_shows_an_arena_as_an_arena(env: Env, tmp_path: Path) -> None:
     assert creator.returncode == 0
 
 
+ARENA_CHUNKS = """
+import sys, shmstore
+refs = [shmstore.put(bytes(100 * (i + 1)), arena=True) for i in range(3)]
+print(" ".join(r.name for r in refs), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_inspect_shows_an_arena_s_chunks(env: Env, tmp_path: Path) -> None:
+    """``shmstore inspect`` of an arena lists its chunks with their state (a lease held by
+    another process shows as leased); of a chunk's name, the object and its chunk; bad
+    chunk names are one-line errors."""
+    supervised = {
+        **env.vars,
+        "SHMSTORE_SUPERVISOR": "1",
+        "SHMSTORE_SUPERVISOR_NAME": f"shmstore-test-cli-{os.getpid()}-{tmp_path.name}"[:80],
+        "SHMSTORE_SUPERVISOR_GRACE": "0.3",
+        "XDG_RUNTIME_DIR": str(tmp_path),
+    }
+    creator = subprocess.Popen(
+        [sys.executable, "-c", ARENA_CHUNKS],
+        env=supervised,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert creator.stdout is not None
+        names = creator.stdout.readline().split()
+        assert len(names) == 3 and all("@" in n for n in names), names
+        arena = names[0].split("@")[0]
+        # This process holds a lease on the second chunk.
+        _, rest = names[1].split("@")
+        reader = shmstore.Ref.attach(f"{arena}@{rest}", dir=env.dir)
+        assert bytes(reader.get()) == bytes(200)
+        r = env.run("inspect", "--json", arena)
+        assert r.returncode == 0, r
+        info = json.loads(r.stdout)
+        assert info["kind"] == "arena" and info["creator_pid"] == creator.pid
+        chunks = [c for c in info["chunks"] if c["generation"] is not None]
+        assert [c["generation"] for c in chunks] == [1, 2, 3]
+        assert [c["state"] for c in chunks] == ["unleased", "leased", "unleased"]
+        offsets = [int(n.split("@")[1].split(":")[0]) for n in names]
+        assert [c["offset"] for c in chunks] == offsets
+        rest_of_arena = info["chunks"][-1]
+        assert rest_of_arena["generation"] is None and rest_of_arena["state"] == "free"
+        assert sum(c["size"] for c in info["chunks"]) == info["capacity"]
+        r = env.run("inspect", arena)
+        assert r.returncode == 0 and "leased" in r.stdout and "generation" in r.stdout, r
+        r = env.run("inspect", "--json", names[2])
+        assert r.returncode == 0, r
+        obj = json.loads(r.stdout)
+        assert obj["kind"] == "object" and obj["chunk"]["generation"] == 3
+        env.one_error_line(env.run("inspect", f"{arena}@xx"), cli.EXIT_USAGE, "chunk name")
+        env.one_error_line(env.run("inspect", f"{arena}@4096:1:1"), cli.EXIT_UNREADABLE, arena)
+        env.one_error_line(env.run("inspect", f"{arena}@64:64:1"), cli.EXIT_UNREADABLE, arena)
+        reader.close()
+    finally:
+        creator.communicate("\n", timeout=TIMEOUT_S)
+    assert creator.returncode == 0
+
+
 def test_ls_into_a_closed_pipe_stops_quietly(env: Env) -> None:
     """``shmstore ls --json | head``: a reader that goes away is not an error to report."""
     for args in (("ls", "--json"), ("ls",)):

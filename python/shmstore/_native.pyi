@@ -34,6 +34,7 @@ __all__ = [
     "StorePermissionError",
     "UnsupportedTypeError",
     "__version__",
+    "_arena_info",
     "_arena_release",
     "_arena_simulate",
     "_arena_usage",
@@ -268,7 +269,8 @@ def put(obj: Any, *, name: str | None = None, dir: _Path | None = None, arena: b
     """Share one object (e.g. a numpy array) by name.
 
     ``arena=True``: a small object (archive <= 1 MiB, no ``name``) goes into a chunk of this
-    process's arena segment instead of a segment of its own (docs/arena.md).
+    process's arena segment instead of a segment of its own (docs/arena.md); its name is
+    ``<arena>@<offset>:<size>:<generation>``.
 
     >>> import numpy as np
     >>> with put(np.arange(3)) as ref:
@@ -368,6 +370,7 @@ def supervisor_info() -> dict[str, Any] | None:
     Raises StoreIOError when one is running but does not answer in time."""
 
 def _flush_drops() -> None: ...
+def _arena_info(path: _Path) -> dict[str, Any]: ...
 def _arena_release() -> int: ...
 def _arena_usage() -> list[tuple[str, int, int]]: ...
 def _arena_simulate(

@@ -215,10 +215,70 @@ def _ls(args: argparse.Namespace) -> int:
 # inspect, gc, rm
 
 
+def _arena_path(target: str) -> Path | None:
+    """The arena file ``target`` names (an arena's name, or the arena part of a chunk's
+    ``<arena>@<offset>:<size>:<generation>``), if it is one; else None."""
+    name = target.split("@", 1)[0]
+    if "/" in name or not name:
+        return None
+    try:
+        full = segment_name(name)
+    except InvalidInputError:
+        return None
+    for d in search_dirs():
+        path = d / full
+        if path.exists() and _arena_creator(path) is not None:
+            return path
+    return None
+
+
+def _inspect_arena(args: argparse.Namespace, path: Path) -> int:
+    """An arena's header and chunks; for a chunk's name, also the object it holds."""
+    target = args.name
+    offset = None
+    if "@" in target:
+        try:
+            offset = int(target.split("@", 1)[1].split(":", 1)[0])
+        except ValueError:
+            raise UserError(
+                f"{target!r} is not a chunk name (<arena>@<offset>:<size>:<generation>)",
+                EXIT_USAGE,
+            ) from None
+    try:
+        info: dict[str, Any] = {"name": path.name, "path": str(path), "kind": "arena"}
+        info.update(_native._arena_info(path))
+        if offset is not None:
+            obj = dict(_native._store_info(target))
+            obj.update(_copy_fields(target, obj, verify=args.verify))
+            obj["chunk"] = next((c for c in info["chunks"] if c["offset"] == offset), None)
+            info = obj
+    except Exception as e:
+        raise _classify(e, target) from e
+    if args.json:
+        _emit_json(info)
+        return EXIT_OK
+    chunks = info.pop("chunks", None)
+    for k, v in info.items():
+        shown = human_size(v) if k.endswith("nbytes") or k == "capacity" else v
+        print(f"{k:16} {shown}")
+    if chunks is not None:
+        used = sum(c["size"] for c in chunks if c["state"] in ("leased", "unleased"))
+        print(f"{'chunks':16} {sum(c['generation'] is not None for c in chunks)}")
+        print(f"{'in chunks':16} {human_size(used)}")
+        print(f"{'offset':>12} {'size':>10} {'generation':>10}  state")
+        for c in chunks:
+            gen = "-" if c["generation"] is None else c["generation"]
+            print(f"{c['offset']:>12} {c['size']:>10} {gen:>10}  {c['state']}")
+    return EXIT_OK
+
+
 def _inspect(args: argparse.Namespace) -> int:
     target = args.name
     if ("/" in target or target == ".") and Path(target).is_dir():
         raise UserError(f"{target}: is a directory, not a store", EXIT_UNREADABLE)
+    arena = _arena_path(target)
+    if arena is not None:
+        return _inspect_arena(args, arena)
     try:
         info = dict(_native._store_info(target))
         info.update(_copy_fields(target, info, verify=args.verify))
@@ -349,7 +409,11 @@ def _parser() -> argparse.ArgumentParser:
         return v
 
     verb("ls", _ls, "list this user's segments (size, kind, state, creator, users)")
-    ins = verb("inspect", _inspect, "show a store's header (a name, or a saved file's path)")
+    ins = verb(
+        "inspect",
+        _inspect,
+        "show a store's header (a name, or a saved file's path); of an arena, its chunks",
+    )
     ins.add_argument("name")
     ins.add_argument(
         "--verify",

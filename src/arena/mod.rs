@@ -7,4 +7,4 @@
 pub mod alloc;
 pub mod segment;
 
-pub use segment::{ArenaError, ArenaFile, ArenaWriter, Chunk, Lease};
+pub use segment::{survey, ArenaError, ArenaFile, ArenaWriter, Chunk, Lease, PartState};

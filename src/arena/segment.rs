@@ -544,6 +544,150 @@ impl ArenaFile {
     }
 }
 
+/// What `shmstore inspect` shows of an arena: its header and its chunks.
+#[derive(Debug)]
+pub struct Survey {
+    pub capacity: u64,
+    pub creator_pid: u32,
+    pub parts: Vec<Part>,
+}
+
+/// A stretch of an arena's chunk region, as seen from outside the creator.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Part {
+    pub offset: u64,
+    pub size: u64,
+    /// The chunk's generation; `None` for a stretch holding no chunk header.
+    pub generation: Option<u64>,
+    pub state: PartState,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PartState {
+    /// Locked by the creator: free space (or a chunk being written at this moment).
+    Free,
+    /// Some process holds a lease on it (a shared lock).
+    Leased,
+    /// Written and not locked: held by its creator's handles only, or released and
+    /// waiting for the creator's next put to reuse it.
+    Unleased,
+    /// No chunk header here and no lock: never written (beyond the arena's high-water
+    /// mark) or the rest of a freed chunk.
+    Unused,
+}
+
+/// The first lock on `[off, off + len)` of the file that would conflict with an exclusive
+/// one (any lock of another open file description): its type, or `None`.
+fn ofd_probe(fd: &impl AsFd, off: u64, len: u64) -> io::Result<Option<PartState>> {
+    let (Ok(start), Ok(len)) = (i64::try_from(off), i64::try_from(len)) else {
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
+    };
+    // SAFETY: as in `ofd_lock`: a zeroed `flock` is valid, and F_OFD_GETLK reads and writes
+    // only that struct, which outlives the call.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = libc::F_WRLCK as _;
+    fl.l_whence = libc::SEEK_SET as _;
+    fl.l_start = start;
+    fl.l_len = len;
+    // SAFETY: see above; the descriptor is borrowed for the call.
+    let r = unsafe { libc::fcntl(fd.as_fd().as_raw_fd(), libc::F_OFD_GETLK, &mut fl) };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(match i32::from(fl.l_type) {
+        libc::F_WRLCK => Some(PartState::Free),
+        libc::F_RDLCK => Some(PartState::Leased),
+        _ => None,
+    })
+}
+
+/// Look at the arena at `path` from outside (any process of its user): its header, and its
+/// chunk region from start to end: each chunk header found (magic, a length that fits) is a
+/// chunk, with its state from the locks on its range; stretches without one are free space.
+/// Reads the file with `pread` (no mapping), never trusts a length it did not check.
+pub fn survey(path: &Path) -> Result<Survey, ArenaError> {
+    let f = ArenaFile::open(path)?;
+    let mut head = [0u8; 32];
+    f.file
+        .read_exact_at(&mut head, 0)
+        .map_err(|e| io_err(path, e))?;
+    let capacity = f.len - HEADER;
+    let creator_pid = u32::from_le_bytes(head[24..28].try_into().unwrap_or_default());
+    let mut parts: Vec<Part> = Vec::new();
+    let gap = |parts: &mut Vec<Part>, off: u64, size: u64, state: PartState| match parts.last_mut()
+    {
+        Some(p) if p.generation.is_none() && p.state == state && p.offset + p.size == off => {
+            p.size += size
+        }
+        _ => parts.push(Part {
+            offset: off,
+            size,
+            generation: None,
+            state,
+        }),
+    };
+    // Read a MiB at a time; chunk headers are 64-byte aligned.
+    let mut buf = vec![0u8; 1 << 20];
+    let mut buf_at = u64::MAX;
+    let mut off = HEADER;
+    while off + CHUNK_HEADER <= f.len {
+        if buf_at == u64::MAX || off < buf_at || off + CHUNK_HEADER > buf_at + buf.len() as u64 {
+            let n = (buf.len() as u64).min(f.len - off) as usize;
+            f.file
+                .read_exact_at(&mut buf[..n], off)
+                .map_err(|e| io_err(path, e))?;
+            buf.truncate(n.max(CHUNK_HEADER as usize));
+            buf.resize(1 << 20, 0);
+            buf_at = off;
+        }
+        let h = &buf[(off - buf_at) as usize..][..CHUNK_HEADER as usize];
+        let magic = u32::from_le_bytes(h[..4].try_into().unwrap_or_default());
+        let generation = u64::from_le_bytes(h[8..16].try_into().unwrap_or_default());
+        let len = u64::from_le_bytes(h[16..24].try_into().unwrap_or_default());
+        let size = CHUNK_HEADER
+            .checked_add(len)
+            .and_then(|n| n.checked_add(ALIGN - 1))
+            .map(|n| n & !(ALIGN - 1));
+        match size {
+            Some(size) if magic == CHUNK_MAGIC && generation > 0 && off + size <= f.len => {
+                let state = ofd_probe(&f.file, off, size)
+                    .map_err(|e| io_err(path, e))?
+                    .unwrap_or(PartState::Unleased);
+                if state == PartState::Free {
+                    // A freed chunk's old header: free space.
+                    gap(&mut parts, off, size, state);
+                } else {
+                    parts.push(Part {
+                        offset: off,
+                        size,
+                        generation: Some(generation),
+                        state,
+                    });
+                }
+                off += size;
+            }
+            _ => {
+                gap(&mut parts, off, ALIGN, PartState::Unused);
+                off += ALIGN;
+            }
+        }
+    }
+    // Stretches without a header: free if the creator holds them (it is alive), else unused.
+    for p in parts.iter_mut().filter(|p| p.generation.is_none()) {
+        if p.state == PartState::Unused
+            && ofd_probe(&f.file, p.offset, p.size).map_err(|e| io_err(path, e))?
+                == Some(PartState::Free)
+        {
+            p.state = PartState::Free;
+        }
+    }
+    Ok(Survey {
+        capacity,
+        creator_pid,
+        parts,
+    })
+}
+
 /// This process uses a chunk: a shared OFD lock on its range, released with the last
 /// lease of the chunk in this process (or by the kernel when the process dies).
 pub struct Lease {

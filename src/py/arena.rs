@@ -13,7 +13,7 @@ use super::errors::Error;
 use super::store::{self, Registration, Store};
 use super::write::Encoder;
 use crate::archive::{Builder, Kind};
-use crate::arena::{alloc, ArenaFile, ArenaWriter, Chunk};
+use crate::arena::{alloc, ArenaFile, ArenaWriter, Chunk, PartState};
 use crate::segment;
 
 /// Largest object archive that goes into an arena (bigger ones get a segment of their own).
@@ -99,23 +99,74 @@ fn new_arena(py: Python<'_>, dir: PathBuf) -> PyResult<Option<Owned>> {
     }))
 }
 
-/// The object archive of `obj`, built in memory.
-pub(crate) fn encode(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
-    let mut builder = Builder::new(Cursor::new(Vec::new()), Kind::Object, std::process::id())
-        .map_err(|err| Error::Archive {
-            at: "obj".into(),
-            err,
-        })?;
-    Encoder::new(&mut builder, "obj").write_record(obj, None)?;
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0);
-    let (out, _) = builder.finish(now_ms).map_err(|err| Error::Archive {
+/// Containers with more items than this are not tried in an arena: their archive would
+/// hardly fit in [`MAX_OBJECT`] bytes, and finding out costs an encoding.
+const MAX_ITEMS: usize = 1 << 16;
+
+/// Whether `obj` may have an archive small enough for an arena: its known size
+/// (`size_hint`) is at most [`MAX_OBJECT`], or, unknown, it holds at most [`MAX_ITEMS`] items.
+pub(crate) fn may_fit(obj: &Bound<'_, PyAny>, size_hint: Option<u64>) -> bool {
+    match size_hint {
+        Some(n) => n <= MAX_OBJECT as u64,
+        None => obj.len().map_or(true, |n| n <= MAX_ITEMS),
+    }
+}
+
+/// An in-memory sink that refuses to grow past [`MAX_OBJECT`] bytes (and says so in `over`).
+struct Bounded<'a> {
+    out: Cursor<Vec<u8>>,
+    over: &'a std::sync::atomic::AtomicBool,
+}
+
+impl std::io::Write for Bounded<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let end = (self.out.position() as usize).saturating_add(buf.len());
+        if end > MAX_OBJECT {
+            self.over.store(true, std::sync::atomic::Ordering::Relaxed);
+            return Err(std::io::Error::other("larger than an arena object"));
+        }
+        self.out.write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl std::io::Seek for Bounded<'_> {
+    fn seek(&mut self, pos: std::io::SeekFrom) -> std::io::Result<u64> {
+        self.out.seek(pos)
+    }
+}
+
+/// The object archive of `obj`, built in memory; `None` when it is larger than
+/// [`MAX_OBJECT`] (found out while writing: at most that much is buffered).
+pub(crate) fn encode_small(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u8>>> {
+    let over = std::sync::atomic::AtomicBool::new(false);
+    let sink = Bounded {
+        out: Cursor::new(Vec::new()),
+        over: &over,
+    };
+    let archive_err = |err| Error::Archive {
         at: "obj".into(),
         err,
-    })?;
-    Ok(out.into_inner())
+    };
+    let built = (|| {
+        let mut builder =
+            Builder::new(sink, Kind::Object, std::process::id()).map_err(archive_err)?;
+        Encoder::new(&mut builder, "obj").write_record(obj, None)?;
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        let (out, _) = builder.finish(now_ms).map_err(archive_err)?;
+        Ok::<_, PyErr>(out.out.into_inner())
+    })();
+    match built {
+        Ok(bytes) => Ok(Some(bytes)),
+        Err(_) if over.load(std::sync::atomic::Ordering::Relaxed) => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// Put an encoded object archive into an arena of this process and map it; `None` when it
@@ -233,5 +284,39 @@ pub(crate) fn _arena_simulate<'py>(
     d.set_item("peak_live", stats.peak_live)?;
     d.set_item("peak_end", stats.peak_end)?;
     d.set_item("seconds", t.elapsed().as_secs_f64())?;
+    Ok(d)
+}
+
+/// `shmstore inspect` of an arena: {"capacity", "creator_pid", "chunks": [{"offset", "size",
+/// "generation", "state"}]} (docs/arena.md, "Inspecting an arena"). `path`: the arena file.
+#[pyfunction]
+pub(crate) fn _arena_info<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> {
+    let survey = py
+        .detach(|| crate::arena::survey(&path))
+        .map_err(|err| Error::Arena {
+            at: format!("arena {:?}", path.display().to_string()),
+            err,
+        })?;
+    let d = PyDict::new(py);
+    d.set_item("capacity", survey.capacity)?;
+    d.set_item("creator_pid", survey.creator_pid)?;
+    let chunks = pyo3::types::PyList::empty(py);
+    for p in &survey.parts {
+        let c = PyDict::new(py);
+        c.set_item("offset", p.offset)?;
+        c.set_item("size", p.size)?;
+        c.set_item("generation", p.generation)?;
+        c.set_item(
+            "state",
+            match p.state {
+                PartState::Free => "free",
+                PartState::Leased => "leased",
+                PartState::Unleased => "unleased",
+                PartState::Unused => "unused",
+            },
+        )?;
+        chunks.append(c)?;
+    }
+    d.set_item("chunks", chunks)?;
     Ok(d)
 }

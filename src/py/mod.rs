@@ -42,7 +42,7 @@ mod _native {
         _supervisor_main, supervisor_info, sweep,
     };
     #[pymodule_export]
-    use super::arena::{_arena_release, _arena_simulate, _arena_usage};
+    use super::arena::{_arena_info, _arena_release, _arena_simulate, _arena_usage};
     #[pymodule_export]
     use super::fetch::{_cluster_identity, _import_archive};
     #[pymodule_export]

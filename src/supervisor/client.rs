@@ -211,8 +211,16 @@ fn is_timeout(e: &io::Error) -> bool {
 }
 
 /// Connect to the supervisor named `name` whose socket is in `dir`, check it is ours
-/// (`SO_PEERCRED`), and say HELLO, all by `deadline`.
-fn connect_in(dir: &PrivateDir, name: &str, deadline: Instant) -> Result<Conn, Unavailable> {
+/// (`SO_PEERCRED`), and say HELLO, all by `deadline`. `first`: requests sent in the same
+/// write as the HELLO (at most [`BATCH`]), each answered OK before this returns: one round
+/// trip for a process's first registration, not two. Nothing is used before its OK arrives,
+/// so this changes no ordering the guarantees rest on (docs/lifecycle.md).
+fn connect_in(
+    dir: &PrivateDir,
+    name: &str,
+    deadline: Instant,
+    first: &[Request],
+) -> Result<Conn, Unavailable> {
     use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
     let path =
         super::server::socket_path(dir, name).map_err(|e| Unavailable::Other(e.to_string()))?;
@@ -260,18 +268,29 @@ fn connect_in(dir: &PrivateDir, name: &str, deadline: Instant) -> Result<Conn, U
         writer: stream,
         supervisor: cred.pid.as_raw_nonzero().get() as u32,
     };
+    let first = &first[..first.len().min(BATCH)];
     let hello = (|| {
         conn.arm(deadline)?;
-        conn.writer
-            .write_all(Request::Hello(std::process::id()).encode().as_bytes())?;
+        let mut text = Request::Hello(std::process::id()).encode();
+        text.extend(first.iter().map(Request::encode));
+        conn.writer.write_all(text.as_bytes())?;
         conn.reply(deadline)
     })();
     match hello {
-        Ok(r) if r.starts_with("OK") => Ok(conn),
-        Ok(r) => Err(Unavailable::Other(format!("the supervisor said {r:?}"))),
-        Err(e) if is_timeout(&e) => Err(no_answer(conn.supervisor)),
-        Err(e) => Err(Unavailable::NotRunning(e)),
+        Ok(r) if r.starts_with("OK") => {}
+        Ok(r) => return Err(Unavailable::Other(format!("the supervisor said {r:?}"))),
+        Err(e) if is_timeout(&e) => return Err(no_answer(conn.supervisor)),
+        Err(e) => return Err(Unavailable::NotRunning(e)),
     }
+    for _ in first {
+        match conn.reply(deadline) {
+            Ok(r) if r.starts_with("OK") => {}
+            Ok(r) => return Err(Unavailable::Other(format!("the supervisor said {r:?}"))),
+            Err(e) if is_timeout(&e) => return Err(no_answer(conn.supervisor)),
+            Err(e) => return Err(Unavailable::NotRunning(e)),
+        }
+    }
+    Ok(conn)
 }
 
 /// The pid the supervisor wrote into its lock file (see `server::bind`).
@@ -293,9 +312,9 @@ fn no_answer(pid: u32) -> Unavailable {
     Unavailable::NoAnswer(format!("the supervisor (pid {pid}) did not answer in time"))
 }
 
-fn connect(deadline: Instant) -> Result<Conn, Unavailable> {
+fn connect(deadline: Instant, first: &[Request]) -> Result<Conn, Unavailable> {
     let dir = super::state_dir().map_err(|e| Unavailable::UnsafeDir(e.to_string()))?;
-    connect_in(&dir, &super::socket_name(), deadline)
+    connect_in(&dir, &super::socket_name(), deadline, first)
 }
 
 /// Mark every descriptor above stderr close-on-exec, so that the supervisor (which outlives
@@ -472,7 +491,10 @@ fn ensure(mut io: IoGuard, may_spawn: bool) -> (IoGuard, Result<bool, Unavailabl
             return (io, Err(Unavailable::NoAnswer(why.clone())));
         }
     }
-    let mut c = match connect(Instant::now() + timeout()) {
+    // Every segment in use is registered on a new connection, the first batch in the same
+    // write as the HELLO.
+    let mut uses = registrations();
+    let mut c = match connect(Instant::now() + timeout(), &uses) {
         Ok(c) => c,
         Err(Unavailable::NotRunning(_)) if may_spawn => {
             let start = Instant::now();
@@ -486,8 +508,9 @@ fn ensure(mut io: IoGuard, may_spawn: bool) -> (IoGuard, Result<bool, Unavailabl
                 // Another thread connected meanwhile and registered everything in `uses`.
                 return (io, Ok(true));
             }
+            uses = registrations();
             loop {
-                match connect(Instant::now() + timeout()) {
+                match connect(Instant::now() + timeout(), &uses) {
                     Ok(c) => break c,
                     Err(Unavailable::NotRunning(e)) if start.elapsed() >= SPAWN_WAIT => {
                         return (io, Err(Unavailable::NotRunning(e)))
@@ -499,29 +522,31 @@ fn ensure(mut io: IoGuard, may_spawn: bool) -> (IoGuard, Result<bool, Unavailabl
         }
         Err(e) => return (io, Err(e)),
     };
-    let uses: Vec<Request> = {
-        let mut st = lock(state());
-        // A new connection knows nothing of earlier DROPs: forget them.
-        st.drops.clear();
-        st.uses
-            .iter()
-            .map(|(p, u)| {
-                if u.created {
-                    Request::New(p.clone())
-                } else {
-                    Request::Use(p.clone())
-                }
-            })
-            .collect()
-    };
     // Re-registering many stores may take several deadlines' worth: one per batch.
-    for chunk in uses.chunks(BATCH) {
+    for chunk in uses[uses.len().min(BATCH)..].chunks(BATCH) {
         if let Err(e) = c.requests(chunk, Instant::now() + timeout()) {
             return (io, Err(fail(&c, e)));
         }
     }
     io.conn = Some(c);
     (io, Ok(true))
+}
+
+/// What a new connection registers: every segment in use here. A new connection knows
+/// nothing of earlier DROPs: they are forgotten.
+fn registrations() -> Vec<Request> {
+    let mut st = lock(state());
+    st.drops.clear();
+    st.uses
+        .iter()
+        .map(|(p, u)| {
+            if u.created {
+                Request::New(p.clone())
+            } else {
+                Request::Use(p.clone())
+            }
+        })
+        .collect()
 }
 
 fn fail(c: &Conn, e: io::Error) -> Unavailable {
@@ -700,7 +725,7 @@ pub fn flush_drops() {
 
 /// Open a fresh connection (never starts a supervisor). `Ok(None)`: none is running.
 fn query(deadline: Instant) -> io::Result<Option<Conn>> {
-    match connect(deadline) {
+    match connect(deadline, &[]) {
         Ok(c) => Ok(Some(c)),
         Err(Unavailable::NotRunning(_)) => Ok(None),
         Err(e) => Err(e.into()),
@@ -736,7 +761,7 @@ pub(crate) fn list_in(dir: &PrivateDir, name: &str) -> io::Result<Option<Vec<Seg
 
 /// One LIST round trip. `ErrorKind::Interrupted`: the connection closed before any answer.
 fn list_once(dir: &PrivateDir, name: &str) -> io::Result<Option<Vec<SegmentUse>>> {
-    let mut c = match connect_in(dir, name, Instant::now() + query_timeout()) {
+    let mut c = match connect_in(dir, name, Instant::now() + query_timeout(), &[]) {
         Ok(c) => c,
         Err(Unavailable::NotRunning(_)) => return Ok(None),
         Err(e) => return Err(e.into()),
@@ -797,7 +822,7 @@ pub(crate) struct TestConn(Conn);
 impl TestConn {
     pub(crate) fn connect(dir: &PrivateDir, name: &str) -> io::Result<Self> {
         let deadline = Instant::now() + Duration::from_secs(30);
-        connect_in(dir, name, deadline)
+        connect_in(dir, name, deadline, &[])
             .map(TestConn)
             .map_err(io::Error::from)
     }

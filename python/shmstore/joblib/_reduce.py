@@ -202,7 +202,7 @@ class Sharer(_Sender):
 
     def _marker_path_locked(self) -> str:
         if self._marker is None:
-            self._marker = shmstore.put(self.token)
+            self._marker = shmstore.put(self.token, arena=False)
             self._marker_path = str(self._marker.path)
         return self._marker_path
 
@@ -235,7 +235,7 @@ class Sharer(_Sender):
             return root, ("file", span.path, self.token, marker), span.offset, None
         contiguous = root.flags.c_contiguous or root.flags.f_contiguous
         data = root if contiguous else np.ascontiguousarray(root)
-        ref = shmstore.put(_as_bytes(data))
+        ref = shmstore.put(_as_bytes(data), arena=False)
         self._refs.append(ref)
         path = str(ref.path)
         self.stats.segments += 1
@@ -286,7 +286,7 @@ class ResultSender(_Sender):
             else:
                 if not (root.flags.c_contiguous or root.flags.f_contiguous):
                     return None  # a rare strided root: pickled by value
-                ref = shmstore.put(_as_bytes(root))
+                ref = shmstore.put(_as_bytes(root), arena=False)
                 path = str(ref.path)
                 CACHE.hold(path, ref)
                 known = (root, ("result", path, "", ""), 0)

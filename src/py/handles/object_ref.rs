@@ -55,10 +55,11 @@ pub(crate) fn put<'py>(
         });
     // A small object into this process's arena (docs/arena.md); too large, or no
     // supervisor: a segment of its own, as without `arena`.
-    if arena && name.is_none() && size_hint.is_none_or(|n| n <= arena::MAX_OBJECT as u64) {
-        let archive = arena::encode(obj)?;
-        if let Some(store) = arena::put_archive(py, &archive, dir.clone())? {
-            return new_handle(py, store, true, Ref);
+    if arena && name.is_none() && arena::may_fit(obj, size_hint) {
+        if let Some(archive) = arena::encode_small(obj)? {
+            if let Some(store) = arena::put_archive(py, &archive, dir.clone())? {
+                return new_handle(py, store, true, Ref);
+            }
         }
     }
     let store = store::build(py, Kind::Object, name, dir, size_hint, |builder| {
