@@ -667,7 +667,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
     }
 
     /// The tagged value at `pos` of record `rec`.
-    #[inline]
+    #[inline(always)]
     pub fn tagged(&self, rec: u32, pos: usize) -> Result<Item<'_>, ArchiveError> {
         let tag = self.byte(pos)?;
         let b = pos + 1;
