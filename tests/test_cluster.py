@@ -576,3 +576,56 @@ def test_torchrun_two_machines_two_ranks_each(tmp_path, capsys, how):
             m.kill_all()
         for m in ms:
             wait_for(lambda m=m: not m.segments(), f"machine {m.name}'s segments to go", 60)
+
+
+def _subgroup_rank(rank, world, init_file, base, q):
+    import torch.distributed as dist
+
+    os.environ["SHMSTORE_NODE_ID"] = f"node-{rank}-{base.name}"  # ranks 1 and 2: two machines
+    os.environ["SHMSTORE_DIR"] = str(base / f"shm-{rank}")
+    os.environ["SHMSTORE_SUPERVISOR_NAME"] = f"shmstore-supervisor-test-{rank}-{base.name}"
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        g = dist.new_group([1, 2])
+        if rank == 0:
+            q.put((rank, "not in the group"))
+        else:
+            import shmstore.torch as st
+
+            try:
+                st.shared_per_machine(lambda: [{"i": i} for i in range(10)], group=g)
+                q.put((rank, "no error"))
+            except ValueError as e:
+                q.put((rank, "refused" if "every rank" in str(e) else str(e)))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_torch_subgroup_across_machines_is_refused_not_hung(tmp_path):
+    """shared_per_machine(group=<a group of ranks 1 and 2 of 3>) on two machines used to hang:
+    the leaders' sub-group was made with new_group(), which needs every rank of the job, and
+    with group ranks where global ranks are expected. It is refused on every rank now."""
+    pytest.importorskip("torch", reason="torch is not installed (make test-torch installs it)")
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    for r in range(3):
+        (tmp_path / f"shm-{r}").mkdir(mode=0o700)
+    procs = [
+        ctx.Process(target=_subgroup_rank, args=(r, 3, tmp_path / "pg", tmp_path, q))
+        for r in range(3)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        reports = sorted(q.get(timeout=180) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+                p.join(30)
+    assert reports == [(0, "not in the group"), (1, "refused"), (2, "refused")]
+    assert [p.exitcode for p in procs] == [0, 0, 0]

@@ -286,6 +286,14 @@ class TorchCollective:
         return out
 
     def leaders(self, ranks: list[int]) -> None:
+        if self.world_size != self._dist.get_world_size():
+            # new_group() needs every rank of the job, and ranks outside ``group`` never get
+            # here: refuse (on every rank of the group alike) rather than hang.
+            raise ValueError(
+                "shared_per_machine(group=...) across machines needs a group of every rank "
+                f"of the job ({self.world_size} of {self._dist.get_world_size()} here): pass "
+                "the default group (group=None), or a Collective of your own"
+            )
         self._sub = self._dist.new_group(ranks)
         self._root = ranks[0]
 
@@ -421,7 +429,10 @@ def shared_per_machine(
     instead of building; if it does not, rank 0 builds and saves it there for next time.
 
     ``group``: a torch ProcessGroup to use instead of the default one, or a
-    :class:`Collective`. It is a collective: every rank of the group must call this.
+    :class:`Collective`. It is a collective: every rank of the group must call this. Across
+    machines a torch group must hold every rank of the job (the machines' leaders get a
+    sub-group of their own, which ``torch.distributed.new_group`` makes with every rank);
+    a smaller one raises ValueError on each of its ranks.
 
     Without torch.distributed, pass ``broadcast`` (e.g. :func:`file_broadcast`) and
     ``local_rank`` (default ``$LOCAL_RANK``, or the MPI/Slurm equivalents, or 0): local rank 0
