@@ -649,7 +649,11 @@ pub fn survey(path: &Path) -> Result<Survey, ArenaError> {
             .and_then(|n| n.checked_add(ALIGN - 1))
             .map(|n| n & !(ALIGN - 1));
         match size {
-            Some(size) if magic == CHUNK_MAGIC && generation > 0 && off + size <= f.len => {
+            Some(size)
+                if magic == CHUNK_MAGIC
+                    && generation > 0
+                    && off.checked_add(size).is_some_and(|end| end <= f.len) =>
+            {
                 let state = ofd_probe(&f.file, off, size)
                     .map_err(|e| io_err(path, e))?
                     .unwrap_or(PartState::Unleased);
@@ -842,6 +846,31 @@ mod tests {
             ArenaFile::open(&other),
             Err(ArenaError::Corrupt { .. })
         ));
+    }
+
+    #[test]
+    fn survey_shows_chunks_and_free_space() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = arena(dir.path());
+        let a = w.put(&[1u8; 100]).unwrap().unwrap();
+        let b = w.put(&[2u8; 1000]).unwrap().unwrap();
+        let s = survey(w.path()).unwrap();
+        assert_eq!(s.capacity, 1 << 20);
+        assert_eq!(s.creator_pid, std::process::id());
+        let chunks: Vec<_> = s.parts.iter().filter(|p| p.generation.is_some()).collect();
+        assert_eq!(chunks.len(), 2);
+        assert_eq!(
+            (chunks[0].offset, chunks[0].generation),
+            (a.offset, Some(1))
+        );
+        assert_eq!(
+            (chunks[1].offset, chunks[1].generation),
+            (b.offset, Some(2))
+        );
+        assert!(chunks.iter().all(|p| p.state == PartState::Unleased));
+        let rest = s.parts.last().unwrap();
+        assert_eq!((rest.generation, rest.state), (None, PartState::Free));
+        assert_eq!(s.parts.iter().map(|p| p.size).sum::<u64>(), s.capacity);
     }
 
     #[test]
