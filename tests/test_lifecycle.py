@@ -646,6 +646,26 @@ def test_g4_supervisor_is_detached_survives_sigint_and_exits_when_idle(lc: Lifec
     assert lc.info() is None
 
 
+def test_background_thread_blocks_signals_so_ctrl_c_reaches_python(lc: Lifecycle) -> None:
+    """shmstore's one background thread (it sends the queued DROPs) blocks every signal. If
+    it did not, the kernel could hand a process-wide SIGINT to it; CPython would then only
+    set a flag, and a main thread blocked reading stdin would never see Ctrl-C."""
+    client = lc.worker(new_session=True)
+    name, _ = client.create(5)
+    client.ok(f"close {name}")  # its last mapping goes: a DROP is queued, the thread starts
+    threads = {}
+    for task in Path(f"/proc/{client.pid}/task").iterdir():
+        threads[(task / "comm").read_text().strip()] = task
+    assert "shmstore-drops" in threads, sorted(threads)
+    status = (threads["shmstore-drops"] / "status").read_text()
+    blocked = int(next(ln for ln in status.splitlines() if ln.startswith("SigBlk:")).split()[1], 16)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        assert blocked & (1 << (sig - 1)), f"the DROP sender does not block {sig.name}"
+    # And so Ctrl-C ends the program, blocked as it is in a read of stdin.
+    os.killpg(client.pid, signal.SIGINT)
+    assert client.wait() != 0
+
+
 def _unrelated_process(lc: Lifecycle, pid_wanted: int) -> tuple[subprocess.Popen[bytes], bool]:
     """A process that has nothing to do with shmstore, with pid ``pid_wanted`` when we can
     arrange it (root: /proc/sys/kernel/ns_last_pid), else with whatever pid it gets."""

@@ -656,14 +656,34 @@ pub fn drop_segment(path: &Path) {
     st.drops.insert(path.to_owned());
     let me = std::process::id();
     if st.sender != me {
-        let started = std::thread::Builder::new()
-            .name("shmstore-drops".into())
-            .spawn(send_drops);
+        let started = spawn_without_signals("shmstore-drops", send_drops);
         if started.is_ok() {
             st.sender = me;
         }
     }
     WAKE.notify_one();
+}
+
+/// Start a background thread that blocks every signal, from its first instruction (it
+/// inherits the mask set around the spawn). A signal sent to the process (Ctrl-C's SIGINT,
+/// SIGTERM) then always goes to a thread that can handle it: if the kernel picked our
+/// thread instead, CPython would only set a flag there, and a main thread blocked in a read
+/// would never be interrupted (the program would ignore Ctrl-C).
+fn spawn_without_signals(
+    name: &str,
+    f: impl FnOnce() + Send + 'static,
+) -> io::Result<std::thread::JoinHandle<()>> {
+    // SAFETY: plain libc calls on local, initialised sigset_t values; the calling thread's
+    // mask is restored right after the spawn, whatever the spawn's outcome.
+    unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        let mut old: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut old);
+        let started = std::thread::Builder::new().name(name.into()).spawn(f);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
+        started
+    }
 }
 
 /// The sender thread: waits for queued DROPs and sends them in batches.
