@@ -447,6 +447,11 @@ def cycler(k: int, n: int) -> None:
 def main() -> None:
     role = sys.argv[1]
     if role == "client":
+        # A program started in a terminal: Ctrl-C raises KeyboardInterrupt. Python installs
+        # that handler only if SIGINT is not ignored at startup, and a test suite run as a
+        # background job of a non-interactive shell (CI scripts, `cmd &`) passes SIGINT on
+        # ignored; the tests that send SIGINT would then wait for nothing.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         Client().run()
     elif role == "cycler":
         cycler(int(sys.argv[2]), int(sys.argv[3]))
