@@ -161,6 +161,28 @@ def smaps_rollup(pid: int) -> dict[str, int]:
     return out
 
 
+def machine_memory(roots: list[int], segment_dir: Path) -> int:
+    """One "machine"'s memory: the sum over ``roots`` and their descendants of PSS minus its
+    shared-memory part, plus the files in ``segment_dir`` (its segments, counted once)."""
+    total = 0
+    for pid in [p for r in roots for p in [r, *descendants(r)]]:
+        try:
+            s = smaps_rollup(pid)
+        except OSError:  # exited meanwhile
+            continue
+        total += s.get("Pss", 0) - s.get("Pss_Shmem", 0)
+    try:
+        files = list(segment_dir.iterdir())
+    except OSError:  # closed meanwhile
+        files = []
+    for f in files:
+        try:
+            total += f.stat().st_blocks * 512
+        except OSError:
+            pass
+    return total
+
+
 def descendants(pid: int) -> list[int]:
     """All live descendants of ``pid`` (children, grandchildren...), from /proc/*/stat."""
     parent_of: dict[int, int] = {}

@@ -39,10 +39,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
-import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import MiB, machine_md, md_table, smaps_rollup, write_result
+from _common import MiB, machine_md, machine_memory, md_table, write_result
 from coco import make_records
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cluster.md"
@@ -113,31 +112,7 @@ class Cluster:
 
     def memory(self) -> list[int]:
         """Per machine: sum of (PSS - shared-memory PSS) of its processes + its segments."""
-        out = []
-        for roots, d in zip(self.machine_roots, self.dirs):
-            total = 0
-            for r in roots:
-                try:
-                    pids = [r] + [c.pid for c in psutil.Process(r).children(recursive=True)]
-                except psutil.NoSuchProcess:
-                    continue
-                for pid in pids:
-                    try:
-                        s = smaps_rollup(pid)
-                    except OSError:
-                        continue
-                    total += s.get("Pss", 0) - s.get("Pss_Shmem", 0)
-            try:
-                files = list(d.iterdir())
-            except OSError:  # closed meanwhile
-                files = []
-            for f in files:
-                try:
-                    total += f.stat().st_blocks * 512
-                except OSError:
-                    pass
-            out.append(total)
-        return out
+        return [machine_memory(roots, d) for roots, d in zip(self.machine_roots, self.dirs)]
 
     def close(self) -> None:
         for p in self.procs:

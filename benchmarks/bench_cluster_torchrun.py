@@ -43,10 +43,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import MiB, machine_md, md_table, smaps_rollup, write_result
+from _common import MiB, machine_md, machine_memory, md_table, write_result
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cluster-torchrun.md"
 
@@ -130,30 +129,7 @@ class Job:
                 self.procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=log))
 
     def memory(self) -> list[int]:
-        out = []
-        for p, d in zip(self.procs, self.dirs):
-            total = 0
-            try:
-                pids = [p.pid] + [c.pid for c in psutil.Process(p.pid).children(recursive=True)]
-            except psutil.NoSuchProcess:
-                pids = []
-            for pid in pids:
-                try:
-                    s = smaps_rollup(pid)
-                except OSError:
-                    continue
-                total += s.get("Pss", 0) - s.get("Pss_Shmem", 0)
-            try:
-                files = list(d.iterdir())
-            except OSError:  # closed meanwhile
-                files = []
-            for f in files:
-                try:
-                    total += f.stat().st_blocks * 512
-                except OSError:
-                    pass
-            out.append(total)
-        return out
+        return [machine_memory([p.pid], d) for p, d in zip(self.procs, self.dirs)]
 
     def wait_files(self, pattern: str, n: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout

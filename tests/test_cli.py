@@ -109,8 +109,9 @@ sys.stdin.readline()
 """
 
 
-def test_ls_shows_an_arena_as_an_arena(env: Env, tmp_path: Path) -> None:
-    """An arena (docs/arena.md) is listed with its kind and creator, not as unreadable."""
+def _arena_creator(env: Env, tmp_path: Path, script: str) -> subprocess.Popen[str]:
+    """A process running ``script`` with this test's own supervisor (arenas need one), its
+    stdin and stdout piped."""
     supervised = {
         **env.vars,
         "SHMSTORE_SUPERVISOR": "1",
@@ -118,13 +119,18 @@ def test_ls_shows_an_arena_as_an_arena(env: Env, tmp_path: Path) -> None:
         "SHMSTORE_SUPERVISOR_GRACE": "0.3",
         "XDG_RUNTIME_DIR": str(tmp_path),
     }
-    creator = subprocess.Popen(
-        [sys.executable, "-c", ARENA_CREATOR],
+    return subprocess.Popen(
+        [sys.executable, "-c", script],
         env=supervised,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
+
+
+def test_ls_shows_an_arena_as_an_arena(env: Env, tmp_path: Path) -> None:
+    """An arena (docs/arena.md) is listed with its kind and creator, not as unreadable."""
+    creator = _arena_creator(env, tmp_path, ARENA_CREATOR)
     try:
         assert creator.stdout is not None
         name = creator.stdout.readline().strip()
@@ -152,20 +158,7 @@ def test_inspect_shows_an_arena_s_chunks(env: Env, tmp_path: Path) -> None:
     """``shmstore inspect`` of an arena lists its chunks with their state (a lease held by
     another process shows as leased); of a chunk's name, the object and its chunk; bad
     chunk names are one-line errors."""
-    supervised = {
-        **env.vars,
-        "SHMSTORE_SUPERVISOR": "1",
-        "SHMSTORE_SUPERVISOR_NAME": f"shmstore-test-cli-{os.getpid()}-{tmp_path.name}"[:80],
-        "SHMSTORE_SUPERVISOR_GRACE": "0.3",
-        "XDG_RUNTIME_DIR": str(tmp_path),
-    }
-    creator = subprocess.Popen(
-        [sys.executable, "-c", ARENA_CHUNKS],
-        env=supervised,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    creator = _arena_creator(env, tmp_path, ARENA_CHUNKS)
     try:
         assert creator.stdout is not None
         names = creator.stdout.readline().split()
