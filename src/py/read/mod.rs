@@ -72,17 +72,18 @@ pub(crate) fn value<'py>(
             _ => {}
         }
     }
-    value_at(py, store, item, deep, 0)
+    value_at(py, store, item, 0)
 }
 
-/// `value`, `depth` containers below where the conversion started. Records are checked to
-/// be trees within the format's depth limit when first read; this guard keeps a deep
-/// conversion within that limit even for a node rebuilt from a pickle.
+/// `value` for what `value`'s view path does not take (containers converted deeply, and
+/// the scalars that need more than a constructor), `depth` containers below where the
+/// conversion started. Records are checked to be trees within the format's depth limit when
+/// first read; this guard keeps a deep conversion within that limit even for a node rebuilt
+/// from a pickle.
 fn value_at<'py>(
     py: Python<'py>,
     store: &StoreRef,
     item: Item<'_>,
-    deep: bool,
     depth: usize,
 ) -> PyResult<Bound<'py, PyAny>> {
     let err = store.archive_err();
@@ -106,25 +107,15 @@ fn value_at<'py>(
             PyBytes::new(py, store.reader.payload_checked(ext).map_err(&err)?).into_any()
         }
         Item::List(node) | Item::Tuple(node) => {
-            if !deep {
-                return Ok(new_view(py, ListView::new(store.clone_ref(py), node))?.into_any());
-            }
             let r = &store.reader;
             let seq = r.seq(node).map_err(&err)?;
             let items = (0..seq.len).map(|i| {
                 let it = r.seq_get(seq, i).map_err(&err)?;
-                value_at(py, store, it, true, depth + 1)
+                value_at(py, store, it, depth + 1)
             });
-            if r.is_tuple(node) {
-                new_sequence(py, true, seq.len, items)?
-            } else {
-                new_sequence(py, false, seq.len, items)?
-            }
+            new_sequence(py, r.is_tuple(node), seq.len, items)?
         }
         Item::Dict(node) => {
-            if !deep {
-                return Ok(new_view(py, DictView::new(store.clone_ref(py), node))?.into_any());
-            }
             let r = &store.reader;
             let d = PyDict::new(py);
             if let Some(keys) = r.dict_shape_keys(node) {
@@ -138,7 +129,7 @@ fn value_at<'py>(
                         );
                     };
                     let v = r.dict_value(node, i).map_err(&err)?;
-                    let v = value_at(py, store, v, true, depth + 1)?;
+                    let v = value_at(py, store, v, depth + 1)?;
                     // SAFETY: `d` is a new dict of ours, `key` a str, `v` a live object; the
                     // call takes its own references (or fails with an exception set).
                     if unsafe { ffi::PyDict_SetItem(d.as_ptr(), key.as_ptr(), v.as_ptr()) } < 0 {
@@ -150,7 +141,7 @@ fn value_at<'py>(
             for i in 0..r.dict_len(node).map_err(&err)? {
                 let k = dict_key(py, store, node, i)?;
                 let v = r.dict_value(node, i).map_err(&err)?;
-                d.set_item(k, value_at(py, store, v, true, depth + 1)?)?;
+                d.set_item(k, value_at(py, store, v, depth + 1)?)?;
             }
             d.into_any()
         }
