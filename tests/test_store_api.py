@@ -531,6 +531,32 @@ def test_views_made_again_after_many_were_dropped_are_fresh():
             assert not any(gc.is_tracked(v) for v in again)
 
 
+def test_dropped_views_and_iterators_give_their_store_back():
+    """Views and iterators are made and released outside pyo3's generic path: every one of
+    them must give back exactly the reference to the store it took. The mapping stays while
+    one of them lives on after its handle closed, and goes with the last one."""
+    records = [{"l": [i, [i]], "t": (i, -i), "d": {"k": i}, "f": [0.5, 1.5]} for i in range(300)]
+    lst = shmstore.SharedList(records)
+    dct = shmstore.SharedDict({str(i): r for i, r in enumerate(records[:50])})
+    path, dpath = (os.stat(segment_dir() / h.name) for h in (lst, dct))
+    for _ in range(3):
+        made = [lst[i]["l"] for i in range(300)] + [lst[i]["d"] for i in range(300)]
+        made += [iter(v) for v in made[:50]] + [iter(lst), iter(dct), iter(dct["7"])]
+        assert sum(v[0] for v in made[:300]) == sum(range(300))
+        del made
+    kept = (lst[3]["t"], iter(lst[4]["d"]), iter(lst), dct["9"], iter(dct))
+    for h in (lst, dct):
+        h.unlink()
+        h.close()
+    del lst, dct
+    gc.collect()
+    assert len(mappings_of(path)) == 1 and len(mappings_of(dpath)) == 1
+    assert tuple(kept[0]) == (3, -3) and list(kept[1]) == ["k"] and kept[3]["d"]["k"] == 9
+    del kept
+    gc.collect()
+    assert mappings_of(path) == [] and mappings_of(dpath) == []
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("size", [10, 20_000_000], ids=["small", "20MB"])
 def test_pickles_are_small(kind, size, tmp_path):

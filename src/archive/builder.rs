@@ -100,6 +100,12 @@ impl<W: Write + Seek> Builder<W> {
 
     /// Dict kind: register the key of the next record. Call before [`Self::finish_record`].
     /// Fails on a duplicate key, before anything of the record is written.
+    /// Intern a dict key in the symbol table, for a `Value::Sym` (`None`: too long, or the
+    /// table is full; then the key goes as a `Value::Str`).
+    pub fn intern(&mut self, s: &str) -> Option<u32> {
+        self.enc.intern(s)
+    }
+
     pub fn add_key(&mut self, key: &Key<'_>) -> Result<(), ArchiveError> {
         if self.kind != Kind::Dict || self.key_offsets.len() as u64 != self.count + 1 {
             return Err(ArchiveError::Invalid(

@@ -80,6 +80,22 @@ impl Encoder {
         Some(id)
     }
 
+    /// The str of an interned symbol (`Invalid` for an id this encoder never gave out).
+    fn symbol(&self, id: u32) -> Result<&str, ArchiveError> {
+        self.symbol_list
+            .get(id as usize)
+            .map(|s| s.as_ref())
+            .ok_or_else(|| ArchiveError::Invalid(format!("symbol {id} was never interned")))
+    }
+
+    /// `key_of`, with interned symbols resolved.
+    fn key_of<'v>(&'v self, v: &'v Value) -> Option<Key<'v>> {
+        match v {
+            Value::Sym(id) => Some(Key::Str(std::borrow::Cow::Borrowed(self.symbol(*id).ok()?))),
+            v => key_of(v, 0),
+        }
+    }
+
     /// Encode one record; the bytes are valid until the next call.
     pub fn record(&mut self, v: &Value) -> Result<&[u8], ArchiveError> {
         self.out.clear();
@@ -91,6 +107,11 @@ impl Encoder {
             self.out[p.at..p.at + REF].copy_from_slice(&dist.to_le_bytes());
             match p.job {
                 Job::Tagged(v) => self.tagged(v, &mut queue)?,
+                Job::Key(Value::Sym(id)) => {
+                    self.symbol(*id)?;
+                    self.out.push(T_SYM);
+                    put_varint(&mut self.out, *id as u64);
+                }
                 Job::Key(Value::Str(s)) => match self.intern(s) {
                     Some(id) => {
                         self.out.push(T_SYM);
@@ -149,6 +170,12 @@ impl Encoder {
                 o.extend_from_slice(&im.to_le_bytes());
             }
             Value::Str(s) => put_blob(o, T_STR, s.as_bytes()),
+            Value::Sym(id) => {
+                let s = self.symbol_list.get(*id as usize).ok_or_else(|| {
+                    ArchiveError::Invalid(format!("symbol {id} was never interned"))
+                })?;
+                put_blob(o, T_STR, s.as_bytes())
+            }
             Value::Bytes(b) => put_blob(o, T_BYTES, b),
             Value::BytesExt(e) => {
                 o.push(T_BYTES_EXT);
@@ -241,7 +268,7 @@ impl Encoder {
         if dict_has_index(pairs.len()) {
             let hashes = pairs
                 .iter()
-                .map(|(k, _)| key_of(k, 0).map(|k| k.stable_hash()))
+                .map(|(k, _)| self.key_of(k).map(|k| k.stable_hash()))
                 .collect::<Option<Vec<u64>>>()
                 .ok_or_else(|| {
                     ArchiveError::Invalid("a dict key of a type that cannot be a key".into())
@@ -260,9 +287,13 @@ impl Encoder {
         }
         self.keys.clear();
         for (k, _) in pairs {
-            let Value::Str(s) = k else { return false };
-            let Some(id) = self.intern(s) else {
-                return false;
+            let id = match k {
+                Value::Sym(id) if (*id as usize) < self.symbol_list.len() => *id,
+                Value::Str(s) => match self.intern(s) {
+                    Some(id) => id,
+                    None => return false,
+                },
+                _ => return false,
             };
             self.keys.push(id);
         }
@@ -310,8 +341,12 @@ impl Encoder {
                 return None;
             }
             for (i, (k, v)) in pairs.iter().enumerate() {
-                let Value::Str(s) = k else { return None };
-                if self.symbol_list[self.keys[i] as usize].as_ref() != s.as_str() {
+                let same = match k {
+                    Value::Sym(id) => *id == self.keys[i],
+                    Value::Str(s) => self.symbol_list[self.keys[i] as usize].as_ref() == s.as_str(),
+                    _ => false,
+                };
+                if !same {
                     return None;
                 }
                 self.encs[i] = self.encs[i].join(natural(v));

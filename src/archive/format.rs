@@ -104,7 +104,7 @@ pub enum Scalar {
 }
 
 /// Read one element (`None` if `b` is too short or a bool byte is not 0/1).
-#[inline]
+#[inline(always)]
 pub fn read_elem(elem: Elem, b: &[u8]) -> Option<Scalar> {
     Some(match elem {
         Elem::Bool => match *b.first()? {
@@ -245,8 +245,17 @@ pub fn put_varint(out: &mut Vec<u8>, mut v: u64) {
 
 /// Read a LEB128 varint at `b[at..]`: (value, position after it). At most 10 bytes; a value
 /// past u64, or running off the end, is `Corrupt`.
-#[inline]
+#[inline(always)]
 pub fn get_varint(b: &[u8], at: usize) -> Result<(u64, usize), ArchiveError> {
+    // Most varints here (counts, shape ids, symbol ids) fit one byte.
+    match b.get(at) {
+        Some(&byte) if byte < 0x80 => Ok((byte as u64, at + 1)),
+        _ => get_varint_long(b, at),
+    }
+}
+
+#[inline(never)]
+fn get_varint_long(b: &[u8], at: usize) -> Result<(u64, usize), ArchiveError> {
     let mut v = 0u64;
     let mut i = at;
     for shift in (0..64).step_by(7) {

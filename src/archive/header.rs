@@ -198,6 +198,7 @@ pub const UNSEALED_MAGIC: [u8; 8] = *b"SHMSTOR\x01";
 
 /// The position and length of record `rec` from its index entry (unchecked: the reader
 /// bounds-checks; here out-of-range answers are `None`).
+#[inline(always)]
 pub fn record_span(bytes: &[u8], index_off: u64, rec: u64) -> Option<(u64, u64)> {
     let at = rec
         .checked_mul(INDEX_ENTRY as u64)?

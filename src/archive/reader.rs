@@ -137,6 +137,15 @@ fn corrupt<T>(msg: impl Into<String>) -> Result<T, ArchiveError> {
     Err(ArchiveError::Corrupt(msg.into()))
 }
 
+#[cold]
+#[inline(never)]
+fn count_past_end<T>(n: u64, at: usize) -> Result<T, ArchiveError> {
+    corrupt(format!("count {n} at {at} runs past the records"))
+}
+
+/// How many bytes of a record `root` asks the cache for ahead of reading them.
+const ROOT_PREFETCH: usize = 512;
+
 /// Most dimensions an array may have (numpy's limit since numpy 2).
 pub const MAX_NDIM: usize = 64;
 
@@ -198,6 +207,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
         self.header.kind
     }
 
+    #[inline(always)]
     pub fn len(&self) -> u64 {
         self.header.count
     }
@@ -234,7 +244,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn varint(&self, at: usize) -> Result<(u64, usize), ArchiveError> {
         get_varint(&self.bytes()[..self.rec_end], at)
     }
@@ -259,7 +269,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
     }
 
     /// A count (varint) of items of `each` bytes following at `after`: checked to fit.
-    #[inline]
+    #[inline(always)]
     fn count(&self, at: usize, each: usize) -> Result<(usize, usize), ArchiveError> {
         let (n, after) = self.varint(at)?;
         let fits = usize::try_from(n)
@@ -268,7 +278,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
             .and_then(|b| b.checked_add(after))
             .is_some_and(|e| e <= self.rec_end);
         if !fits {
-            return corrupt(format!("count {n} at {at} runs past the records"));
+            return count_past_end(n, at);
         }
         Ok((n as usize, after))
     }
@@ -283,6 +293,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
     // --- records and validation ---------------------------------------------------------
 
     /// [start, end) of record `rec`, checked to lie in the records region.
+    #[inline(always)]
     fn span(&self, rec: u64) -> Result<(usize, usize), ArchiveError> {
         match record_span(self.bytes(), self.header.index_off, rec) {
             Some((s, l))
@@ -296,12 +307,14 @@ impl<B: AsRef<[u8]>> Reader<B> {
         }
     }
 
+    #[inline(always)]
     pub(crate) fn is_validated(&self, rec: u64) -> bool {
         let (word, bit) = ((rec / 64) as usize, 1u64 << (rec % 64));
         self.validated[word].load(Ordering::Acquire) & bit != 0
     }
 
     /// Run the checks of record `rec`'s block now (normally done on first access).
+    #[inline(always)]
     pub fn validate_record(&self, rec: u64) -> Result<(), ArchiveError> {
         if rec >= self.header.count {
             return Err(ArchiveError::Invalid(format!("record {rec} out of range")));
@@ -309,6 +322,13 @@ impl<B: AsRef<[u8]>> Reader<B> {
         if self.is_validated(rec) {
             return Ok(());
         }
+        self.validate_block(rec)
+    }
+
+    /// Check the block holding record `rec` (its first access in this process).
+    #[cold]
+    #[inline(never)]
+    fn validate_block(&self, rec: u64) -> Result<(), ArchiveError> {
         let b = self.block_of(rec);
         let first = self.block_first[b];
         let last = self
@@ -576,9 +596,19 @@ impl<B: AsRef<[u8]>> Reader<B> {
     }
 
     /// The root value of record `rec` (checked on first access in this process).
+    #[inline(always)]
     pub fn root(&self, rec: u64) -> Result<Node, ArchiveError> {
         self.validate_record(rec)?;
-        let (start, _) = self.span(rec)?;
+        let (start, end) = self.span(rec)?;
+        // A record is read front to back, but its reads depend on one another (a field's
+        // position comes from what precedes it): ask for its first lines at once, so that
+        // in random order their misses overlap instead of following one another.
+        let b = self.bytes();
+        let mut at = start;
+        while at < end.min(start + ROOT_PREFETCH) {
+            prefetch(b, at);
+            at += 64;
+        }
         Ok(Node {
             rec: rec as u32,
             form: Form::Tagged,
@@ -656,7 +686,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
     // --- values -------------------------------------------------------------------------
 
     /// The value a node names: a container node as List/Tuple/Dict, a tagged one decoded.
-    #[inline]
+    #[inline(always)]
     pub fn item(&self, node: Node) -> Result<Item<'_>, ArchiveError> {
         match node.form {
             Form::Tagged => self.tagged(node.rec, node.pos as usize),
@@ -755,29 +785,47 @@ impl<B: AsRef<[u8]>> Reader<B> {
 
     /// Layout of a sequence node: (kind, count, position of the first element).
     #[inline(always)]
-    fn seq_layout(&self, node: Node) -> Result<(SeqKind, usize, usize), ArchiveError> {
+    fn seq_layout(&self, node: Node) -> Result<SeqAt, ArchiveError> {
         let pos = node.pos as usize;
+        let seq = |kind, shape, elem: Elem, step, (len, at): (usize, usize)| SeqAt {
+            rec: node.rec,
+            shape,
+            kind,
+            elem,
+            step,
+            len,
+            at,
+        };
         match node.form {
-            Form::Pack { elem, count, .. } => Ok((SeqKind::Packed(elem), count as usize, pos)),
+            Form::Pack { elem, count, .. } => Ok(seq(
+                SeqKind::Packed,
+                0,
+                elem,
+                elem.size(),
+                (count as usize, pos),
+            )),
             Form::Struct(_) => corrupt("a dict is not a sequence"),
             Form::Tagged => {
                 let tag = self.byte(pos)?;
                 match tag {
-                    T_LIST | T_TUPLE => {
-                        let (n, at) = self.count(pos + 1, REF)?;
-                        Ok((SeqKind::Refs, n, at))
-                    }
+                    T_LIST | T_TUPLE => Ok(seq(
+                        SeqKind::Refs,
+                        0,
+                        Elem::I8,
+                        REF,
+                        self.count(pos + 1, REF)?,
+                    )),
                     T_LIST_PACKED | T_TUPLE_PACKED => {
                         let elem = Elem::from_u8(self.byte(pos + 1)?)
                             .ok_or_else(|| ArchiveError::Corrupt("bad packed element".into()))?;
-                        let (n, at) = self.count(pos + 2, elem.size())?;
-                        Ok((SeqKind::Packed(elem), n, at))
+                        let n = self.count(pos + 2, elem.size())?;
+                        Ok(seq(SeqKind::Packed, 0, elem, elem.size(), n))
                     }
                     T_LIST_STRUCT | T_TUPLE_STRUCT => {
                         let (id, at) = self.varint(pos + 1)?;
                         let size = self.shape(id)?.shape.size as usize;
-                        let (n, at) = self.count(at, size)?;
-                        Ok((SeqKind::Struct(id as u32, size), n, at))
+                        let n = self.count(at, size)?;
+                        Ok(seq(SeqKind::Struct, id as u32, Elem::I8, size, n))
                     }
                     _ => corrupt("not a sequence"),
                 }
@@ -786,19 +834,13 @@ impl<B: AsRef<[u8]>> Reader<B> {
     }
 
     pub fn seq_len(&self, node: Node) -> Result<usize, ArchiveError> {
-        Ok(self.seq_layout(node)?.1)
+        Ok(self.seq_layout(node)?.len)
     }
 
     /// A sequence node's layout, read once: its length and how to reach item `i`.
-    #[inline]
+    #[inline(always)]
     pub fn seq(&self, node: Node) -> Result<SeqAt, ArchiveError> {
-        let (kind, len, at) = self.seq_layout(node)?;
-        Ok(SeqAt {
-            rec: node.rec,
-            kind,
-            len,
-            at,
-        })
+        self.seq_layout(node)
     }
 
     /// Item `i` of a sequence node (`Invalid` if `i` is out of range).
@@ -808,24 +850,37 @@ impl<B: AsRef<[u8]>> Reader<B> {
     }
 
     /// Item `i` of a sequence whose layout is known (`Invalid` if `i` is out of range).
-    #[inline]
+    #[inline(always)]
     pub fn seq_get(&self, seq: SeqAt, i: usize) -> Result<Item<'_>, ArchiveError> {
-        let SeqAt { rec, kind, len, at } = seq;
-        if i >= len {
+        if i >= seq.len {
             return Err(ArchiveError::Invalid(format!("index {i} out of range")));
         }
-        match kind {
-            SeqKind::Refs => self.tagged(rec, self.follow(at + i * REF)?),
-            SeqKind::Packed(elem) => self.scalar(elem, at + i * elem.size()),
-            SeqKind::Struct(id, size) => Ok(Item::Dict(Node {
-                rec,
-                form: Form::Struct(id),
-                pos: (at + i * size) as u64,
+        // `i < len` and `at + len * step` was checked to be inside the records.
+        let at = seq.at + i * seq.step;
+        match seq.kind {
+            SeqKind::Refs => self.tagged(seq.rec, self.follow(at)?),
+            SeqKind::Packed => self.scalar(seq.elem, at),
+            SeqKind::Struct => Ok(Item::Dict(Node {
+                rec: seq.rec,
+                form: Form::Struct(seq.shape),
+                pos: at as u64,
             })),
         }
     }
 
+    /// The element type and bytes of a packed sequence (`None` for other layouts), for
+    /// reading all of its elements at once. The bytes hold exactly `seq.len` elements
+    /// (checked when the layout was read).
     #[inline]
+    pub fn packed(&self, seq: SeqAt) -> Option<(Elem, &[u8])> {
+        if seq.kind != SeqKind::Packed {
+            return None;
+        }
+        let bytes = self.get(seq.at, seq.len.checked_mul(seq.step)?).ok()?;
+        Some((seq.elem, bytes))
+    }
+
+    #[inline(always)]
     fn scalar(&self, elem: Elem, at: usize) -> Result<Item<'_>, ArchiveError> {
         match read_elem(elem, self.get(at, elem.size())?) {
             Some(Scalar::Bool(b)) => Ok(Item::Bool(b)),
@@ -1337,20 +1392,28 @@ impl Walk<'_> {
     }
 }
 
-/// A sequence's layout (`Reader::seq`).
+/// A sequence's layout (`Reader::seq`). Plain fields rather than an enum with data, so
+/// that building and reading one stays in registers.
 #[derive(Debug, Clone, Copy)]
 pub struct SeqAt {
     rec: u32,
+    /// The shape of a struct sequence's elements.
+    shape: u32,
     kind: SeqKind,
+    /// The element type of a packed sequence (unused otherwise).
+    elem: Elem,
+    /// Bytes per element: a reference, a packed element, a struct.
+    step: usize,
     pub len: usize,
     at: usize,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
 enum SeqKind {
     Refs,
-    Packed(Elem),
-    Struct(u32, usize),
+    Packed,
+    Struct,
 }
 
 fn msg(e: ArchiveError) -> String {

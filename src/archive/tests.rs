@@ -541,3 +541,57 @@ fn the_block_of_every_record_is_found() {
     }
     roundtrip(&values);
 }
+
+/// A dict key given as an interned symbol (`Value::Sym`, what the Python writer passes) is
+/// written exactly as the same key given as a str: same bytes, in shaped, struct and
+/// general dicts (with and without a hash index), and as a value it reads back as a str.
+#[test]
+fn interned_keys_write_the_same_bytes_as_str_keys() {
+    fn with_syms(b: &mut Builder<Cursor<Vec<u8>>>, v: &Value) -> Value {
+        match v {
+            Value::Dict(pairs) => Value::Dict(
+                pairs
+                    .iter()
+                    .map(|(k, v)| {
+                        let k = match k {
+                            Value::Str(s) => Value::Sym(b.intern(s).unwrap()),
+                            k => k.clone(),
+                        };
+                        (k, with_syms(b, v))
+                    })
+                    .collect(),
+            ),
+            Value::List(items) => Value::List(items.iter().map(|v| with_syms(b, v)).collect()),
+            Value::Tuple(items) => Value::Tuple(items.iter().map(|v| with_syms(b, v)).collect()),
+            v => v.clone(),
+        }
+    }
+    let many: Vec<(String, Value)> = (0..80).map(|i| (format!("k{i}"), Value::Int(i))).collect();
+    let values = vec![
+        coco(1),
+        coco(7),
+        Value::Dict(many.iter().map(|(k, v)| (s(k), v.clone())).collect()),
+        Value::Dict(vec![(s("a"), Value::Int(1)), (Value::Int(2), s("b"))]),
+        Value::List(vec![dict(vec![("x", s("y"))]), dict(vec![("x", Value::Int(3))])]),
+    ];
+    let plain = build(Kind::List, &values);
+    let mut b = Builder::new(Cursor::new(Vec::new()), Kind::List, 1).unwrap();
+    for v in &values {
+        let v = with_syms(&mut b, v);
+        b.finish_record(&v).unwrap();
+    }
+    let (out, _) = b.finish(0).unwrap();
+    assert_eq!(out.into_inner(), plain);
+
+    // As a value (not a key), a symbol is written as its str.
+    let mut b = Builder::new(Cursor::new(Vec::new()), Kind::List, 1).unwrap();
+    let id = b.intern("name").unwrap();
+    b.finish_record(&Value::List(vec![Value::Sym(id), Value::Int(1)]))
+        .unwrap();
+    assert!(b.finish_record(&Value::Sym(id + 1)).is_err(), "an id never given out");
+    let (out, _) = b.finish(0).unwrap();
+    let bytes = out.into_inner();
+    let r = Reader::open(&bytes[..]).unwrap();
+    let got = decode(&r, r.item(r.root(0).unwrap()).unwrap(), 0).unwrap();
+    assert_eq!(got, Value::List(vec![s("name"), Value::Int(1)]));
+}

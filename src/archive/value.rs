@@ -36,6 +36,10 @@ pub enum Value {
     /// A complex number (real, imaginary).
     Complex([f64; 2]),
     Str(String),
+    /// A str already interned in the encoder's symbol table (`Encoder::intern`), as writers
+    /// pass dict keys: no copy of the key per dict. Only meaningful to the encoder that
+    /// interned it.
+    Sym(u32),
     Bytes(Vec<u8>),
     /// Large bytes stored out of line.
     BytesExt(Extent),

@@ -281,7 +281,11 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
     /// A dict key as a stored value.
     fn key(&mut self, k: &Bound<'_, PyAny>) -> PyResult<Value> {
         if let Ok(s) = k.cast::<PyString>() {
-            return Ok(Value::Str(self.str_of(s)?.into_owned()));
+            let s = self.str_of(s)?;
+            return Ok(match self.builder.intern(&s) {
+                Some(id) => Value::Sym(id),
+                None => Value::Str(s.into_owned()),
+            });
         }
         match py_key(k)? {
             Some(key) => Ok(key_value(&key)),

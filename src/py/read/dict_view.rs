@@ -17,7 +17,14 @@ pub(crate) struct DictView {
 
 iterator!(DictIter, "DictViewIterator", next_key);
 
+impl super::freelist::HoldsStore for DictView {
+    fn into_store(self) -> StoreRef {
+        self.store
+    }
+}
+
 impl DictView {
+    #[inline(always)]
     pub(crate) fn new(store: StoreRef, node: Node) -> Self {
         DictView { store, node }
     }

@@ -14,30 +14,67 @@
 //! allocator untracks a fresh object at once), so making a view needs no separate untrack
 //! call ([`new_view`]), and nothing ever tracks them: a kept object is never in the
 //! collector's lists.
+//!
+//! Making and dropping a view is also done here rather than by pyo3's generic path, which
+//! calls `object.__new__` with an empty argument tuple and enters a trampoline (thread-local
+//! counters, a panic guard) for every dealloc: together about a third of the cost of
+//! `view[k]`. `new_view` writes the value straight into a recycled object and the types'
+//! `tp_dealloc` is ours. Both rely on where pyo3 puts the value inside the object, which is
+//! not a public interface, so it is measured on the first object pyo3 makes of each type
+//! and checked against the type's size and weak-reference slot (`Layout::learn`); if
+//! anything does not match, that type keeps pyo3's path.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use pyo3::prelude::*;
 use pyo3::PyClass;
 
+use super::StoreRef;
+
 /// Whether `install` put the free lists (and untracked allocation) in place.
 static INSTALLED: AtomicBool = AtomicBool::new(false);
 
+/// What a recycled type's value holds that needs releasing: its store (the rest is plain
+/// data).
+pub(crate) trait HoldsStore {
+    /// The store reference, taken out as the value is dropped (by our dealloc, which the
+    /// stable ABI build does not have).
+    #[cfg_attr(feature = "abi3", allow(dead_code))]
+    fn into_store(self) -> StoreRef;
+}
+
+/// A view or iterator type whose objects are recycled (implemented by `lists!`).
+pub(crate) trait Recycled:
+    PyClass<Frozen = pyo3::pyclass::boolean_struct::True> + Sync + HoldsStore
+{
+    /// The value as pyo3's initializer, for the generic path.
+    fn init(self) -> pyo3::PyClassInitializer<Self>;
+
+    #[cfg(not(feature = "abi3"))]
+    #[doc(hidden)]
+    fn list() -> &'static imp::FreeList;
+}
+
 /// A new view or iterator object, untracked by the cyclic GC (as [`super::new_untracked`]):
-/// with the free lists installed it is untracked from birth.
-#[inline]
-pub(crate) fn new_view<T: PyClass>(
-    py: Python<'_>,
-    value: impl Into<pyo3::PyClassInitializer<T>>,
-) -> PyResult<Bound<'_, T>> {
+/// with the free lists installed it is untracked from birth, and made without pyo3's
+/// generic path once the type's layout is known.
+#[inline(always)]
+pub(crate) fn new_view<T: Recycled>(py: Python<'_>, value: T) -> PyResult<Bound<'_, T>> {
     if INSTALLED.load(Ordering::Relaxed) {
-        return Bound::new(py, value);
+        #[cfg(not(feature = "abi3"))]
+        {
+            // SAFETY: the lists are installed, so the GIL serialises every use of them
+            // (`install` refuses interpreters without one).
+            return unsafe { T::list().make(py, value) };
+        }
+        #[allow(unreachable_code)]
+        return Bound::new(py, value.init());
     }
-    super::new_untracked(py, value)
+    super::new_untracked(py, value.init())
 }
 
 #[cfg(not(feature = "abi3"))]
-mod imp {
+pub(crate) mod imp {
     use std::cell::UnsafeCell;
     use std::os::raw::c_void;
     use std::sync::atomic::Ordering;
@@ -46,20 +83,69 @@ mod imp {
     use pyo3::{ffi, PyTypeInfo};
 
     use super::super::{DictIter, DictView, ListIter, ListView};
+    use super::Recycled;
+    use crate::py::handles::{KeyIter, RecordIter};
 
     /// Dropped views kept per type: enough for the views alive at once in any usual loop
     /// (a record's nested containers), few enough to be negligible memory.
     const CAP: usize = 256;
 
-    pub(super) struct FreeList {
-        ty: UnsafeCell<*mut ffi::PyTypeObject>,
-        items: UnsafeCell<Vec<*mut ffi::PyObject>>,
+    /// Where a type's value and weak-reference list sit inside its objects (bytes from the
+    /// object's start; `weak` is 0 for a type without weak references).
+    #[derive(Clone, Copy)]
+    struct Layout {
+        value: usize,
+        weak: usize,
     }
 
-    // SAFETY: a list is read and written only by `alloc`/`free` below, which CPython calls
-    // with the GIL held (and `install`, also under the GIL, which runs before any of them
-    // for this type): the GIL serialises every access. `install` refuses free-threaded
-    // interpreters, where there is no GIL.
+    impl Layout {
+        /// The layout of `obj`, a live object of type `T` that pyo3 made, if it is the one
+        /// this module relies on: the object is its header, the value and (for a type with
+        /// weak references) the list pointer, with nothing else that needs initialising.
+        ///
+        /// # Safety
+        /// The GIL is held.
+        unsafe fn learn<T: Recycled>(obj: &Bound<'_, T>) -> Option<Layout> {
+            let base = obj.as_ptr() as usize;
+            let value = (obj.get() as *const T as usize).checked_sub(base)?;
+            let ty = obj.as_any().get_type();
+            let ty = ty.as_type_ptr();
+            // SAFETY: `ty` is the live type object of `obj` (the GIL is held).
+            let (size, weak) = unsafe { ((*ty).tp_basicsize, (*ty).tp_weaklistoffset) };
+            let (size, weak) = (usize::try_from(size).ok()?, usize::try_from(weak).ok()?);
+            let header = std::mem::size_of::<ffi::PyObject>();
+            let t = std::mem::size_of::<T>();
+            let weak_bytes = if weak == 0 {
+                0
+            } else {
+                std::mem::size_of::<usize>()
+            };
+            let fits = size == header + t + weak_bytes
+                && value >= header
+                && value + t <= size
+                && (weak == 0
+                    || (weak >= header
+                        && weak + weak_bytes <= size
+                        && (weak + weak_bytes <= value || weak >= value + t)));
+            fits.then_some(Layout { value, weak })
+        }
+    }
+
+    pub(crate) struct FreeList {
+        ty: UnsafeCell<*mut ffi::PyTypeObject>,
+        items: UnsafeCell<Vec<*mut ffi::PyObject>>,
+        /// Known once pyo3 has made the first object of the type (`make`); `None` before
+        /// that, or for good if the layout did not match.
+        layout: UnsafeCell<Option<Layout>>,
+        /// Whether the first object was looked at (so a mismatch is not retried).
+        learned: UnsafeCell<bool>,
+    }
+
+    // SAFETY: a list is read and written only by `alloc`, `free`, `make` and the type's
+    // dealloc below, which run with the GIL held (CPython calls tp_alloc, tp_free and
+    // tp_dealloc with it; `make` is called with it), and by `install`, also under the GIL,
+    // before any of them for this type: the GIL serialises every access. `install` refuses
+    // free-threaded interpreters, where there is no GIL.
     unsafe impl Sync for FreeList {}
 
     impl FreeList {
@@ -67,11 +153,84 @@ mod imp {
             FreeList {
                 ty: UnsafeCell::new(std::ptr::null_mut()),
                 items: UnsafeCell::new(Vec::new()),
+                layout: UnsafeCell::new(None),
+                learned: UnsafeCell::new(false),
             }
+        }
+
+        /// A new object of `T` holding `value`.
+        ///
+        /// # Safety
+        /// The GIL is held and the lists are installed; `self` is `T`'s list.
+        #[inline(always)]
+        pub(crate) unsafe fn make<'py, T: Recycled>(
+            &self,
+            py: Python<'py>,
+            value: T,
+        ) -> PyResult<Bound<'py, T>> {
+            // SAFETY: the GIL is held (the caller's contract).
+            let (ty, layout) = unsafe { (*self.ty.get(), *self.layout.get()) };
+            let Some(layout) = layout else {
+                // SAFETY: as above.
+                return unsafe { self.make_slow(py, value) };
+            };
+            // SAFETY: the GIL is held and `ty` is `T`'s type (set by `install`).
+            let obj = unsafe { self.alloc(ty, 0) };
+            if obj.is_null() {
+                return Err(PyErr::fetch(py));
+            }
+            // SAFETY: `obj` is a new object of `T`'s type with a reference count of 1,
+            // either fresh from the generic allocator (zeroed) or recycled by `dealloc`
+            // below (its value moved out, its weak-reference list cleared). `layout` was
+            // checked against this type's objects (`Layout::learn`): the value goes at
+            // `layout.value` and the weak-reference list, set empty, is the only other
+            // field. The object is then complete, as pyo3 would have made it.
+            unsafe {
+                let base = obj.cast::<u8>();
+                base.add(layout.value).cast::<T>().write(value);
+                if layout.weak != 0 {
+                    base.add(layout.weak)
+                        .cast::<*mut ffi::PyObject>()
+                        .write(std::ptr::null_mut());
+                }
+                Ok(Bound::from_owned_ptr(py, obj).cast_into_unchecked())
+            }
+        }
+
+        /// The first object of the type, made by pyo3, whose layout is then learnt.
+        ///
+        /// # Safety
+        /// As `make`.
+        #[cold]
+        #[inline(never)]
+        unsafe fn make_slow<'py, T: Recycled>(
+            &self,
+            py: Python<'py>,
+            value: T,
+        ) -> PyResult<Bound<'py, T>> {
+            let obj = Bound::new(py, value.init())?;
+            // SAFETY: the GIL is held (the caller's contract).
+            let learned = unsafe { &mut *self.learned.get() };
+            if !*learned {
+                *learned = true;
+                // SAFETY: the GIL is held; `obj` is a live object of `T` made by pyo3.
+                if let Some(layout) = unsafe { Layout::learn(&obj) } {
+                    // SAFETY: the GIL is held. From now on objects of this type are made
+                    // by `make` and released by `dealloc::<T>`, which undoes exactly what
+                    // pyo3's dealloc would for this layout; objects pyo3 made before (such
+                    // as `obj`) have the same layout.
+                    unsafe {
+                        *self.layout.get() = Some(layout);
+                        (*obj.as_any().get_type().as_type_ptr()).tp_dealloc = Some(dealloc::<T>);
+                    }
+                }
+            }
+            Ok(obj)
         }
 
         /// # Safety
         /// The GIL is held; `subtype` is a valid type object.
+        #[inline(always)]
         unsafe fn alloc(
             &self,
             subtype: *mut ffi::PyTypeObject,
@@ -82,11 +241,11 @@ mod imp {
             if nitems == 0 && std::ptr::eq(subtype, ty) {
                 if let Some(obj) = items.pop() {
                     // SAFETY: `obj` is the memory of a dropped instance of exactly this type
-                    // (`free` keeps nothing else), released by pyo3's dealloc: its contents
-                    // are dropped and it is not tracked by the collector. `PyObject_Init`
-                    // sets its type (taking a reference to the heap type, which the dealloc
-                    // gives back) and a reference count of 1; pyo3 then writes all of the
-                    // contents, as it does after a fresh allocation.
+                    // (`free` keeps nothing else), released by a dealloc: its value is
+                    // dropped and it is not tracked by the collector. `PyObject_Init` sets
+                    // its type (taking a reference to the heap type, which the dealloc
+                    // gives back) and a reference count of 1; the caller then writes all of
+                    // the contents, as after a fresh allocation.
                     return unsafe { ffi::PyObject_Init(obj, subtype) };
                 }
             }
@@ -103,6 +262,7 @@ mod imp {
 
         /// # Safety
         /// The GIL is held; `obj` is an instance of this list's type whose dealloc has run.
+        #[inline(always)]
         unsafe fn free(&self, obj: *mut c_void) {
             let obj = obj.cast::<ffi::PyObject>();
             if obj.is_null() {
@@ -112,7 +272,7 @@ mod imp {
             // pyo3's dealloc untracks before calling here too.
             // SAFETY: the GIL is held (the caller's contract).
             let items = unsafe { &mut *self.items.get() };
-            // SAFETY: `Py_TYPE` reads the header; the type is still alive (pyo3's dealloc
+            // SAFETY: `Py_TYPE` reads the header; the type is still alive (the dealloc
             // drops its reference after `tp_free` returns).
             let exact = unsafe { std::ptr::eq(ffi::Py_TYPE(obj), *self.ty.get()) };
             if exact && items.len() < CAP {
@@ -124,6 +284,40 @@ mod imp {
             }
             // SAFETY: the inverse of `PyType_GenericAlloc` for a GC type.
             unsafe { ffi::PyObject_GC_Del(obj.cast()) };
+        }
+    }
+
+    /// `tp_dealloc` of a recycled type once its layout is known: what pyo3's dealloc does
+    /// for it (clear weak references, drop the value, free the memory, release the type),
+    /// without its trampoline. Nothing here can panic.
+    unsafe extern "C" fn dealloc<T: Recycled>(obj: *mut ffi::PyObject) {
+        let list = T::list();
+        // SAFETY: CPython calls tp_dealloc with the GIL held, on an object of `T`'s type
+        // whose reference count reached 0; the type's layout is known (this dealloc is
+        // installed only then, and never removed), so the value and the weak-reference
+        // list are where `layout` says. The value is moved out once and the memory goes
+        // back to the list (or the allocator) before anything that could run Python code
+        // (the store's release, the type's) happens. The store reference is released by a
+        // plain decrement: no pyo3 code runs here that would defer it.
+        unsafe {
+            let Some(layout) = *list.layout.get() else {
+                return;
+            };
+            let base = obj.cast::<u8>();
+            if layout.weak != 0
+                && !base
+                    .add(layout.weak)
+                    .cast::<*mut ffi::PyObject>()
+                    .read()
+                    .is_null()
+            {
+                ffi::PyObject_ClearWeakRefs(obj);
+            }
+            let value = base.add(layout.value).cast::<T>().read();
+            let ty = ffi::Py_TYPE(obj);
+            list.free(obj.cast());
+            value.into_store().release();
+            ffi::Py_DECREF(ty.cast());
         }
     }
 
@@ -144,6 +338,18 @@ mod imp {
                     // SAFETY: CPython (pyo3's dealloc) calls tp_free with the GIL held, on
                     // an instance of a type whose tp_free this is.
                     unsafe { $list.free(obj) }
+                }
+
+                impl Recycled for $t {
+                    #[inline(always)]
+                    fn init(self) -> pyo3::PyClassInitializer<Self> {
+                        self.into()
+                    }
+
+                    #[inline(always)]
+                    fn list() -> &'static FreeList {
+                        &$list
+                    }
                 }
             )*
 
@@ -175,6 +381,8 @@ mod imp {
         DICT_VIEWS, dict_view_alloc, dict_view_free, DictView;
         LIST_ITERS, list_iter_alloc, list_iter_free, ListIter;
         DICT_ITERS, dict_iter_alloc, dict_iter_free, DictIter;
+        RECORD_ITERS, record_iter_alloc, record_iter_free, RecordIter;
+        KEY_ITERS, key_iter_alloc, key_iter_free, KeyIter;
     }
 
     /// Whether this interpreter runs without a GIL (then the lists stay off).
@@ -188,6 +396,29 @@ mod imp {
 
 #[cfg(not(feature = "abi3"))]
 pub(crate) use imp::install;
+
+#[cfg(feature = "abi3")]
+macro_rules! generic {
+    ($($t:ty),*) => {
+        $(
+            impl Recycled for $t {
+                fn init(self) -> pyo3::PyClassInitializer<Self> {
+                    self.into()
+                }
+            }
+        )*
+    };
+}
+
+#[cfg(feature = "abi3")]
+generic!(
+    super::ListView,
+    super::DictView,
+    super::ListIter,
+    super::DictIter,
+    crate::py::handles::RecordIter,
+    crate::py::handles::KeyIter
+);
 
 /// The stable ABI hides the slots: views use the generic allocator.
 #[cfg(feature = "abi3")]

@@ -23,7 +23,14 @@ pub(crate) struct ListView {
 
 iterator!(ListIter, "ListViewIterator", next_item);
 
+impl super::freelist::HoldsStore for ListView {
+    fn into_store(self) -> StoreRef {
+        self.store
+    }
+}
+
 impl ListView {
+    #[inline(always)]
     pub(crate) fn new(store: StoreRef, node: Node) -> Self {
         let seq = store.reader.seq(node).ok();
         ListView { store, node, seq }

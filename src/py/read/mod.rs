@@ -13,7 +13,7 @@ pub(crate) mod protocol;
 
 pub(crate) use array::ArrayOwner;
 pub(crate) use dict_view::{DictIter, DictView};
-pub(crate) use freelist::{install as install_freelists, new_view};
+pub(crate) use freelist::{install as install_freelists, new_view, HoldsStore};
 pub(crate) use list_view::{ListIter, ListView};
 pub(crate) use owner::StoreRef;
 
@@ -27,6 +27,7 @@ use pyo3::{ffi, PyClass};
 use super::errors::Error;
 use super::keys::bigint;
 use super::store::Store;
+use crate::archive::format::{read_elem, Scalar};
 use crate::archive::value::MAX_VALUE_DEPTH;
 use crate::archive::{ArchiveError, Item, Node};
 
@@ -109,6 +110,21 @@ fn value_at<'py>(
         Item::List(node) | Item::Tuple(node) => {
             let r = &store.reader;
             let seq = r.seq(node).map_err(&err)?;
+            if let Some((elem, bytes)) = r.packed(seq) {
+                // Packed numbers (a bbox, say): each element read straight from its bytes.
+                let items = bytes
+                    .chunks_exact(elem.size())
+                    .map(|b| match read_elem(elem, b) {
+                        Some(Scalar::Float(f)) => Ok(PyFloat::new(py, f).into_any()),
+                        Some(Scalar::Int(i)) => i.into_bound_py_any(py),
+                        Some(Scalar::Bool(b)) => Ok(PyBool::new(py, b).to_owned().into_any()),
+                        None => Err(err(ArchiveError::Corrupt(
+                            "a packed bool is not 0 or 1".into(),
+                        ))
+                        .into()),
+                    });
+                return new_sequence(py, r.is_tuple(node), seq.len, items);
+            }
             let items = (0..seq.len).map(|i| {
                 let it = r.seq_get(seq, i).map_err(&err)?;
                 value_at(py, store, it, depth + 1)
@@ -117,8 +133,8 @@ fn value_at<'py>(
         }
         Item::Dict(node) => {
             let r = &store.reader;
-            let d = PyDict::new(py);
             if let Some(keys) = r.dict_shape_keys(node) {
+                let d = new_dict(py, keys.len())?;
                 // A shaped dict: its keys are symbols, made into Python strs once per store
                 // (with their hash cached), set straight into the new dict.
                 let syms = store.py_symbols(py)?;
@@ -138,6 +154,7 @@ fn value_at<'py>(
                 }
                 return Ok(d.into_any());
             }
+            let d = PyDict::new(py);
             for i in 0..r.dict_len(node).map_err(&err)? {
                 let k = dict_key(py, store, node, i)?;
                 let v = r.dict_value(node, i).map_err(&err)?;
@@ -169,6 +186,32 @@ fn value_at<'py>(
     })
 }
 
+#[cfg(not(feature = "abi3"))]
+extern "C" {
+    // Exported by every CPython this module builds for without the stable ABI (declared in
+    // cpython/dictobject.h), not by pyo3-ffi.
+    fn _PyDict_NewPresized(minused: ffi::Py_ssize_t) -> *mut ffi::PyObject;
+}
+
+/// A new dict with room for `n` entries: filling it never resizes its table.
+#[inline]
+fn new_dict(py: Python<'_>, n: usize) -> PyResult<Bound<'_, PyDict>> {
+    #[cfg(not(feature = "abi3"))]
+    // SAFETY: the GIL is held; the call returns a new dict or NULL with an exception set,
+    // which `from_owned_ptr_or_err` takes over. `n` is a shape's key count (small).
+    return unsafe {
+        Ok(
+            Bound::from_owned_ptr_or_err(py, _PyDict_NewPresized(n as ffi::Py_ssize_t))?
+                .cast_into_unchecked(),
+        )
+    };
+    #[cfg(feature = "abi3")]
+    {
+        let _ = n;
+        Ok(PyDict::new(py))
+    }
+}
+
 /// A new list (or tuple) of `len` items, each set in place as it is made: no intermediate
 /// vector. If an item fails, the container is dropped with the slots not yet set still
 /// empty, which the list and tuple deallocators allow.
@@ -192,7 +235,9 @@ fn new_sequence<'py>(
             },
         )?
     };
+    let mut set = 0;
     for (i, item) in items.take(len).enumerate() {
+        set = i + 1;
         let item = item?.into_ptr();
         // SAFETY: `seq` is a new list/tuple of exactly `len` slots, nobody else sees it yet,
         // `i < len`, and the slot is empty; the setter steals the reference `into_ptr` gave
@@ -211,6 +256,12 @@ fn new_sequence<'py>(
                 ffi::PyList_SetItem(seq.as_ptr(), i as ffi::Py_ssize_t, item);
             }
         }
+    }
+    if set != len {
+        // Never hand out a container with empty slots (the callers give exactly `len`).
+        return Err(pyo3::exceptions::PySystemError::new_err(format!(
+            "{set} of {len} items were made"
+        )));
     }
     Ok(seq)
 }
@@ -242,6 +293,7 @@ fn py_str<'py>(py: Python<'py>, store: &Store, b: &[u8]) -> PyResult<Bound<'py, 
 }
 
 /// The value of a node (a record root or a view's position).
+#[inline(always)]
 pub(crate) fn node_value<'py>(
     py: Python<'py>,
     store: &StoreRef,

@@ -34,6 +34,18 @@ impl StoreRef {
         StoreRef(self.0.clone_ref(py))
     }
 
+    /// Give the reference back by a plain decrement, for a dealloc that runs outside pyo3
+    /// (where dropping a `Py` would be deferred instead).
+    ///
+    /// # Safety
+    /// The GIL is held.
+    #[cfg_attr(feature = "abi3", allow(dead_code))]
+    pub(crate) unsafe fn release(self) {
+        // SAFETY: `into_ptr` hands over our reference without dropping it; the GIL is held
+        // (the caller's contract), so decrementing it directly is allowed.
+        unsafe { pyo3::ffi::Py_DECREF(self.0.into_ptr()) }
+    }
+
     /// The shared `Arc`, for what outlives the Python side (arrays' owners, saving).
     pub(crate) fn arc(&self) -> &Arc<Store> {
         &self.0.get().0

@@ -141,12 +141,24 @@ impl<'a> Seq<'a> {
         py: Python<'py>,
         index: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        // The hot path, `view[i]` with an int: the layout is read once.
-        if let (Seq::Items(store, node), true) = (self, index.is_exact_instance_of::<PyInt>()) {
+        // The hot paths, `seq[i]` with an int: for a view the layout is read once.
+        if index.is_exact_instance_of::<PyInt>() {
             if let Ok(i) = index.extract::<isize>() {
-                let seq = store.reader.seq(node).map_err(store.archive_err())?;
-                return index_item(py, store, seq, i)
-                    .unwrap_or_else(|| Err(self.out_of_range(index, Some(seq.len))));
+                match self {
+                    Seq::Items(store, node) => {
+                        let seq = store.reader.seq(node).map_err(store.archive_err())?;
+                        return index_item(py, store, seq, i)
+                            .unwrap_or_else(|| Err(self.out_of_range(index, Some(seq.len))));
+                    }
+                    Seq::Records(store) => {
+                        let len = store.reader.len() as usize;
+                        let j = if i < 0 { i + len as isize } else { i };
+                        if j < 0 || j as usize >= len {
+                            return Err(self.out_of_range(index, Some(len)));
+                        }
+                        return record(py, store, j as usize, false);
+                    }
+                }
             }
         }
         let len = self.len();
@@ -260,7 +272,7 @@ impl<'a> Seq<'a> {
 
 /// Item `i` (an int; negative counts from the end) of a sequence whose layout is known, as
 /// a scalar or a view; `None` when `i` is out of range.
-#[inline]
+#[inline(always)]
 pub(crate) fn index_item<'py>(
     py: Python<'py>,
     store: &StoreRef,
@@ -452,6 +464,7 @@ impl<'a> Map<'a> {
 }
 
 /// Record `i` (< len) of a store: its root value (checked on first access).
+#[inline(always)]
 fn record<'py>(
     py: Python<'py>,
     store: &StoreRef,
@@ -639,6 +652,12 @@ macro_rules! iterator {
         pub(crate) struct $ty {
             src: $crate::py::read::protocol::Owned,
             cur: $crate::py::read::protocol::Cursor,
+        }
+
+        impl $crate::py::read::HoldsStore for $ty {
+            fn into_store(self) -> $crate::py::read::StoreRef {
+                self.src.store
+            }
         }
 
         impl $ty {
