@@ -583,3 +583,29 @@ def test_shared_list_of_records(records):
         assert lst[7]["annotations"][0]["bbox"][2] == records[7]["annotations"][0]["bbox"][2]
         assert [r["file_name"] for r in lst] == [r["file_name"] for r in records]
         assert pickle.loads(pickle.dumps(lst[4]["annotations"])) == records[4]["annotations"]
+
+
+def test_dict_keys_made_and_freed_between_records_are_read_back_as_written():
+    """The writer remembers dict key objects it has interned (the same str object is the same
+    key). Records made one at a time by a generator free their keys before the next record is
+    made, so a new key can get the address of an old one: each must still be stored as itself.
+    Also str subclasses and equal keys that are different objects."""
+
+    class Name(str):
+        pass
+
+    def records():
+        for i in range(2000):
+            k1 = "".join(["key", str(i % 7)])  # a new object per record
+            k2 = "".join(["other", str(i)])  # a new key every record
+            yield {k1: i, k2: -i, Name("sub" + str(i % 3)): [i], "fixed": float(i)}
+
+    expected = [
+        {f"key{i % 7}": i, f"other{i}": -i, f"sub{i % 3}": [i], "fixed": float(i)}
+        for i in range(2000)
+    ]
+    with shmstore.SharedList(records()) as lst:
+        got = [lst[i].to_python() for i in range(len(lst))]
+        lst.unlink()
+    assert got == expected
+    assert [list(r) for r in got] == [list(r) for r in expected]

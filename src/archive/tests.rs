@@ -572,7 +572,10 @@ fn interned_keys_write_the_same_bytes_as_str_keys() {
         coco(7),
         Value::Dict(many.iter().map(|(k, v)| (s(k), v.clone())).collect()),
         Value::Dict(vec![(s("a"), Value::Int(1)), (Value::Int(2), s("b"))]),
-        Value::List(vec![dict(vec![("x", s("y"))]), dict(vec![("x", Value::Int(3))])]),
+        Value::List(vec![
+            dict(vec![("x", s("y"))]),
+            dict(vec![("x", Value::Int(3))]),
+        ]),
     ];
     let plain = build(Kind::List, &values);
     let mut b = Builder::new(Cursor::new(Vec::new()), Kind::List, 1).unwrap();
@@ -588,7 +591,10 @@ fn interned_keys_write_the_same_bytes_as_str_keys() {
     let id = b.intern("name").unwrap();
     b.finish_record(&Value::List(vec![Value::Sym(id), Value::Int(1)]))
         .unwrap();
-    assert!(b.finish_record(&Value::Sym(id + 1)).is_err(), "an id never given out");
+    assert!(
+        b.finish_record(&Value::Sym(id + 1)).is_err(),
+        "an id never given out"
+    );
     let (out, _) = b.finish(0).unwrap();
     let bytes = out.into_inner();
     let r = Reader::open(&bytes[..]).unwrap();

@@ -43,7 +43,15 @@ pub(crate) struct Encoder<'b, 'py, W: Write + Seek> {
     path: Vec<Seg<'py>>,
     /// Containers on the current path, to refuse self-referencing input.
     active: Vec<usize>,
+    /// Dict keys already interned, by object (most dicts of a data set share their key
+    /// objects): the symbol without reading or hashing the str again. Each key is held
+    /// (`key_objs`) while the store is written, so its address cannot be reused by another.
+    key_ids: ahash::AHashMap<usize, u32>,
+    key_objs: Vec<Bound<'py, PyString>>,
 }
+
+/// Most key objects remembered by one writer.
+const KEY_CACHE: usize = 4096;
 
 fn key_repr(key: &Bound<'_, PyAny>) -> String {
     key.repr()
@@ -59,6 +67,8 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
             root: root.to_owned(),
             path: Vec::new(),
             active: Vec::new(),
+            key_ids: Default::default(),
+            key_objs: Vec::new(),
         }
     }
 
@@ -279,7 +289,21 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
     }
 
     /// A dict key as a stored value.
-    fn key(&mut self, k: &Bound<'_, PyAny>) -> PyResult<Value> {
+    fn key(&mut self, k: &Bound<'py, PyAny>) -> PyResult<Value> {
+        if let Ok(s) = k.cast_exact::<PyString>() {
+            // An exact str cannot change: the same object is the same key.
+            if let Some(&id) = self.key_ids.get(&(s.as_ptr() as usize)) {
+                return Ok(Value::Sym(id));
+            }
+            let id = self.builder.intern(&self.str_of(s)?);
+            if let Some(id) = id {
+                if self.key_objs.len() < KEY_CACHE {
+                    self.key_ids.insert(s.as_ptr() as usize, id);
+                    self.key_objs.push(s.clone());
+                }
+                return Ok(Value::Sym(id));
+            }
+        }
         if let Ok(s) = k.cast::<PyString>() {
             let s = self.str_of(s)?;
             return Ok(match self.builder.intern(&s) {
