@@ -259,9 +259,11 @@ fn new_sequence<'py>(
     }
     if set != len {
         // Never hand out a container with empty slots (the callers give exactly `len`).
-        return Err(pyo3::exceptions::PySystemError::new_err(format!(
-            "{set} of {len} items were made"
-        )));
+        return Err(Error::Corrupt {
+            at: "a stored list or tuple".into(),
+            what: format!("{set} of its {len} items could be read"),
+        }
+        .into());
     }
     Ok(seq)
 }
