@@ -207,7 +207,7 @@ def _environ_has(pid: int, name: str) -> bool:
 
 def child_main(role: str, args: list[str]) -> None:
     if role == "holder":  # create a store, print its name and path, hold it until stdin closes
-        ref = shmstore.put(PAYLOAD)
+        ref = shmstore.put(PAYLOAD, arena=False)
         print(ref.name, _native._store_info(ref)["path"], flush=True)
         sys.stdin.read()
     elif role == "attacher":  # attach NAME, say so, hold it until stdin closes
@@ -223,7 +223,7 @@ def child_main(role: str, args: list[str]) -> None:
     elif role == "release":  # put N stores, then on a line from stdin release them all
         import gc
 
-        refs = [shmstore.put(i) for i in range(int(args[0]))]
+        refs = [shmstore.put(i, arena=False) for i in range(int(args[0]))]
         print("ready", flush=True)
         sys.stdin.readline()
         t0 = time.perf_counter()
@@ -254,7 +254,7 @@ def overhead_child(role: str, kind: str, n: int, rfd: int, wfd: int) -> None:
         if role == "overhead-a":
             t0 = pc()
             if kind == "shmstore":
-                h = shmstore.put(PAYLOAD)
+                h = shmstore.put(PAYLOAD, arena=False)
                 name = h.name
             else:
                 shm = shared_memory.SharedMemory(create=True, size=len(PAYLOAD))
@@ -312,7 +312,7 @@ def _fork_client(attach: str | None) -> tuple[int, str]:
         try:
             os.close(r)
             if attach is None:
-                h = shmstore.put(PAYLOAD)
+                h = shmstore.put(PAYLOAD, arena=False)
                 msg = _native._store_info(h)["path"]
             else:
                 h = shmstore.Ref.attach(attach)
@@ -651,7 +651,8 @@ steps; *total* is A's wall time for the whole operation (two pipe round trips in
 same for both). Medians over {n_ops} operations per library: {ROUNDS} alternating runs of
 {ops // ROUNDS} for each, the first 10 % of every run dropped as warm-up.
 
-- shmstore: `put(payload)`; `Ref.attach(name).get()`; `close()`; `unlink()` + `close()`.
+- shmstore: `put(payload, arena=False)` (a segment per object); `Ref.attach(name).get()`;
+  `close()`; `unlink()` + `close()`.
   Creating and attaching each tell the supervisor (`USE`, one round trip on the socket),
   detaching and unlinking say `DROP`.
 - SharedMemory: `SharedMemory(create=True, size=1024)` + copy; `SharedMemory(name)` +

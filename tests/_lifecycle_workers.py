@@ -34,8 +34,9 @@ Run as ``python tests/_lifecycle_workers.py ROLE [ARGS...]`` with the test's env
                                  ``OK <seconds for attach> <seconds for close> <ticks>``
   ``putmany K``                  ``put()`` K tiny stores (kept): ``OK <first path>``
   ``closeall``                   drop every handle, flush the queued DROPs: ``OK <seconds>``
-  ``forkstorm K``                a thread creates and unlinks stores in a loop while the main
-                                 thread forks K children that each create a store and exit:
+  ``forkstorm K [arena]``        a thread creates and unlinks stores in a loop while the main
+                                 thread forks K children that each create a store and exit
+                                 (segments; ``arena``: small objects' chunks of arenas):
                                  ``OK <children that hung> <that failed> <stores the thread
                                  made>`` (a failure's traceback goes to stderr)
   ``nodump``                     make this process non-dumpable (prctl): its /proc entries
@@ -143,7 +144,7 @@ class Client:
     def cmd_putmany(self, k: str) -> str:
         first = ""
         for i in range(int(k)):
-            h = self.shmstore.put(i)
+            h = self.shmstore.put(i, arena=False)
             self.handles[h.name] = h
             if not first:
                 first = self.shmstore._native._store_info(h)["path"]
@@ -156,13 +157,14 @@ class Client:
         self.shmstore._native._flush_drops()
         return f"OK {time.monotonic() - t0:.4f}"
 
-    def cmd_forkstorm(self, k: str) -> str:
+    def cmd_forkstorm(self, k: str, how: str = "segment") -> str:
         stop = threading.Event()
         made = [0]
+        arena = how == "arena"
 
-        def churn() -> None:  # supervisor round trips, all the time
+        def churn() -> None:  # supervisor round trips (or arena work), all the time
             while not stop.is_set():
-                h = self.shmstore.put(made[0])
+                h = self.shmstore.put(made[0], arena=arena)
                 h.unlink()
                 h.close()
                 made[0] += 1
@@ -176,7 +178,7 @@ class Client:
                 if pid == 0:
                     code = 1
                     try:
-                        h = self.shmstore.put(b"child")
+                        h = self.shmstore.put(b"child", arena=arena)
                         h.unlink()
                         h.close()
                         code = 0
@@ -244,7 +246,7 @@ class Client:
         return f"OK {h.name} {self.shmstore._native._store_info(h)['path']}"
 
     def cmd_put(self, nbytes: str) -> str:
-        h = self.shmstore.put(b"\x5a" * int(nbytes))
+        h = self.shmstore.put(b"\x5a" * int(nbytes), arena=False)
         self.handles[h.name] = h
         return f"OK {h.name} {self.shmstore._native._store_info(h)['path']}"
 

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
+from shmstore import _native
 from shmstore._util import pid_alive
 
 # --- hypothesis --------------------------------------------------------------------------
@@ -217,9 +218,14 @@ def _segment_files() -> set[Path]:
 def no_leftover_segments() -> Iterator[None]:
     """Assert that the test leaves no new shmstore segment (or partial segment) behind.
     Everything in the private root belongs to this run, so every new file counts."""
+    # The test's small objects go to an arena of its own (docs/arena.md): one a fixture or
+    # an earlier test made is let go of here, and the test's is let go of at the end, so it
+    # goes away (and is not reported) once none of its chunks is in use.
+    _native._arena_release()
     before = _segment_files()
     yield
     gc.collect()
+    _native._arena_release()
     # A segment that forked children mapped is unlinked by the supervisor once they have
     # exited (docs/lifecycle.md), a moment after the test: wait for that, bounded.
     deadline = time.monotonic() + LEFTOVER_WAIT

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import shmstore
+from conftest import segment_dir
 from shmstore import _native
 
 
@@ -116,6 +117,23 @@ def test_large_objects_get_a_segment_of_their_own() -> None:
     ref.close()
     small = shmstore.put({"rows": [str(i) for i in range(100)]}, arena=True)
     assert "@" in small.name
+
+
+def test_by_default_small_objects_go_to_the_arena_and_large_ones_to_a_segment() -> None:
+    small = [shmstore.put(b"x" * 1000), shmstore.put(np.arange(10)), shmstore.put({"a": 1})]
+    assert all("@" in r.name for r in small)
+    assert len({chunk_of(r)[0] for r in small}) == 1, "one arena for all of them"
+    limit = 1 << 20  # docs/arena.md: archives of at most 1 MiB
+    large = shmstore.put(np.zeros(limit + 1, dtype=np.uint8))
+    unknown_size = shmstore.put({"rows": ["y" * 100] * 20_000})  # > 1 MiB, found encoding
+    forced = shmstore.put(b"x" * 1000, arena=False)
+    named = shmstore.put(b"x" * 1000, name="shmstore-default-named")
+    for r in (large, unknown_size, forced, named):
+        assert "@" not in r.name
+        assert (segment_dir() / r.name).is_file()
+    assert named.name == "shmstore-default-named"
+    for r in (*small, large, unknown_size, forced, named):
+        r.close()
 
 
 @pytest.mark.parametrize(
@@ -237,3 +255,59 @@ def test_one_mapping_per_arena_per_process() -> None:
     del refs, again
     gc.collect()
     assert [int(a[1]) for a in arrays] == list(range(50))
+
+
+CREATOR = r"""
+import sys, shmstore
+held = []
+for line in sys.stdin:
+    cmd = line.split()
+    if cmd[0] == "put":
+        held.append(shmstore.put(b"c" * int(cmd[1])))
+        print(held[-1].name, flush=True)
+    elif cmd[0] == "close":
+        for h in held:
+            h.close()
+        held.clear()
+        print("closed", flush=True)
+"""
+
+
+def test_a_forked_child_dropping_an_inherited_handle_keeps_the_parent_s_lease() -> None:
+    """A reader's lease is a lock of its open file description, which a forked child shares:
+    the child letting go of its copy of the handle must not release the parent's lease
+    (before: it did, and the creator reused the chunk under the parent's view)."""
+    import os
+
+    creator = subprocess.Popen(
+        [sys.executable, "-c", CREATOR],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert creator.stdin is not None and creator.stdout is not None
+
+    def ask(cmd: str) -> str:
+        creator.stdin.write(cmd + "\n")  # type: ignore[union-attr]
+        creator.stdin.flush()  # type: ignore[union-attr]
+        return creator.stdout.readline().strip()  # type: ignore[union-attr]
+
+    try:
+        name = ask("put 1000")
+        ref = shmstore.Ref.attach(name)  # this process's lease
+        view = ref.get()
+        assert ask("close") == "closed"  # only the lease here keeps the chunk now
+        pid = os.fork()
+        if pid == 0:
+            del view, ref
+            gc.collect()
+            os._exit(0)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        again = ask("put 1000")  # the creator reclaims what nobody leases
+        assert chunk_of(shmstore.Ref.attach(again))[1] != chunk_of(ref)[1]
+        assert bytes(view) == b"c" * 1000
+        ref.close()
+    finally:
+        creator.stdin.close()
+        creator.wait(300)
+        creator.stdout.close()

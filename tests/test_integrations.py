@@ -361,7 +361,7 @@ def test_watcher_reports_an_unlinked_segment():
     import threading
 
     seen = threading.Event()
-    ref = shmstore.put(np.zeros(10))
+    ref = shmstore.put(np.zeros(10), arena=False)
     path = shmstore._native._store_info(ref)["path"]
     watcher = _watch.Watcher(lambda p: seen.set() if p == path else None)
     assert watcher.watch(path)

@@ -1486,11 +1486,13 @@ def test_stopped_supervisor_never_stalls_attach_or_release(lc: Lifecycle) -> Non
     assert_gone_within([path], t0, bound=CLEANUP_S + 5)  # + the client's back-off
 
 
-def test_fork_during_supervisor_round_trips(lc: Lifecycle) -> None:
-    """A thread talks to the supervisor all the time while the main thread forks; every
-    child must be able to use shmstore (before: it inherited a locked mutex and hung)."""
+@pytest.mark.parametrize("how", ["segment", "arena"])
+def test_fork_during_supervisor_round_trips(lc: Lifecycle, how: str) -> None:
+    """A thread talks to the supervisor (or puts small objects into its arena) all the time
+    while the main thread forks; every child must be able to use shmstore (before: it
+    inherited a locked mutex and hung: the client's, then the arenas')."""
     w = lc.worker()
-    hung, failed, made = w.ok("forkstorm 150")
+    hung, failed, made = w.ok(f"forkstorm 150 {how}")
     assert int(hung) == 0, f"{hung} of 150 forked children hung"
     assert int(failed) == 0, f"{failed} of 150 forked children failed (tracebacks above)"
     assert int(made) > 0

@@ -167,6 +167,48 @@ def test_not_checked():
     )
 
 
+def test_small_objects_arena_is_reported_only_while_in_use(
+    pytester: pytest.Pytester, own_segment_dir: Path
+) -> None:
+    """Small objects go into the process's arena (docs/arena.md): a test that lets go of
+    them leaves nothing behind; one that keeps a handle alive is told its arena is left."""
+    pytester.makepyfile(
+        """
+import pytest, shmstore
+
+KEPT = []
+
+@pytest.fixture(scope="module")
+def module_small():
+    ref = shmstore.put({"module": 1})
+    yield ref
+    ref.close()
+
+@pytest.mark.no_leaks(cycles=False)
+def test_lets_go():
+    refs = [shmstore.put({"i": i}) for i in range(10)]
+    assert all("@" in r.name for r in refs)
+    views = [r.get() for r in refs]
+    assert views[3]["i"] == 3
+
+@pytest.mark.no_leaks(cycles=False)
+def test_uses_the_module_fixture(module_small):
+    assert module_small.get()["module"] == 1
+    assert shmstore.put(b"x").get() == b"x"
+
+@pytest.mark.no_leaks(cycles=False)
+def test_keeps_one():
+    KEPT.append(shmstore.put([1, 2, 3]))
+"""
+    )
+    pytester.makeini("[pytest]\nshmstore_segments_wait = 2\n")
+    result = pytester.runpytest("-p", "no:randomly")
+    result.assert_outcomes(passed=3, errors=1)
+    result.stdout.fnmatch_lines(
+        ["*test_keeps_one*", "*the test left 1 shmstore segment(s) behind*(1 of them arena(s)*"]
+    )
+
+
 def test_fixtures(pytester: pytest.Pytester, own_segment_dir: Path) -> None:
     pytester.makepyfile(
         f"""

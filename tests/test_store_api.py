@@ -21,12 +21,14 @@ NAME_RE = re.compile(r"^shmstore-[0-9a-f]{32}$")
 
 
 def make(kind: str, value=None):
-    """A fresh store of `kind` ("list", "dict" or "ref")."""
+    """A fresh store of `kind` ("list", "dict" or "ref"), a segment of its own (a small
+    object's chunk of an arena is tested in test_arena.py)."""
     if kind == "list":
         return shmstore.SharedList(value if value is not None else [{"a": [1, 2]}, 3])
     if kind == "dict":
         return shmstore.SharedDict(value if value is not None else {"k": {"a": [1, 2]}, "n": 3})
-    return shmstore.put(value if value is not None else {"a": [1, 2], "arr": np.arange(4)})
+    obj = value if value is not None else {"a": [1, 2], "arr": np.arange(4)}
+    return shmstore.put(obj, arena=False)
 
 
 CLASSES = {"list": shmstore.SharedList, "dict": shmstore.SharedDict, "ref": shmstore.Ref}
@@ -86,7 +88,7 @@ def test_name_nbytes_and_segment_file(kind):
 def test_names_are_unguessable():
     names = set()
     for _ in range(100):
-        with shmstore.put(None) as r:
+        with shmstore.put(None, arena=False) as r:
             assert NAME_RE.match(r.name)
             names.add(r.name)
     assert len(names) == 100
@@ -437,7 +439,7 @@ def test_arrays_are_read_only_zero_copy_views_of_the_mapping(kind):
 
 
 def test_array_keeps_the_mapping_alive():
-    s = shmstore.put(np.arange(100, dtype=np.int32))
+    s = shmstore.put(np.arange(100, dtype=np.int32), arena=False)
     arr = s.get()
     path = os.stat(segment_dir() / s.name)
     s.unlink()

@@ -101,7 +101,7 @@ def test_version_is_written_once():
     [
         (lambda: shmstore.SharedList([1]), "list"),
         (lambda: shmstore.SharedDict({"a": 1}), "dict"),
-        (lambda: shmstore.put(1), "object"),
+        (lambda: shmstore.put(1, arena=False), "object"),
     ],
 )
 def test_handles_have_path_and_kind(make, kind, tmp_path):
@@ -118,6 +118,14 @@ def test_handles_have_path_and_kind(make, kind, tmp_path):
         h.unlink()
         h.close()
         assert h.path.name == h.name  # still known after close
+
+
+def test_a_chunk_s_path_is_its_arena_s():
+    with shmstore.put(1) as h:  # a small object: a chunk of this process's arena
+        arena, _, chunk = h.name.partition("@")
+        assert chunk and h.kind == "object"
+        assert h.path.name == arena and h.path in _segments.segment_paths()
+        assert _segments.arena_creator(h.path) == os.getpid()
 
 
 def test_segment_names_come_from_rust():

@@ -265,20 +265,23 @@ class Ref(StoreHandle):
     def get(self) -> Any:
         """The shared object: a read-only view, a read-only numpy array, or a scalar."""
 
-def put(obj: Any, *, name: str | None = None, dir: _Path | None = None, arena: bool = False) -> Ref:
+def put(obj: Any, *, name: str | None = None, dir: _Path | None = None, arena: bool = True) -> Ref:
     """Share one object (e.g. a numpy array) by name.
 
-    ``arena=True``: a small object (archive <= 1 MiB, no ``name``) goes into a chunk of this
-    process's arena segment instead of a segment of its own (docs/arena.md); its name is
-    ``<arena>@<offset>:<size>:<generation>``.
+    A small object (archive <= 1 MiB) without ``name`` goes into a chunk of this process's
+    arena segment (docs/arena.md); its name is ``<arena>@<offset>:<size>:<generation>``.
+    A larger one, a named one, or any with ``arena=False`` gets a segment of its own.
 
     >>> import numpy as np
-    >>> with put(np.arange(3)) as ref:
-    ...     ref.get().tolist()
-    [0, 1, 2]
-    >>> with put({"a": 1}, arena=True) as small:
-    ...     small.get()["a"], "@" in small.name
-    (1, True)
+    >>> with put(np.arange(3)) as small:
+    ...     small.get().tolist(), "@" in small.name
+    ([0, 1, 2], True)
+    >>> with put(np.zeros(1 << 20)) as large:   # 8 MiB: a segment of its own
+    ...     "@" in large.name
+    False
+    >>> with put({"a": 1}, arena=False) as own:
+    ...     own.get()["a"], "@" in own.name
+    (1, False)
     """
 
 @final

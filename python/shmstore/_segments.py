@@ -4,12 +4,14 @@ naming rule, the directories and how to list them (shared by the CLI, the pytest
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from shmstore import _native
 
 __all__ = [
     "PREFIX",
+    "arena_creator",
     "remove",
     "search_dirs",
     "segment_dir",
@@ -64,3 +66,21 @@ def remove(name: str) -> Path | None:
     this user has no such segment. Processes that map it keep reading it."""
     removed = _native._remove_segment(name)
     return None if removed is None else Path(removed)
+
+
+def arena_creator(path: Path) -> int | None:
+    """The creator's pid if ``path`` is an arena segment (docs/arena.md), else None (also
+    for a symlink, a FIFO or a file that cannot be read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        head = os.pread(fd, 32, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(head) < 32 or head[:8] != b"SHMARENA":
+        return None
+    return int.from_bytes(head[24:28], "little")

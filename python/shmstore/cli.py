@@ -43,6 +43,7 @@ from shmstore._native import (
     StorePermissionError,
 )
 from shmstore._segments import (
+    arena_creator,
     remove,
     search_dirs,
     segment_name,
@@ -117,23 +118,6 @@ def _state(row: dict[str, Any]) -> str:
     return "in use" if row["users"] else "orphaned"
 
 
-def _arena_creator(path: Path) -> int | None:
-    """The creator's pid if ``path`` is an arena segment (docs/arena.md), else None."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        head = os.pread(fd, 32, 0)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    if len(head) < 32 or head[:8] != b"SHMARENA":
-        return None
-    return int.from_bytes(head[24:28], "little")
-
-
 def _rows() -> list[dict[str, Any]]:
     try:
         sup = _native.supervisor_info()
@@ -175,7 +159,7 @@ def _rows() -> list[dict[str, Any]]:
                 )
                 row["creator_alive"] = pid_alive(info["creator_pid"])
             except (ShmStoreError, OSError) as e:  # a corrupt or foreign file: still list it
-                creator = _arena_creator(path)
+                creator = arena_creator(path)
                 if creator is None:
                     row["kind"] = f"unreadable ({type(e).__name__})"
                 else:  # many small objects' chunks (docs/arena.md): no records of its own
@@ -227,7 +211,7 @@ def _arena_path(target: str) -> Path | None:
         return None
     for d in search_dirs():
         path = d / full
-        if path.exists() and _arena_creator(path) is not None:
+        if path.exists() and arena_creator(path) is not None:
             return path
     return None
 

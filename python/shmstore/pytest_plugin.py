@@ -10,7 +10,9 @@ Registered through the ``pytest11`` entry point, so installing shmstore enables 
 - ``memory``: bytes (or ``"10 MB"``, ``"1.5 GiB"``) the process USS may grow by, measured
   over ``repeat`` runs of the test body after ``warmup`` runs (fixtures are set up once);
 - ``segments``: shmstore segments (``$SHMSTORE_DIR/shmstore-*`` of this user) that appear
-  during the test and are still there after its teardown fail it at teardown;
+  during the test and are still there after its teardown fail it at teardown; the process's
+  arenas (small objects' chunks, docs/arena.md) are let go of before and after the test,
+  so an arena is reported only while a handle or view of one of its chunks is still alive;
 - ``allow``: types or module names whose cycles are expected (caches); the ini option
   ``shmstore_leaks_allow`` adds to it for every test.
 
@@ -38,7 +40,7 @@ from typing import Any, Callable, Optional
 
 import pytest
 
-from . import _segments, _versions
+from . import _native, _segments, _versions
 from . import memory as _memory
 from ._util import format_bytes, parse_size
 from .leaks import detect
@@ -47,7 +49,7 @@ from .leaks import detect
 # on a pytest this plugin cannot serve, say so plainly instead of failing on a hook below.
 _versions.require("pytest", "shmstore's pytest plugin (turn it off with -p no:shmstore)")
 
-__all__ = ["SegmentTracker", "list_segments"]
+__all__ = ["SegmentTracker", "list_segments", "release_arenas"]
 
 _MARKER_DOC = (
     "no_leaks(cycles=True, memory=None, segments=True, allow=(), warmup=0, repeat=1, "
@@ -194,6 +196,8 @@ def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
     result = yield
     s = _settings(item)
     if s is not None and s.segments:
+        # The test's small objects go to an arena of their own, not one a fixture made.
+        _native._arena_release()
         # After setup: segments that fixtures of a wider scope create belong to them.
         item.stash[_SEGMENTS_BEFORE] = list_segments()
     return result
@@ -205,14 +209,44 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
     before = item.stash.get(_SEGMENTS_BEFORE, None)
     if before is None:
         return result
+    release_arenas()
     left = _leftover_segments(before, float(item.config.getini("shmstore_segments_wait")))
     if left:
+        arenas = _arenas(left)
+        hint = (
+            f" ({len(arenas)} of them arena(s): a Ref, view or array of a small object put "
+            "during the test is still alive)"
+            if arenas
+            else ""
+        )
         pytest.fail(
             f"the test left {len(left)} shmstore segment(s) behind in "
-            f"{_memory.segment_dir()}: {', '.join(sorted(left))}",
+            f"{_memory.segment_dir()}: {', '.join(sorted(left))}{hint}",
             pytrace=False,
         )
     return result
+
+
+def release_arenas() -> int:
+    """Collect garbage, then let go of this process's arenas (docs/arena.md): each goes away
+    once no handle, view or array of its chunks is alive in any process, like a segment
+    whose last handle is gone. New small objects go into a new arena. Returns how many
+    arenas this process let go of.
+
+    >>> release_arenas() >= 0
+    True
+    """
+    gc.collect()
+    return _native._arena_release()
+
+
+def _arenas(names: frozenset[str]) -> list[str]:
+    """Which of ``names`` are arenas."""
+    return [
+        p.name
+        for p in _segments.segment_paths()
+        if p.name in names and _segments.arena_creator(p) is not None
+    ]
 
 
 def _leftover_segments(before: frozenset[str], wait: float) -> frozenset[str]:

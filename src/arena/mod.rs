@@ -7,4 +7,5 @@
 pub mod alloc;
 pub mod segment;
 
+pub(crate) use segment::{lock_open_files, OpenFiles};
 pub use segment::{survey, ArenaError, ArenaFile, ArenaWriter, Chunk, Lease, PartState};

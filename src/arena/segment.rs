@@ -141,10 +141,7 @@ impl ArenaWriter {
     /// `<name>.part-<random>`, reserved (`fallocate`), sealed and linked under its name.
     pub fn create(dir: &Path, name: &str, capacity: u64) -> Result<Self, ArenaError> {
         let capacity = capacity & !(ALIGN - 1);
-        let total = HEADER
-            .checked_add(capacity)
-            .ok_or_else(|| io_err(dir, io::Error::from(io::ErrorKind::InvalidInput)))?;
-        segment::preflight(dir, total)?;
+        let total = Self::preflight(dir, capacity)?;
         let suffix = &segment::random_name()[segment::PREFIX.len()..][..12];
         let tmp = dir.join(format!("{name}.part-{suffix}"));
         let path = dir.join(name);
@@ -198,6 +195,16 @@ impl ArenaWriter {
             fresh: HashSet::new(),
             pid: std::process::id(),
         })
+    }
+
+    /// Whether `dir` has room for an arena of `capacity` bytes of chunks (the check
+    /// `create` makes first); the arena file's size.
+    pub fn preflight(dir: &Path, capacity: u64) -> Result<u64, ArenaError> {
+        let total = HEADER
+            .checked_add(capacity & !(ALIGN - 1))
+            .ok_or_else(|| io_err(dir, io::Error::from(io::ErrorKind::InvalidInput)))?;
+        segment::preflight(dir, total)?;
+        Ok(total)
     }
 
     pub fn path(&self) -> &Path {
@@ -325,8 +332,15 @@ pub struct ArenaFile {
     released: Mutex<Option<HashSet<u64>>>,
 }
 
-fn open_files() -> &'static Mutex<HashMap<PathBuf, Weak<ArenaFile>>> {
-    static FILES: OnceLock<Mutex<HashMap<PathBuf, Weak<ArenaFile>>>> = OnceLock::new();
+/// The arenas opened in this process, locked (for the fork handlers, `crate::py::arena`).
+pub(crate) fn lock_open_files() -> std::sync::MutexGuard<'static, OpenFiles> {
+    open_files().lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub(crate) type OpenFiles = HashMap<PathBuf, Weak<ArenaFile>>;
+
+fn open_files() -> &'static Mutex<OpenFiles> {
+    static FILES: OnceLock<Mutex<OpenFiles>> = OnceLock::new();
     FILES.get_or_init(Default::default)
 }
 
@@ -701,6 +715,11 @@ pub struct Lease {
 
 impl Drop for Lease {
     fn drop(&mut self) {
+        // A forked child's copy of its parent's handle: the lock is the parent's (an OFD
+        // lock belongs to the open file description both share), and so is the count.
+        if self.arena.pid != std::process::id() {
+            return;
+        }
         let mut leases = self.arena.leases.lock().unwrap_or_else(|p| p.into_inner());
         let Some((size, n, locked)) = leases.get_mut(&self.offset) else {
             return;

@@ -71,24 +71,42 @@ fn place(
 /// A new arena in the segment directory, registered with the supervisor before it exists.
 /// `None` without a supervisor: then nothing would remove the arena after a crash, so
 /// objects get segments of their own instead.
+/// Also `None` when the segment directory has no room for a whole arena: a small object
+/// that fits gets a segment of its own there (an arena is only a way to make puts cheaper).
 fn new_arena(py: Python<'_>, dir: PathBuf) -> PyResult<Option<Owned>> {
+    let cap = capacity();
+    let full = |e: &crate::arena::ArenaError| {
+        matches!(
+            e,
+            crate::arena::ArenaError::Segment(segment::SegmentError::Full { .. })
+        )
+    };
+    let room = py.detach(|| ArenaWriter::preflight(&dir, cap));
+    if room.as_ref().is_err_and(full) {
+        log::debug!(
+            "no room for an arena in {}: a segment per object",
+            dir.display()
+        );
+        return Ok(None);
+    }
     let name = segment::random_name();
     let registration = Registration::created(py, dir.join(&name));
     if !registration.is_active() {
         return Ok(None);
     }
-    let cap = capacity();
-    let (writer, file) = py
-        .detach(|| {
-            let w = ArenaWriter::create(&dir, &name, cap)?;
-            let f = ArenaFile::open(w.path())?;
-            f.mark_owned();
-            Ok::<_, crate::arena::ArenaError>((w, f))
-        })
-        .map_err(|err| Error::Arena {
+    let made = py.detach(|| {
+        let w = ArenaWriter::create(&dir, &name, cap)?;
+        let f = ArenaFile::open(w.path())?;
+        f.mark_owned();
+        Ok::<_, crate::arena::ArenaError>((w, f))
+    });
+    let (writer, file) = match made {
+        Err(e) if full(&e) => return Ok(None), // filled meanwhile
+        made => made.map_err(|err| Error::Arena {
             at: format!("new arena in {}", dir.display()),
             err,
-        })?;
+        })?,
+    };
     log::debug!("created arena {} ({cap} bytes)", writer.path().display());
     Ok(Some(Owned {
         dir,
@@ -179,6 +197,7 @@ pub(crate) fn put_archive(
     if archive.len() > MAX_OBJECT || archive.len() as u64 + 64 > capacity() {
         return Ok(None);
     }
+    fork_handlers();
     // Arena work needs no Python: done without the GIL (never wait for the lock with it).
     let dir = dir.unwrap_or_else(segment::default_dir);
     let placed = py.detach(|| {
@@ -196,11 +215,18 @@ pub(crate) fn put_archive(
             };
             let placed = py.detach(|| {
                 let mut arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
-                // A forked child's copies of its parent's arenas are not ours to fill.
-                arenas.retain(|a| a.writer.is_ours());
+                // A forked child's copies of its parent's arenas are not ours to fill
+                // (dropped after the lock: a drop queues a DROP, taking the client's lock).
+                let (ours, inherited) = std::mem::take(&mut *arenas)
+                    .into_iter()
+                    .partition(|a| a.writer.is_ours());
+                *arenas = ours;
                 arenas.push(new);
                 let n = arenas.len();
-                place(&mut arenas[n - 1..], &dir, archive)
+                let placed = place(&mut arenas[n - 1..], &dir, archive);
+                drop(arenas);
+                drop::<Vec<Owned>>(inherited);
+                placed
             })?;
             match placed {
                 Some(p) => p,
@@ -223,6 +249,46 @@ pub(crate) fn put_archive(
         }
     });
     opened.map(Some)
+}
+
+type Held = (
+    std::sync::MutexGuard<'static, crate::arena::OpenFiles>,
+    std::sync::MutexGuard<'static, Vec<Owned>>,
+    std::sync::MutexGuard<'static, store::LastArena>,
+);
+
+thread_local! {
+    /// The arena module's process-wide locks, held by the forking thread from `prepare`
+    /// to `parent`/`child`: a child never inherits one of them locked by a thread that
+    /// does not exist in it (it would hang at its first small `put`).
+    static HELD: std::cell::RefCell<Option<Held>> = const { std::cell::RefCell::new(None) };
+}
+
+extern "C" fn before_fork() {
+    // Always in this order; no code holds one of them while taking one before it.
+    let files = crate::arena::lock_open_files();
+    let arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
+    let last = store::LAST_ARENA.lock().unwrap_or_else(|p| p.into_inner());
+    HELD.with(|h| *h.borrow_mut() = Some((files, arenas, last)));
+}
+
+extern "C" fn after_fork() {
+    HELD.with(|h| drop(h.borrow_mut().take()));
+}
+
+/// Install the fork handlers (once per process; before the first use of an arena).
+pub(crate) fn fork_handlers() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: the handlers only lock and unlock process-global mutexes held for short
+        // stretches by threads that never wait for a lock ordered before them (see
+        // `before_fork`), never touch Python and never unwind (`lock` recovers from
+        // poisoning). The values guarded are left as they are (nothing is dropped in the
+        // child but the guards).
+        unsafe {
+            libc::pthread_atfork(Some(before_fork), Some(after_fork), Some(after_fork));
+        }
+    });
 }
 
 /// Let go of this process's arenas (and of the arena it last read from): no new object goes

@@ -316,8 +316,8 @@ fn parse_chunk(s: &str) -> Option<Chunk> {
 /// chunk here is gone. A process that reads many chunks of one arena one after another would
 /// otherwise open the file again and register it with the supervisor (a round trip) for
 /// every chunk. At most one arena per process is held this way (docs/arena.md).
-type LastArena = Option<(PathBuf, Arc<ArenaFile>, Registration)>;
-static LAST_ARENA: Mutex<LastArena> = Mutex::new(None);
+pub(crate) type LastArena = Option<(PathBuf, Arc<ArenaFile>, Registration)>;
+pub(crate) static LAST_ARENA: Mutex<LastArena> = Mutex::new(None);
 
 /// Let go of the arena kept by [`LAST_ARENA`].
 pub(crate) fn forget_last_arena() {
@@ -336,6 +336,7 @@ pub(crate) fn open_chunk(
     chunk: Chunk,
     own: Option<(Arc<ArenaFile>, u64)>,
 ) -> PyResult<Arc<Store>> {
+    super::arena::fork_handlers();
     let mut registration = Registration::new(py, path.clone(), false);
     let opened = py.detach(|| {
         let (file, (lease, at, len)) = match own {

@@ -35,7 +35,7 @@ impl Ref {
 
 /// Share one object by name.
 #[pyfunction]
-#[pyo3(signature = (obj, *, name=None, dir=None, arena=false))]
+#[pyo3(signature = (obj, *, name=None, dir=None, arena=true))]
 pub(crate) fn put<'py>(
     py: Python<'py>,
     obj: &Bound<'py, PyAny>,
@@ -53,8 +53,8 @@ pub(crate) fn put<'py>(
                 .ok()
                 .map(|b| b.as_bytes().len() as u64)
         });
-    // A small object into this process's arena (docs/arena.md); too large, or no
-    // supervisor: a segment of its own, as without `arena`.
+    // A small object into this process's arena (docs/arena.md), unless `arena=False` or
+    // named; too large, or no supervisor: a segment of its own.
     if arena && name.is_none() && arena::may_fit(obj, size_hint) {
         if let Some(archive) = arena::encode_small(obj)? {
             if let Some(store) = arena::put_archive(py, &archive, dir.clone())? {
