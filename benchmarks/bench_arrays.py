@@ -273,7 +273,7 @@ def small_round(how: str, size: int, n: int, ctx: Any) -> float:
         if q is not None:
             q.put(a)
         else:
-            ref = shmstore.put(a, arena=(how == "arena"))
+            ref = shmstore.put(a, arena=(how == "arena"))  # arena=False: a segment
             keep.append(ref)  # the creator keeps its handle until the receiver is done
             parent.send_bytes(pk.dumps(ref))
     total = parent.recv()
@@ -322,8 +322,9 @@ def bench_small(sizes: list[int], n: int, repeats: int) -> tuple[str, list[str]]
     text = "\n\n## small objects: put in one process, get in another\n\n"
     text += (
         f"{n} uint8 arrays per run, each put by this process and sent to a consumer process "
-        "(forkserver) that reads it: `put(a)` (a segment per object) or `put(a, arena=True)` "
-        "with the pickled `Ref` sent through a Pipe, or the array itself through a "
+        "(forkserver) that reads it: `put(a, arena=False)` (a segment per object) or `put(a)` "
+        "(a chunk of the arena, the default) with the pickled `Ref` sent through a Pipe, or "
+        "the array itself through a "
         "`multiprocessing.Queue`. Time from the first put until the consumer has read the "
         f"last, per object; median of {repeats}, the three alternating. The creator keeps its "
         "handles until the consumer is done (docs/arena.md).\n\n"
