@@ -18,6 +18,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+# No BLAS thread pool: nothing here uses BLAS, and its idle threads spin on a small machine
+# (a fifth of the putting process's CPU samples in a profile of the small-object rounds),
+# taking cores from the processes measured, whichever way they exchange objects.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -327,7 +332,8 @@ def bench_small(sizes: list[int], n: int, repeats: int) -> tuple[str, list[str]]
         "the array itself through a "
         "`multiprocessing.Queue`. Time from the first put until the consumer has read the "
         f"last, per object; median of {repeats}, the three alternating. The creator keeps its "
-        "handles until the consumer is done (docs/arena.md).\n\n"
+        "handles until the consumer is done (docs/arena.md). `OPENBLAS_NUM_THREADS=1` in all "
+        "processes (idle BLAS threads spin and take cores from either side).\n\n"
     )
     text += md_table(
         [

@@ -27,7 +27,8 @@ use std::io;
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, Once, OnceLock, Weak};
 
 use super::alloc::{Bfc, ALIGN};
 use crate::segment::{self, SegmentError};
@@ -173,7 +174,7 @@ impl ArenaWriter {
             head[..8].copy_from_slice(MAGIC);
             head[8..12].copy_from_slice(&VERSION.to_le_bytes());
             head[16..24].copy_from_slice(&capacity.to_le_bytes());
-            head[24..28].copy_from_slice(&std::process::id().to_le_bytes());
+            head[24..28].copy_from_slice(&pid().to_le_bytes());
             file.write_all_at(&head, 0).map_err(|e| io_err(&tmp, e))?;
             file.set_permissions(std::fs::Permissions::from_mode(0o400))
                 .map_err(|e| io_err(&tmp, e))?;
@@ -193,7 +194,7 @@ impl ArenaWriter {
             bfc: Bfc::new(capacity),
             next_generation: 1,
             fresh: HashSet::new(),
-            pid: std::process::id(),
+            pid: pid(),
         })
     }
 
@@ -213,7 +214,7 @@ impl ArenaWriter {
 
     /// Whether this process made the arena (false in a forked child).
     pub fn is_ours(&self) -> bool {
-        self.pid == std::process::id()
+        self.pid == pid()
     }
 
     /// Reuse every chunk of `pending` that no process holds a lease on; the others stay.
@@ -332,6 +333,31 @@ pub struct ArenaFile {
     released: Mutex<Option<HashSet<u64>>>,
 }
 
+/// This process's id, cached (`getpid` is a system call, and a small `put` asked for it
+/// three times). A forked child forgets the parent's (a `pthread_atfork` handler installed
+/// before the first value is cached), so it never takes itself for its parent.
+pub fn pid() -> u32 {
+    static PID: AtomicU32 = AtomicU32::new(0);
+    extern "C" fn forget() {
+        PID.store(0, Ordering::Relaxed);
+    }
+    static ONCE: Once = Once::new();
+    let p = PID.load(Ordering::Relaxed);
+    if p != 0 {
+        return p;
+    }
+    ONCE.call_once(|| {
+        // SAFETY: the child handler stores to an atomic: async-signal-safe, no locks, no
+        // allocation, never unwinds.
+        unsafe {
+            libc::pthread_atfork(None, None, Some(forget));
+        }
+    });
+    let p = std::process::id();
+    PID.store(p, Ordering::Relaxed);
+    p
+}
+
 /// The arenas opened in this process, locked (for the fork handlers, `crate::py::arena`).
 pub(crate) fn lock_open_files() -> std::sync::MutexGuard<'static, OpenFiles> {
     open_files().lock().unwrap_or_else(|p| p.into_inner())
@@ -351,7 +377,7 @@ impl ArenaFile {
         let mut files = open_files().lock().unwrap_or_else(|p| p.into_inner());
         if let Some(f) = files.get(path).and_then(Weak::upgrade) {
             let same = std::fs::symlink_metadata(path).is_ok_and(|m| (m.dev(), m.ino()) == f.ident);
-            if f.pid == std::process::id() && same {
+            if f.pid == pid() && same {
                 return Ok(f);
             }
         }
@@ -427,7 +453,7 @@ impl ArenaFile {
             path: path.to_owned(),
             ident: (meta.dev(), meta.ino()),
             len: meta.len(),
-            pid: std::process::id(),
+            pid: pid(),
             leases: Mutex::new(HashMap::new()),
             released: Mutex::new(None),
         });
@@ -717,7 +743,7 @@ impl Drop for Lease {
     fn drop(&mut self) {
         // A forked child's copy of its parent's handle: the lock is the parent's (an OFD
         // lock belongs to the open file description both share), and so is the count.
-        if self.arena.pid != std::process::id() {
+        if self.arena.pid != pid() {
             return;
         }
         let mut leases = self.arena.leases.lock().unwrap_or_else(|p| p.into_inner());

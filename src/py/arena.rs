@@ -171,7 +171,7 @@ pub(crate) fn encode_small(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u8>>> 
     };
     let built = (|| {
         let mut builder =
-            Builder::new(sink, Kind::Object, std::process::id()).map_err(archive_err)?;
+            Builder::new(sink, Kind::Object, crate::arena::pid()).map_err(archive_err)?;
         Encoder::new(&mut builder, "obj").write_record(obj, None)?;
         let now_ms = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
