@@ -7,6 +7,7 @@ use std::borrow::Cow;
 use std::io::{Seek, Write};
 
 use pyo3::exceptions::PyUnicodeEncodeError;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{
     PyBool, PyByteArray, PyBytes, PyComplex, PyDict, PyFloat, PyInt, PyList, PyMemoryView,
@@ -322,8 +323,8 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
 
     fn array(&mut self, obj: &Bound<'_, PyAny>) -> PyResult<Value> {
         let py = obj.py();
-        let dtype = obj.getattr("dtype")?;
-        let kind: String = dtype.getattr("kind")?.extract()?;
+        let dtype = obj.getattr(intern!(py, "dtype"))?;
+        let kind: String = dtype.getattr(intern!(py, "kind"))?.extract()?;
         if !matches!(kind.as_str(), "b" | "i" | "u" | "f" | "c") {
             return Err(self.unsupported(
                 obj,
@@ -336,26 +337,26 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
         }
         // Non-contiguous input (slices, transposes) is copied to C order once, here
         // (`copy`, not `ascontiguousarray`, which would turn a 0-d array into 1-d).
-        let contiguous: bool = obj.getattr("flags")?.getattr("c_contiguous")?.extract()?;
+        let contiguous: bool = obj
+            .getattr(intern!(py, "flags"))?
+            .getattr(intern!(py, "c_contiguous"))?
+            .extract()?;
         let arr = if contiguous {
             obj.clone()
         } else {
-            obj.call_method1("copy", ("C",))?
+            obj.call_method1(intern!(py, "copy"), ("C",))?
         };
-        let typestr: String = arr.getattr("dtype")?.getattr("str")?.extract()?;
+        // The copy keeps the dtype: its string is the input's.
+        let typestr: String = dtype.getattr(intern!(py, "str"))?.extract()?;
         if crate::archive::value::typestr_itemsize(&typestr).is_none() {
             return Err(self.unsupported(obj, &format!(" with dtype {typestr}")));
         }
-        let shape: Vec<u64> = arr.getattr("shape")?.extract()?;
-        let flat = arr
-            .call_method1("reshape", (-1,))?
-            .call_method1("view", ("u1",))?;
-        let buf = pyo3::buffer::PyBuffer::<u8>::get(&flat)?;
-        if !buf.is_c_contiguous() {
-            return Err(self.error_at("numpy gave a non-contiguous buffer"));
-        }
-        let len = buf.len_bytes();
-        let ptr = buf.buf_ptr() as usize;
+        let shape: Vec<u64> = arr.getattr(intern!(py, "shape"))?.extract()?;
+        // The bytes, through a C-contiguous buffer export of the array itself (no flattened
+        // uint8 view made first: two temporary arrays per put of a small array).
+        let buf = ContiguousBytes::get(&arr)?;
+        let len = buf.len;
+        let ptr = buf.ptr as usize;
         let builder = &mut *self.builder;
         let mut write = move || {
             // SAFETY: `buf` holds a buffer export of a C-contiguous uint8 array of `len`
@@ -375,6 +376,43 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
             shape,
             data: ext,
         })))
+    }
+}
+
+/// A C-contiguous buffer export of an object (`PyObject_GetBuffer` with
+/// `PyBUF_C_CONTIGUOUS`: refused unless the exporter's memory is one C-ordered run), released
+/// when dropped. Its bytes: `ptr .. ptr + len`.
+struct ContiguousBytes {
+    view: Box<pyo3::ffi::Py_buffer>,
+    ptr: *const u8,
+    len: usize,
+}
+
+impl ContiguousBytes {
+    fn get(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+        // SAFETY: Py_buffer is a plain C struct for which all-zero is a valid "empty" value;
+        // it is boxed so that its address stays fixed until PyBuffer_Release (exporters may
+        // keep pointers into it). The GIL is held (`obj` is bound).
+        let mut view: Box<pyo3::ffi::Py_buffer> = Box::new(unsafe { std::mem::zeroed() });
+        // SAFETY: `obj` is a live object and `view` a writable Py_buffer; on success the
+        // export is released exactly once, in Drop.
+        let rc = unsafe {
+            pyo3::ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, pyo3::ffi::PyBUF_C_CONTIGUOUS)
+        };
+        if rc != 0 {
+            return Err(PyErr::fetch(obj.py()));
+        }
+        let len = usize::try_from(view.len).unwrap_or(0);
+        let ptr = view.buf as *const u8;
+        Ok(ContiguousBytes { view, ptr, len })
+    }
+}
+
+impl Drop for ContiguousBytes {
+    fn drop(&mut self) {
+        // SAFETY: the export was made by PyObject_GetBuffer in `get` and not released since.
+        // Called with the GIL held: the value never leaves the `array` call that made it.
+        unsafe { pyo3::ffi::PyBuffer_Release(&mut *self.view) };
     }
 }
 
