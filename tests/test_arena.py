@@ -311,3 +311,16 @@ def test_a_forked_child_dropping_an_inherited_handle_keeps_the_parent_s_lease() 
         creator.stdin.close()
         creator.wait(300)
         creator.stdout.close()
+
+
+def test_a_process_s_arenas_start_small_and_grow() -> None:
+    """The first arena reserves 4 MiB of shared memory, not 64: a process putting a few small
+    objects holds little; each next arena is twice the last (docs/arena.md, "Layout")."""
+    mib = 1 << 20
+    first = shmstore.put(b"x" * 100)
+    assert [cap for _, _, cap in _native._arena_usage()] == [4 * mib]
+    held = [shmstore.put(np.zeros(mib - 4096, dtype=np.uint8)) for _ in range(6)]
+    assert all("@" in r.name for r in held)
+    assert [cap for _, _, cap in _native._arena_usage()] == [4 * mib, 8 * mib]
+    for r in (first, *held):
+        r.close()

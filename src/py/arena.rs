@@ -18,8 +18,11 @@ use crate::segment;
 
 /// Largest object archive that goes into an arena (bigger ones get a segment of their own).
 pub(crate) const MAX_OBJECT: usize = 1 << 20;
-/// Bytes of chunks per arena segment, unless `SHMSTORE_ARENA_SIZE` says otherwise.
+/// Bytes of chunks of the largest arena segment, unless `SHMSTORE_ARENA_SIZE` says otherwise.
 const DEFAULT_CAPACITY: u64 = 64 << 20;
+/// Bytes of chunks of a process's first arena; each next one is twice the last, up to
+/// [`capacity`]: a process that puts a few small objects reserves 4 MiB, not 64.
+const FIRST_CAPACITY: u64 = 4 << 20;
 
 /// One arena of this process: the writer, the opened file (whose releases say which chunks
 /// this process no longer holds), chunks waiting for their last lease elsewhere, and the
@@ -68,13 +71,22 @@ fn place(
     Ok(None)
 }
 
+/// The size of this process's next arena when it has `made` arenas already.
+fn next_capacity(made: usize) -> u64 {
+    let max = capacity();
+    let grown = FIRST_CAPACITY
+        .checked_shl(made.min(16) as u32)
+        .unwrap_or(max);
+    grown.min(max)
+}
+
 /// A new arena in the segment directory, registered with the supervisor before it exists.
 /// `None` without a supervisor: then nothing would remove the arena after a crash, so
 /// objects get segments of their own instead.
 /// Also `None` when the segment directory has no room for a whole arena: a small object
 /// that fits gets a segment of its own there (an arena is only a way to make puts cheaper).
-fn new_arena(py: Python<'_>, dir: PathBuf) -> PyResult<Option<Owned>> {
-    let cap = capacity();
+fn new_arena(py: Python<'_>, dir: PathBuf, made: usize) -> PyResult<Option<Owned>> {
+    let cap = next_capacity(made);
     let full = |e: &crate::arena::ArenaError| {
         matches!(
             e,
@@ -210,7 +222,11 @@ pub(crate) fn put_archive(
     let placed = match placed {
         Some(p) => p,
         None => {
-            let Some(new) = new_arena(py, dir.clone())? else {
+            let made = py.detach(|| {
+                let arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
+                arenas.iter().filter(|a| a.writer.is_ours()).count()
+            });
+            let Some(new) = new_arena(py, dir.clone(), made)? else {
                 return Ok(None);
             };
             let placed = py.detach(|| {
