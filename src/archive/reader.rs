@@ -143,6 +143,15 @@ fn count_past_end<T>(n: u64, at: usize) -> Result<T, ArchiveError> {
     corrupt(format!("count {n} at {at} runs past the records"))
 }
 
+type Scratch = (Vec<(usize, usize)>, Vec<(usize, bool, usize)>);
+
+thread_local! {
+    /// Reused by `validate_block` (spans of a block's records, the walk queue).
+    static SCRATCH: std::cell::RefCell<Scratch> = const {
+        std::cell::RefCell::new((Vec::new(), Vec::new()))
+    };
+}
+
 /// How many bytes of a record `root` asks the cache for ahead of reading them.
 const ROOT_PREFETCH: usize = 512;
 
@@ -336,11 +345,33 @@ impl<B: AsRef<[u8]>> Reader<B> {
             .get(b + 1)
             .copied()
             .unwrap_or(self.header.count);
+        // This thread's scratch vectors (the checks of a block never re-enter), so that a
+        // block's check allocates nothing once the thread has checked one.
+        SCRATCH.with(|scratch| match scratch.try_borrow_mut() {
+            Ok(mut scratch) => {
+                let (spans, queue) = &mut *scratch;
+                self.validate_block_with(rec, b, first, last, spans, queue)
+            }
+            Err(_) => {
+                self.validate_block_with(rec, b, first, last, &mut Vec::new(), &mut Vec::new())
+            }
+        })
+    }
+
+    fn validate_block_with(
+        &self,
+        rec: u64,
+        b: usize,
+        first: u64,
+        last: u64,
+        spans: &mut Vec<(usize, usize)>,
+        queue: &mut Vec<(usize, bool, usize)>,
+    ) -> Result<(), ArchiveError> {
         // The records' spans, read once (a block written by us holds at most
         // BLOCK_RECORDS; a forged one that claims more is read span by span instead).
-        let mut spans = [(0usize, 0usize); BLOCK_RECORDS as usize];
         let k = (last - first) as usize;
-        let cached = k <= spans.len();
+        let cached = k <= BLOCK_RECORDS as usize;
+        spans.clear();
         let span = |r: u64, spans: &[(usize, usize)]| -> Result<(usize, usize), ArchiveError> {
             if cached {
                 Ok(spans[(r - first) as usize])
@@ -349,17 +380,17 @@ impl<B: AsRef<[u8]>> Reader<B> {
             }
         };
         if cached {
-            for (i, r) in (first..last).enumerate() {
-                spans[i] = self.span(r)?;
+            for r in first..last {
+                spans.push(self.span(r)?);
             }
         }
         // The checksum of the block's records, one after another. They usually lie back to
         // back (no payload or long-record length between them): then one call over the
         // whole range, which is the same hash and faster than feeding them one by one.
-        let (s0, mut end) = span(first, &spans)?;
+        let (s0, mut end) = span(first, spans)?;
         let mut contiguous = true;
         for r in first + 1..last {
-            let (s, e) = span(r, &spans)?;
+            let (s, e) = span(r, spans)?;
             contiguous &= s == end;
             end = e;
         }
@@ -368,7 +399,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
         } else {
             let mut h = Xxh3Default::new();
             for r in first..last {
-                let (s, e) = span(r, &spans)?;
+                let (s, e) = span(r, spans)?;
                 h.update(&self.bytes()[s..e]);
             }
             h.digest()
@@ -380,10 +411,9 @@ impl<B: AsRef<[u8]>> Reader<B> {
                  modified)"
             ));
         }
-        let mut queue = Vec::new();
         for r in first..last {
-            let (s, e) = span(r, &spans)?;
-            self.walk_with(&mut queue, s, e, |_, _| Ok(()))
+            let (s, e) = span(r, spans)?;
+            self.walk_with(queue, s, e, |_, _| Ok(()))
                 .map_err(|e| ArchiveError::Corrupt(format!("record {r}: {}", msg(e))))?;
         }
         // The block's bits, a word at a time (a block spans at most two words).
@@ -523,8 +553,13 @@ impl<B: AsRef<[u8]>> Reader<B> {
                     let sh = self.shape(id)?;
                     let size = sh.shape.size as usize;
                     let (n, after) = self.count(after, size)?;
-                    for i in 0..n {
-                        w.slots(self, sh, after + i * size, depth + 2)?;
+                    if sh.refs.is_empty() {
+                        // Rows of plain slots (numbers, packed fields): nothing to follow.
+                        w.depth(depth + 2)?;
+                    } else {
+                        for i in 0..n {
+                            w.slots(self, sh, after + i * size, depth + 2)?;
+                        }
                     }
                     after + n * size
                 }
@@ -1370,7 +1405,19 @@ impl Walk<'_> {
         Ok(())
     }
 
+    /// Values `depth` containers down are within the format's limit.
+    #[inline]
+    fn depth(&self, depth: usize) -> Result<(), ArchiveError> {
+        if depth > MAX_VALUE_DEPTH + 1 {
+            return corrupt(format!(
+                "values nested deeper than {MAX_VALUE_DEPTH} levels"
+            ));
+        }
+        Ok(())
+    }
+
     /// The references of a dict's slots (shape `sh`, at `at`); `depth` of its values.
+    #[inline]
     fn slots<B: AsRef<[u8]>>(
         &mut self,
         r: &Reader<B>,
@@ -1378,11 +1425,7 @@ impl Walk<'_> {
         at: usize,
         depth: usize,
     ) -> Result<(), ArchiveError> {
-        if depth > MAX_VALUE_DEPTH + 1 {
-            return corrupt(format!(
-                "values nested deeper than {MAX_VALUE_DEPTH} levels"
-            ));
-        }
+        self.depth(depth)?;
         for &f in sh.refs.iter() {
             let f = f as usize;
             let tagged = sh.shape.encs[f] == Enc::Ref;
