@@ -192,6 +192,14 @@ def test_lets_go():
     assert views[3]["i"] == 3
 
 @pytest.mark.no_leaks(cycles=False)
+def test_a_cycle_holds_one_until_collected():
+    class Holder:
+        pass
+    h = Holder()
+    h.me = h
+    h.ref = shmstore.put(b"in a cycle")
+
+@pytest.mark.no_leaks(cycles=False)
 def test_uses_the_module_fixture(module_small):
     assert module_small.get()["module"] == 1
     assert shmstore.put(b"x").get() == b"x"
@@ -203,7 +211,7 @@ def test_keeps_one():
     )
     pytester.makeini("[pytest]\nshmstore_segments_wait = 2\n")
     result = pytester.runpytest("-p", "no:randomly")
-    result.assert_outcomes(passed=3, errors=1)
+    result.assert_outcomes(passed=4, errors=1)
     result.stdout.fnmatch_lines(
         ["*test_keeps_one*", "*the test left 1 shmstore segment(s) behind*(1 of them arena(s)*"]
     )
