@@ -180,7 +180,7 @@ def run_method(
                     share = shmstore.dask.share(client, h)
                 else:
                     share = shmstore.dask.share(client, h, path=base / "data.shm", scatter=False)
-                share.drop_chunks()  # every machine holds its copy now (plugins ran)
+                # No drop_chunks(): each chunk is released as soon as both machines have it.
                 futs = [client.submit(task, h, workers=[w], pure=False) for w in workers]
                 wait(futs, timeout=args.budget)
                 out = client.gather(futs)
@@ -209,7 +209,9 @@ def run_method(
             wait([])
             peak = sampler.stop()
             steady = cluster.memory()  # after the tasks, the data still held
+            chunks_left = None
             if method.startswith("shmstore"):
+                chunks_left = share.chunks_held
                 share.close()
                 h.unlink()
             firsts = [t for t, _ in out]
@@ -220,6 +222,7 @@ def run_method(
                 "idle": idle,
                 "first": min(firsts) - t0,
                 "wall": t_end - t0,
+                "chunks_left": chunks_left,
             }
     except Exception:
         print(f"{method} {data_kind} failed; logs kept in {base}", flush=True)

@@ -59,6 +59,55 @@ def pid_stats() -> list:
     return [os.getpid(), sc.stats()]
 
 
+def chunk_keys(client: Client, share: shmstore.dask.DaskShare) -> list:
+    return list(client.get_dataset(share._chunks[0].dataset)["keys"])
+
+
+def chunks_left(client: Client, share: shmstore.dask.DaskShare) -> dict:
+    """The workers holding each chunk of ``share`` per the scheduler, once none does (or
+    after 120 s: releasing is asynchronous, it follows the fetchers' events)."""
+    keys = chunk_keys(client, share)
+    deadline = time.monotonic() + 120
+    for _ in range(100_000):
+        who = {k: v for k, v in client.who_has().items() if k in keys and v}
+        if not who or time.monotonic() > deadline:
+            return {"keys": len(keys), "held": who}
+        time.sleep(0.05)
+    raise AssertionError("unreachable")
+
+
+def read_ref(state: tuple) -> dict:
+    """Resolve a NodeRef inside the task (a worker thread, where it may fetch) and read it."""
+    lst = sc.resolve(sc.NodeRef._from_state(state))
+    h = hashlib.sha256()
+    for rec in lst:
+        h.update(repr(rec.to_python()).encode())
+    return {"node": sc.node_id(), "sha": h.hexdigest(), "fetched": sc.info(lst)["fetched"]}
+
+
+def late_fetch(client: Client) -> dict:
+    """A store shared without plugins: machine a fetches it (from the chunks), the chunks are
+    dropped, then machine b fetches it: from a worker of machine a."""
+    lst = shmstore.SharedList(make_records(120))
+    h = hashlib.sha256()
+    for rec in lst:
+        h.update(repr(rec.to_python()).encode())
+    nodes = client.run(sc.node_id)
+    first = sorted(nodes.values())[0]
+    wa = next(w for w, n in sorted(nodes.items()) if n == first)
+    wb = next(w for w, n in sorted(nodes.items()) if n != first)
+    share = shmstore.dask.share(client, lst, chunk=8 << 10, nanny=False, pre_attach=False)
+    state = share.ref._state()
+    out: dict = {"late_want": h.hexdigest(), "late_chunks": len(chunk_keys(client, share))}
+    out["late_a"] = client.submit(read_ref, state, workers=[wa], pure=False).result(timeout=300)
+    out["late_held_after_a"] = share.chunks_held  # b has not fetched: all still held
+    share.drop_chunks()
+    out["late_left_before_b"] = chunks_left(client, share)
+    out["late_b"] = client.submit(read_ref, state, workers=[wb], pure=False).result(timeout=300)
+    share.close()
+    return out
+
+
 def main() -> None:
     sched_file, n_workers, shared, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     client = Client(scheduler_file=sched_file, timeout="120s")
@@ -71,6 +120,10 @@ def main() -> None:
     expect = read_all(lst, arr)["sha"]
     result: dict = {"expect": expect, "expect_joblib": read_all(lst, arr, big[::2])["sha"]}
     s1 = shmstore.dask.share(client, lst, chunk=16 << 10)
+    # Both machines fetched while share() ran (its plugins): every chunk goes as soon as both
+    # reported it. What the scheduler still has of them, once it settled (bounded wait):
+    result["chunks_left"] = chunks_left(client, s1)
+    result["chunks_held"] = s1.chunks_held
     s2 = shmstore.dask.share(client, arr, path=os.path.join(shared, "arr.shm"), scatter=False)
     result["digests"] = [s1.ref.digest, s2.ref.digest]
 
@@ -97,6 +150,7 @@ def main() -> None:
         result[tag + "_nanny_stats"] = client.run(pid_stats, nanny=True)
 
     round_("first")
+    print("first round done", file=sys.stderr, flush=True)
     round_("joblib", joblib=True)
     # Kill (SIGKILL) a worker that attached (did not fetch); its Nanny starts a new one.
     stats = result["first_worker_stats"]
@@ -113,6 +167,8 @@ def main() -> None:
             raise TimeoutError("the Nanny did not restart the worker")
         time.sleep(0.1)
     round_("second")
+    print("second round done", file=sys.stderr, flush=True)
+    result.update(late_fetch(client))
     with open(out + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(out + ".tmp", out)

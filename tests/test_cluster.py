@@ -126,6 +126,34 @@ def test_noderef_on_its_own_machine_attaches(records):
     lst.unlink()
 
 
+def test_a_dask_scheduler_passes_a_noderef_on_without_resolving_it(records):
+    """A Dask scheduler unpickles every task (arguments included) and pickles it again for
+    the worker: there a NodeRef must stay a NodeRef (no attach or fetch on the scheduler's
+    machine, and the worker gets the NodeRef, not a handle pickled by name)."""
+    pytest.importorskip("distributed")
+    import asyncio
+
+    from distributed import Scheduler
+
+    lst = shmstore.SharedList(records)
+    ref = sc.share(lst)
+    sc.release()
+    blob = pickle.dumps(ref)
+
+    async def in_scheduler() -> tuple:
+        async with Scheduler(port=0, dashboard_address=":0", host="127.0.0.1"):
+            before = sc.stats()
+            seen = pickle.loads(blob)
+            return seen, before, sc.stats(), pickle.dumps(seen)
+
+    seen, before, after, again = asyncio.run(in_scheduler())
+    assert not isinstance(seen, shmstore.StoreHandle)
+    assert after == before  # nothing attached, fetched or held
+    assert again == blob  # the worker receives the very NodeRef the client sent
+    sc.release()
+    lst.unlink()
+
+
 class _Chunks:
     """A source that yields given bytes (picklable: a test double of an engine source)."""
 
@@ -330,6 +358,20 @@ def test_dask_two_machines_one_copy_each(tmp_path, capsys):
                 per_node[node_of[w]] = per_node.get(node_of[w], 0) + st["fetched"]
             assert per_node == {n: 2 for n in nodes_seen}, per_node
         assert len(nodes) == 2
+        # Once both machines fetched, the scheduler holds none of the chunks any more (each
+        # was released as soon as both machines reported it), and the share holds none.
+        assert res["chunks_left"]["keys"] > 1
+        assert res["chunks_left"]["held"] == {}
+        assert res["chunks_held"] == 0
+        # A machine that fetches after the chunks are gone reads them from a machine that has
+        # its copy: machine a fetched (the chunks stayed, b had not), they were dropped, then
+        # machine b got identical records from a's workers.
+        assert res["late_chunks"] > 1
+        assert res["late_held_after_a"] == res["late_chunks"]
+        assert res["late_left_before_b"]["held"] == {}
+        assert res["late_a"]["node"] != res["late_b"]["node"]
+        assert res["late_a"]["sha"] == res["late_b"]["sha"] == res["late_want"]
+        assert res["late_a"]["fetched"] and res["late_b"]["fetched"]
         # SIGKILL everything (scheduler, driver, Nannies, workers) on every machine at once.
         for m in ms:
             m.kill_all()

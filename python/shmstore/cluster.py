@@ -47,11 +47,13 @@ file, and is counted and cleaned up by the supervisor like any segment.
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import fcntl
 import logging
 import os
 import stat
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -190,7 +192,64 @@ class NodeRef:
 
 
 def _unpickle(state: tuple[Any, ...]) -> Any:
-    return resolve(NodeRef._from_state(state))
+    if _in_dask_scheduler():
+        return _Unresolved(state)
+    ref = NodeRef._from_state(state)
+    if _on_event_loop():
+        # A Dask worker unpickles a task's arguments on its event loop: a fetch there would
+        # block the loop that serves the chunks (its own included) and run a client on it.
+        return resolve(ref, fetch=False)
+    return resolve(ref)
+
+
+class _Unresolved:
+    """A NodeRef unpickled by a process that only passes it on (a Dask scheduler, which
+    unpickles every task to schedule it, and pickles it again for the worker): it must not
+    fetch or pin a copy on the scheduler's machine, and it pickles as the NodeRef again."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: tuple[Any, ...]) -> None:
+        self.state = state
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_unpickle, (self.state,))
+
+    def __repr__(self) -> str:
+        return f"<unresolved shmstore NodeRef {self.state[0]!r}>"
+
+
+def _on_event_loop() -> bool:
+    """True on the running event loop of a process that hosts a Dask worker or Nanny (not,
+    e.g., in a notebook, whose cells also run on an event loop)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    for module, cls in (("distributed.worker", "Worker"), ("distributed.nanny", "Nanny")):
+        mod = sys.modules.get(module)
+        try:
+            if mod is not None and len(getattr(mod, cls)._instances):
+                return True
+        except (AttributeError, TypeError):
+            pass
+    return False
+
+
+def _in_dask_scheduler() -> bool:
+    """True in a process that runs a Dask scheduler and no Dask worker (in a process with
+    both, e.g. ``LocalCluster(processes=False)``, everything is on one machine: resolving is
+    an attach)."""
+    sched = sys.modules.get("distributed.scheduler")
+    if sched is None:
+        return False
+    try:
+        if not len(sched.Scheduler._instances):
+            return False
+        worker = sys.modules.get("distributed.worker")
+        return worker is None or not len(worker.Worker._instances)
+    except AttributeError:
+        return False
 
 
 def share(
@@ -319,15 +378,16 @@ def _attach_local(ref: NodeRef, d: Path) -> Any:
     return h
 
 
-def resolve(ref: NodeRef, *, timeout: Optional[float] = None) -> Any:
-    """The store ``ref`` names, on this machine (see the module docs)."""
+def resolve(ref: NodeRef, *, timeout: Optional[float] = None, fetch: bool = True) -> Any:
+    """The store ``ref`` names, on this machine (see the module docs). ``fetch=False``: only
+    attach (StoreNotFoundError if this machine has no copy yet)."""
     if ref.kind not in _CLASSES:
         raise shmstore.InvalidInputError(f"unknown store kind {ref.kind!r}")
     with _lock:
         h = _held.get(ref.digest)
     if h is not None and not h.closed:
         return h
-    how, h = _resolve(ref, _timeout(timeout))
+    how, h = _resolve(ref, _timeout(timeout), fetch)
     with _lock:
         _counts[how] += 1
         _held[ref.digest] = h
@@ -335,7 +395,7 @@ def resolve(ref: NodeRef, *, timeout: Optional[float] = None) -> Any:
     return h
 
 
-def _resolve(ref: NodeRef, timeout: float) -> tuple[str, Any]:
+def _resolve(ref: NodeRef, timeout: float, fetch: bool = True) -> tuple[str, Any]:
     if ref.origin_path and ref.origin_node == node_id():
         flag = "s" if os.path.basename(ref.origin_path) == ref.name else ""  # segment or file
         try:
@@ -359,6 +419,14 @@ def _resolve(ref: NodeRef, timeout: float) -> tuple[str, Any]:
     h = _attach_local(ref, d)
     if h is not None:
         return "attached", h
+    if not fetch:
+        raise shmstore.StoreNotFoundError(
+            f"store {ref.name!r} is not on this machine ({node_id()}) yet, and it cannot be "
+            "fetched here: this is an event loop's thread (a Dask worker unpickling a task). "
+            "Share it with shmstore.dask.share(..., pre_attach=True) (the default: each "
+            "worker fetches it when it starts), or pass the NodeRef's state and resolve it "
+            "inside the task"
+        )
     with _FetchLock(d, timeout):
         h = _attach_local(ref, d)
         if h is not None:

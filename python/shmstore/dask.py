@@ -16,7 +16,9 @@ there attaches to the same pages::
 What :func:`share` does:
 
 - the archive's bytes go to the cluster once, as chunks scattered to the workers
-  (:class:`DaskSource`), and/or as a saved file on a shared file system (``path=``);
+  (:class:`DaskSource`), and/or as a saved file on a shared file system (``path=``); each
+  chunk is released as soon as every machine has fetched it (machines that come later read
+  it from a machine holding a copy);
 - while the share is open, pickling ``lst`` (the handle itself, in ``submit``/``map``
   arguments, inside closures, through joblib's Dask backend) gives its NodeRef, so user code
   passes the handle as usual and the task receives a handle;
@@ -26,8 +28,9 @@ What :func:`share` does:
 - a :class:`PreAttach` worker plugin resolves it in every worker at start (and in workers that
   join later), so tasks never wait for a fetch.
 
-``close()`` (or the end of the ``with``) unregisters the plugins, drops the chunks and stops
-treating the handle specially; each machine's copy goes once no process there uses it.
+``close()`` (or the end of the ``with``) unregisters the plugins, drops what is left of the
+chunks and stops treating the handle specially; each machine's copy goes once no process
+there uses it.
 
 Memory limits: the pages of a store count in each worker's RSS once touched, although they
 exist once per machine. Dask's spill, pause and terminate thresholds
@@ -41,12 +44,15 @@ from __future__ import annotations
 
 import asyncio
 import copyreg
+import dataclasses
 import logging
 import os
 import threading
+import time
 import uuid
+from concurrent.futures import CancelledError
 from dataclasses import dataclass
-from typing import Any, Iterator, Union
+from typing import Any, Callable, Iterator, Optional, Union, cast
 
 import shmstore
 from shmstore import _versions, cluster
@@ -55,21 +61,30 @@ _versions.require("dask", "shmstore.dask")
 _versions.require("distributed", "shmstore.dask")
 
 from dask.sizeof import sizeof  # noqa: E402
-from distributed import Client, NannyPlugin, WorkerPlugin  # noqa: E402
+from distributed import Client, Future, NannyPlugin, WorkerPlugin  # noqa: E402
 
 __all__ = ["DaskShare", "DaskSource", "KeepOnNanny", "PreAttach", "held_here", "share"]
 
 log = logging.getLogger("shmstore.dask")
 
-#: Size of the pieces the archive is scattered in.
-CHUNK = 64 << 20
+#: Size of the pieces the archive is scattered in. A fetching machine holds its copy plus about
+#: one chunk in flight, and a chunk stays on the cluster until every machine has it: small
+#: chunks keep a machine's peak near one copy (64 pieces per GiB cost the scheduler little).
+CHUNK = 32 << 20
 
 
 @dataclass(frozen=True)
 class DaskSource:
-    """The archive as chunks held by Dask workers (a published dataset of scattered
-    futures): a fetching process gathers them one at a time through its own client to
-    ``scheduler``."""
+    """The archive as chunks held by Dask workers: a fetching process gathers them one at a
+    time through its own client to ``scheduler``.
+
+    ``dataset`` names a published Dask dataset describing the chunks (their keys, the chunk
+    size, the store's identity; the chunks themselves are held by the sharing client, not by
+    the dataset). After each chunk the fetcher logs an event on the topic ``dataset``; the
+    :class:`DaskShare` releases chunk *i* once every machine it expects has it. A chunk that
+    is gone (released, or lost with its worker) is read instead from a worker of a machine
+    that holds a full copy (one that reported its fetch done, or the sharing machine).
+    """
 
     dataset: str
     scheduler: str
@@ -77,10 +92,113 @@ class DaskSource:
     def chunks(self) -> Iterator[bytes]:
         client: Any = Client(self.scheduler, set_as_default=False, timeout="60s")  # type: ignore[no-untyped-call]
         try:
-            for fut in client.get_dataset(self.dataset):
-                yield fut.result()
+            try:
+                meta = client.get_dataset(self.dataset)
+            except KeyError:
+                raise shmstore.StoreNotFoundError(
+                    f"the chunks {self.dataset} are no longer published on {self.scheduler} "
+                    "(the share was closed); share again, or with path= on a shared file system"
+                ) from None
+            me = cluster.node_id()
+            deadline = time.monotonic() + cluster._timeout(None)
+            peers: list[str] = []
+            for i, key in enumerate(meta["keys"]):
+                b = _chunk_held(client, key, deadline)
+                if b is None:
+                    if not peers:
+                        peers = _peer_workers(client, self.dataset, meta)
+                    b = _chunk_from_peer(client, meta, i, peers, deadline)
+                client.log_event(self.dataset, {"node": me, "chunk": i})
+                yield b
+                del b
+            client.log_event(_done_topic(self.dataset), {"node": me, "done": True})
         finally:
             client.close()
+
+
+def _done_topic(dataset: str) -> str:
+    # "done" events apart from the per-chunk ones: the scheduler keeps a bounded log per
+    # topic, and a late fetcher looks the done machines up in it.
+    return dataset + "-done"
+
+
+def _chunk_held(client: Any, key: str, deadline: float) -> Optional[bytes]:
+    """Chunk ``key`` from the worker holding it; None if the cluster no longer has it."""
+    if not client.sync(client.scheduler.who_has, keys=[key]).get(key):
+        return None
+    fut: Any = Future(key, client)
+    # A Future made from a key does not tell the scheduler that this client wants it (the
+    # way a Future taken from a dataset does): tell it, or the result never comes.
+    client._inform_scheduler_of_futures()
+    try:
+        for _ in range(10_000_000):
+            try:
+                return cast(bytes, fut.result(timeout=2))
+            except CancelledError:  # lost with its worker
+                return None
+            except TimeoutError:
+                pass
+            if not client.sync(client.scheduler.who_has, keys=[key]).get(key):
+                return None  # released meanwhile
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"chunk {key} did not arrive within SHMSTORE_FETCH_TIMEOUT "
+                    f"({cluster._timeout(None):g} s)"
+                )
+        raise AssertionError("unreachable")
+    finally:
+        fut.release()
+
+
+def _peer_workers(client: Any, dataset: str, meta: dict[str, Any]) -> list[str]:
+    """Workers of the machines that hold a full copy: those that reported their fetch done,
+    and the sharing machine."""
+    done = {meta["origin"]}
+    for _, msg in client.get_events(_done_topic(dataset)):
+        if isinstance(msg, dict) and msg.get("done"):
+            done.add(msg.get("node"))
+    nodes = client.run(cluster.node_id, on_error="ignore")
+    peers = sorted(w for w, n in nodes.items() if n in done)
+    if not peers:
+        raise shmstore.StoreNotFoundError(
+            f"the chunks of store {meta['ref'][0]!r} were released (every machine expected "
+            "when it was shared has its copy, or the share's keep_chunks time passed) and no "
+            "worker runs on a machine holding a copy; share it with path= on a shared file "
+            "system, or keep_chunks=None"
+        )
+    return peers
+
+
+def _chunk_from_peer(
+    client: Any, meta: dict[str, Any], i: int, peers: list[str], deadline: float
+) -> bytes:
+    size = int(meta["chunk"])
+    fut = client.submit(
+        _read_range,
+        meta["ref"],
+        i * size,
+        size,
+        workers=peers,
+        allow_other_workers=False,
+        pure=False,
+    )
+    try:
+        return cast(bytes, fut.result(timeout=max(1.0, deadline - time.monotonic())))
+    finally:
+        fut.release()
+
+
+def _read_range(state: tuple[Any, ...], offset: int, size: int) -> bytes:
+    """On a worker of a machine holding the store: ``size`` bytes of its archive at
+    ``offset`` (the NodeRef has no sources: this attaches, it never fetches)."""
+    h = cluster.resolve(cluster.NodeRef._from_state(state))
+    path = str(shmstore._native._store_info(h)["path"])
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        out = os.pread(fd, size, offset)
+    finally:
+        os.close(fd)
+    return out
 
 
 def _resolve_states(states: tuple[tuple[Any, ...], ...]) -> None:
@@ -157,6 +275,47 @@ for _small in (shmstore.StoreHandle, shmstore.ListView, shmstore.DictView):
     sizeof.register(_small)(_sizeof_handle)  # type: ignore[no-untyped-call]
 
 
+class _Chunks:
+    """One store's scattered chunks, held by the sharing client and released chunk by chunk
+    as the expected machines report them."""
+
+    def __init__(
+        self, dataset: str, futures: list[Any], expected: frozenset[str], origin_peers: bool
+    ) -> None:
+        self.dataset = dataset
+        self.futures: list[Optional[Any]] = list(futures)
+        self.expected = expected
+        self.origin_peers = origin_peers  # workers run on the sharing machine
+        self.got: dict[int, set[str]] = {}
+        self.done: set[str] = set()
+
+    def report(self, msg: Any) -> list[Any]:
+        """Record a fetcher's event; the futures now held by nobody who needs them."""
+        if not isinstance(msg, dict) or not isinstance(msg.get("node"), str):
+            return []
+        node = msg["node"]
+        if msg.get("done"):
+            self.done.add(node)
+        elif isinstance(msg.get("chunk"), int) and 0 <= msg["chunk"] < len(self.futures):
+            self.got.setdefault(msg["chunk"], set()).add(node)
+        if not self.expected:
+            return []
+        out = []
+        for i, fut in enumerate(self.futures):
+            if fut is not None and self.expected <= self.got.get(i, set()) | self.done:
+                out.append(fut)
+                self.futures[i] = None
+        return out
+
+    def take_all(self) -> list[Any]:
+        out = [f for f in self.futures if f is not None]
+        self.futures = [None] * len(self.futures)
+        return out
+
+    def held(self) -> int:
+        return sum(f is not None for f in self.futures)
+
+
 class DaskShare:
     """Stores shared with a Dask cluster (made by :func:`share`); a context manager."""
 
@@ -164,37 +323,83 @@ class DaskShare:
         self,
         client: Any,
         refs: tuple[cluster.NodeRef, ...],
-        futures: list[Any],
-        datasets: list[str],
+        chunks: list[_Chunks],
+        keep_chunks: Optional[float] = None,
     ) -> None:
         self.client = client
         self.refs = refs
-        self._futures = futures
-        self._datasets = datasets
+        self._chunks = chunks
+        self._lock = threading.Lock()
         self.name = f"shmstore-{uuid.uuid4().hex[:12]}"
         self.closed = False
+        self._timer: Optional[threading.Timer] = None
+        for c in chunks:
+            client.subscribe_topic(c.dataset, self._handler(c))
+            client.subscribe_topic(_done_topic(c.dataset), self._handler(c))
+        if keep_chunks is not None and chunks:
+            self._timer = threading.Timer(keep_chunks, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
 
     @property
     def ref(self) -> cluster.NodeRef:
         """The NodeRef of the (first) store."""
         return self.refs[0]
 
+    @property
+    def chunks_held(self) -> int:
+        """How many scattered chunks this share still holds on the cluster."""
+        with self._lock:
+            return sum(c.held() for c in self._chunks)
+
+    def _handler(self, c: _Chunks) -> Callable[[Any], None]:
+        def on_event(event: Any) -> None:
+            with self._lock:
+                drop = c.report(event[1] if isinstance(event, tuple) else event)
+            for fut in drop:
+                fut.release()
+
+        return on_event
+
+    def _expire(self) -> None:
+        """``keep_chunks`` passed: release what machines that never fetched would need, if
+        a machine holds a full copy they can read instead."""
+        with self._lock:
+            drop = []
+            for c in self._chunks:
+                if c.held() and (c.done or c.origin_peers):
+                    log.warning(
+                        "releasing the chunks of %s (keep_chunks passed): machines %s never "
+                        "fetched them; they will read from a machine that has its copy",
+                        c.dataset,
+                        ", ".join(sorted(c.expected - c.done)) or "(none expected)",
+                    )
+                    drop += c.take_all()
+                elif c.held():
+                    log.warning(
+                        "keep_chunks passed but no machine has fetched %s yet: its chunks are "
+                        "the only copy off this machine, they stay until drop_chunks()/close()",
+                        c.dataset,
+                    )
+        for fut in drop:
+            fut.release()
+
     def drop_chunks(self) -> None:
-        """Release the scattered chunks (e.g. once every machine holds its copy): machines
-        that join later can then only fetch from the other sources."""
-        for name in self._datasets:
-            try:
-                self.client.unpublish_dataset(name)
-            except (KeyError, OSError) as e:
-                log.debug("unpublishing %s: %s", name, e)
-        self._datasets.clear()
-        self._futures.clear()
+        """Release every scattered chunk now (they are released on their own as the
+        machines fetch them): a machine that fetches later reads the bytes from a worker of a
+        machine that holds a copy, or from ``path=``."""
+        with self._lock:
+            drop = [f for c in self._chunks for f in c.take_all()]
+        for fut in drop:
+            fut.release()
 
     def close(self) -> None:
         """Unregister the plugins, drop the chunks, pickle the handles by name again."""
         if self.closed:
             return
         self.closed = True
+        if self._timer is not None:
+            self._timer.cancel()
         for name, nanny in ((self.name + "-worker", False), (self.name + "-nanny", True)):
             try:
                 self.client.unregister_worker_plugin(name, nanny=nanny)
@@ -206,6 +411,16 @@ class DaskShare:
         for r in self.refs:
             cluster.release(r)
         self.drop_chunks()
+        for c in self._chunks:
+            for step, arg in (
+                (self.client.unsubscribe_topic, c.dataset),
+                (self.client.unsubscribe_topic, _done_topic(c.dataset)),
+                (self.client.unpublish_dataset, c.dataset),
+            ):
+                try:
+                    step(arg)
+                except (ValueError, KeyError, OSError) as e:
+                    log.debug("closing %s: %s", arg, e)
 
     def __enter__(self) -> DaskShare:
         return self
@@ -223,13 +438,17 @@ def share(
     nanny: bool = True,
     pre_attach: bool = True,
     chunk: int = CHUNK,
+    keep_chunks: Optional[float] = 600.0,
 ) -> DaskShare:
     """Share stores with the workers of ``client``: one copy per machine.
 
     - ``path``: also save the (single) store there, on a file system every machine mounts,
       as the first source (``mode`` "copy" or "map", see :class:`shmstore.cluster.FileSource`).
     - ``scatter``: send the archive to the cluster as ``chunk``-byte pieces (a
-      :class:`DaskSource`); with a ``path`` you may turn it off.
+      :class:`DaskSource`); with a ``path`` you may turn it off. Chunk *i* is released as
+      soon as every machine that had workers when ``share()`` was called (other than this
+      one) has fetched it; after ``keep_chunks`` seconds (None: never) the rest is released
+      if some machine holds a full copy (machines that fetch later read from one of them).
     - ``nanny``: register :class:`KeepOnNanny` (needs workers started by Nannies; skipped
       otherwise). ``pre_attach``: register :class:`PreAttach`.
 
@@ -241,29 +460,43 @@ def share(
         raise ValueError("path= saves one store: share the stores one at a time")
     if chunk <= 0:
         raise ValueError(f"chunk must be > 0 bytes, not {chunk}")
+    if keep_chunks is not None and not keep_chunks >= 0:
+        raise ValueError(f"keep_chunks must be >= 0 seconds or None, not {keep_chunks}")
     scheduler = str(client.scheduler.address)
+    here = cluster.node_id()
+    expected: frozenset[str] = frozenset()
+    origin_peers = False
+    if scatter:
+        nodes = client.run(cluster.node_id, on_error="ignore")
+        machines = frozenset(n for n in nodes.values() if isinstance(n, str))
+        expected, origin_peers = machines - {here}, here in machines
     refs = []
-    futures: list[Any] = []
-    datasets: list[str] = []
+    chunk_sets: list[_Chunks] = []
     for h in handles:
-        sources: list[Any] = []
+        ref = cluster.share(h, path=path, mode=mode)
         if scatter:
-            chunk_futures = []
+            futures = []
             info = shmstore._native._store_info(h)
             with open(str(info["path"]), "rb", buffering=0) as f:
                 for _ in range(1 << 30):
                     b = f.read(chunk)
                     if not b:
                         break
-                    chunk_futures.append(client.scatter(b, hash=False))
+                    futures.append(client.scatter(b, hash=False))
                     del b
             dataset = f"shmstore-chunks-{uuid.uuid4().hex}"
-            client.publish_dataset(chunk_futures, name=dataset)
-            datasets.append(dataset)
-            futures.extend(chunk_futures)
-            sources.append(DaskSource(dataset, scheduler))
-        refs.append(cluster.share(h, sources=sources, path=path, mode=mode))
-    ds = DaskShare(client, tuple(refs), futures, datasets)
+            meta = {
+                "keys": [fut.key for fut in futures],
+                "chunk": chunk,
+                "origin": here,
+                "ref": dataclasses.replace(ref, sources=())._state(),
+            }
+            client.publish_dataset(meta, name=dataset)
+            chunk_sets.append(_Chunks(dataset, futures, expected, origin_peers))
+            del futures
+            ref = dataclasses.replace(ref, sources=(*ref.sources, DaskSource(dataset, scheduler)))
+        refs.append(ref)
+    ds = DaskShare(client, tuple(refs), chunk_sets, keep_chunks)
     with _by_path_lock:
         for r in refs:
             _by_path[r.origin_path] = r
