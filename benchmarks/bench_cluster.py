@@ -7,8 +7,8 @@ host; each machine has its own segment directory in /dev/shm and ``SHMSTORE_NODE
 same code paths as separate hosts; tests/test_cluster.py runs real namespaces). The client is
 a third "machine" (not counted). Two data sets, each shipped three ways:
 
-- ``shmstore.dask.share`` (chunks scattered once, fetched once per machine, the chunks dropped
-  once every machine holds its copy), tasks take the handle;
+- ``shmstore.dask.share`` (chunks scattered once, fetched once per machine, each chunk released
+  by the share as soon as both machines have it), tasks take the handle;
 - ``client.scatter`` of the data to every worker (one scatter per worker: the state
   ``broadcast=True`` ends in, a deserialized copy in every worker process; ``broadcast=True``
   itself, scatter + replicate, did not finish within minutes with 8 workers on this 2-core
@@ -329,6 +329,15 @@ def main() -> None:
                 ]
             )
     arch = f"{args.records:,} COCO-like records; {args.array_mib} MiB float64 array"
+    chunks_left = (
+        ", ".join(
+            f"{k} {r.get('chunks_left')}"
+            for k in kinds
+            for r in results.get((k, "shmstore"), [])
+            if "error" not in r
+        )
+        or "-"
+    )
     text = f"""# Dask across machines: memory per machine, time to the first task
 
 `python benchmarks/bench_cluster.py` ({arch}; 2 simulated machines x {args.workers} Nanny
@@ -349,10 +358,11 @@ after the tasks (data held): {_verdict(ratios_steady)}; data only (peak - idle):
 {_verdict(ratios_data)} (in order: {", ".join(compared)}; "vs shmstore" is against the chunks
 row).
 
-Notes: the scattered chunks of `shmstore.dask.share` are dropped right after `share()` returns
-(`drop_chunks()`; by then every machine has fetched its copy); kept, they add one copy spread
-over the workers. joblib's Dask backend runs its {2 * args.workers} tasks where the scheduler
-puts them, so a worker may run two and another none.
+Notes: `shmstore.dask.share` releases each scattered chunk as soon as both machines have
+fetched it (no `drop_chunks()` call; the chunks still held after the tasks, per run:
+{chunks_left}).
+joblib's Dask backend runs its {2 * args.workers} tasks where the scheduler puts them, so a
+worker may run two and another none.
 """
     write_result(args.out, text)
 
