@@ -154,6 +154,32 @@ def test_a_dask_scheduler_passes_a_noderef_on_without_resolving_it(records):
     lst.unlink()
 
 
+def test_chunks_go_at_once_when_every_worker_is_on_this_machine(records):
+    """A LocalCluster: every worker attaches to the original, so share() keeps no chunk, and
+    tasks read the store."""
+    pytest.importorskip("distributed")
+    import shmstore.dask
+    from distributed import Client, LocalCluster
+
+    lst = shmstore.SharedList(records)
+    with LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+    ) as lc:
+        with Client(lc) as client, shmstore.dask.share(client, lst, chunk=4096) as share:
+            assert share.chunks_held == 0
+            keys = client.get_dataset(share._chunks[0].dataset)["keys"]
+            assert len(keys) > 1
+            wait_for(
+                lambda: not any(client.who_has().get(k) for k in keys),
+                "the scheduler to release the chunks",
+                60,
+            )
+            got = client.gather(client.map(lambda h, i: h[i], [lst] * 3, [0, 5, 9], pure=False))
+            assert got == [records[0], records[5], records[9]]
+    sc.release()
+    lst.unlink()
+
+
 class _Chunks:
     """A source that yields given bytes (picklable: a test double of an engine source)."""
 

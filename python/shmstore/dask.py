@@ -355,7 +355,8 @@ class DaskShare:
     def _handler(self, c: _Chunks) -> Callable[[Any], None]:
         def on_event(event: Any) -> None:
             with self._lock:
-                drop = c.report(event[1] if isinstance(event, tuple) else event)
+                pair = isinstance(event, (tuple, list)) and len(event) == 2
+                drop = c.report(event[1] if pair else event)
             for fut in drop:
                 fut.release()
 
@@ -504,6 +505,10 @@ def share(
         client.register_plugin(KeepOnNanny(ds.refs, ds.name + "-nanny"))
     if pre_attach:
         client.register_plugin(PreAttach(ds.refs, ds.name + "-worker"))
+    if chunk_sets and not expected and origin_peers:
+        # Every worker runs on this machine (e.g. a LocalCluster): nobody needs the chunks;
+        # a machine that joins later reads from a worker here.
+        ds.drop_chunks()
     return ds
 
 
