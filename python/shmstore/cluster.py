@@ -219,6 +219,22 @@ class _Unresolved:
         return f"<unresolved shmstore NodeRef {self.state[0]!r}>"
 
 
+_GONE = {"stopping", "stopped", "closing", "closing_gracefully", "closed", "failed"}
+
+
+def _live(module: str, cls: str) -> bool:
+    """A running instance of Dask's ``module.cls`` exists in this process (closed ones may
+    linger in the class's weak set until collected)."""
+    mod = sys.modules.get(module)
+    if mod is None:
+        return False
+    try:
+        instances = list(getattr(mod, cls)._instances)
+    except (AttributeError, TypeError):
+        return False
+    return any(getattr(getattr(i, "status", None), "name", "") not in _GONE for i in instances)
+
+
 def _on_event_loop() -> bool:
     """True on the running event loop of a process that hosts a Dask worker or Nanny (not,
     e.g., in a notebook, whose cells also run on an event loop)."""
@@ -226,30 +242,14 @@ def _on_event_loop() -> bool:
         asyncio.get_running_loop()
     except RuntimeError:
         return False
-    for module, cls in (("distributed.worker", "Worker"), ("distributed.nanny", "Nanny")):
-        mod = sys.modules.get(module)
-        try:
-            if mod is not None and len(getattr(mod, cls)._instances):
-                return True
-        except (AttributeError, TypeError):
-            pass
-    return False
+    return _live("distributed.worker", "Worker") or _live("distributed.nanny", "Nanny")
 
 
 def _in_dask_scheduler() -> bool:
     """True in a process that runs a Dask scheduler and no Dask worker (in a process with
     both, e.g. ``LocalCluster(processes=False)``, everything is on one machine: resolving is
     an attach)."""
-    sched = sys.modules.get("distributed.scheduler")
-    if sched is None:
-        return False
-    try:
-        if not len(sched.Scheduler._instances):
-            return False
-        worker = sys.modules.get("distributed.worker")
-        return worker is None or not len(worker.Worker._instances)
-    except AttributeError:
-        return False
+    return _live("distributed.scheduler", "Scheduler") and not _live("distributed.worker", "Worker")
 
 
 def share(
