@@ -100,9 +100,9 @@ class DaskSource:
                     "(the share was closed); share again, or with path= on a shared file system"
                 ) from None
             me = cluster.node_id()
-            deadline = time.monotonic() + cluster._timeout(None)
             peers: list[str] = []
             for i, key in enumerate(meta["keys"]):
+                deadline = time.monotonic() + cluster._timeout(None)  # per chunk
                 b = _chunk_held(client, key, deadline)
                 if b is None:
                     if not peers:
