@@ -324,3 +324,29 @@ def test_a_process_s_arenas_start_small_and_grow() -> None:
     assert [cap for _, _, cap in _native._arena_usage()] == [4 * mib, 8 * mib]
     for r in (first, *held):
         r.close()
+
+
+def test_an_arena_whose_creator_died_mid_write_is_still_removed() -> None:
+    """Each chunk written resets the arena's modification time until its creator puts the
+    seal mark back: a creator SIGKILLed in between leaves an arena without the mark, which
+    the supervisor must still recognise (by its header) and remove (before: kept forever)."""
+    import time
+    from pathlib import Path
+
+    code = (
+        "import os, shmstore\n"
+        "r = shmstore.put(b'x' * 100)\n"
+        "st = os.stat(r.path)\n"
+        "mtime = st.st_mtime_ns - st.st_mtime_ns % 10**9 + 1  # what a write leaves\n"
+        "os.utime(r.path, ns=(st.st_atime_ns, mtime))\n"
+        "print(r.path, flush=True)\n"
+        "os.kill(os.getpid(), 9)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == -9, out.stderr
+    arena = Path(out.stdout.strip())
+    assert arena.name.startswith("shmstore-")
+    deadline = time.monotonic() + 60
+    while arena.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)  # the supervisor's unlink: no event to wait on
+    assert not arena.exists(), "an arena without the seal mark was left behind"

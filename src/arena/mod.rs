@@ -8,4 +8,6 @@ pub mod alloc;
 pub mod segment;
 
 pub(crate) use segment::{lock_open_files, OpenFiles};
-pub use segment::{pid, survey, ArenaError, ArenaFile, ArenaWriter, Chunk, Lease, PartState};
+pub use segment::{
+    pid, survey, ArenaError, ArenaFile, ArenaWriter, Chunk, Lease, PartState, MAGIC,
+};

@@ -37,7 +37,8 @@ use crate::segment::{self, SegmentError};
 pub const HEADER: u64 = 4096;
 /// Bytes before a chunk's archive.
 pub const CHUNK_HEADER: u64 = 64;
-const MAGIC: &[u8; 8] = b"SHMARENA";
+/// The first bytes of an arena file.
+pub const MAGIC: &[u8; 8] = b"SHMARENA";
 const VERSION: u32 = 1;
 const CHUNK_MAGIC: u32 = 0x4b4e_4843; // "CHNK"
 

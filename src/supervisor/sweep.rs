@@ -93,9 +93,28 @@ pub fn is_segment(path: &Path, st: &rustix::fs::Stat) -> bool {
         return false;
     }
     let mode = st.st_mode & 0o7777;
-    let sealed = matches!(mode, 0o400 | 0o500)
-        && i128::from(st.st_mtime_nsec) == i128::from(SEALED_MTIME_NSEC);
+    let marked = i128::from(st.st_mtime_nsec) == i128::from(SEALED_MTIME_NSEC);
+    let sealed = matches!(mode, 0o400 | 0o500) && (marked || (mode == 0o400 && is_arena(path, st)));
     sealed || (mode == 0o600 && name.contains(".part-"))
+}
+
+/// Whether the file at `path` (the one `st` describes) is an arena (docs/arena.md): its
+/// header says `SHMARENA`. An arena's creator writes chunks after sealing it, and each write
+/// resets the modification time until the creator puts the mark back: a creator killed in
+/// between leaves an arena without the mark, recognised by its header instead.
+fn is_arena(path: &Path, st: &rustix::fs::Stat) -> bool {
+    use rustix::fs::{Mode, OFlags};
+    let Ok(fd) = rustix::fs::open(
+        path,
+        OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC | OFlags::NOCTTY,
+        Mode::empty(),
+    ) else {
+        return false;
+    };
+    let same =
+        rustix::fs::fstat(&fd).is_ok_and(|now| (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino));
+    let mut head = [0u8; 8];
+    same && rustix::io::pread(&fd, &mut head, 0) == Ok(8) && &head == crate::arena::MAGIC
 }
 
 /// [`file_id`] of the name itself (a symlink is not followed).
@@ -283,6 +302,24 @@ pub(crate) fn seal(p: &Path) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_arena_without_the_seal_mark_is_still_ours() {
+        // Its creator died between writing a chunk and putting the mark back.
+        let dir = tempfile::tempdir().unwrap();
+        let arena = dir.path().join("shmstore-arena");
+        let other = dir.path().join("shmstore-not-an-arena");
+        std::fs::write(&arena, b"SHMARENA and the rest").unwrap();
+        std::fs::write(&other, b"SHMSTORE and the rest").unwrap();
+        for p in [&arena, &other] {
+            std::fs::set_permissions(p, std::os::unix::fs::PermissionsExt::from_mode(0o400))
+                .unwrap();
+        }
+        let id = file_id_nofollow(&other).unwrap();
+        assert_eq!(remove_if_ours(&other, id).unwrap(), Removal::NotOurs);
+        let id = file_id_nofollow(&arena).unwrap();
+        assert_eq!(remove_if_ours(&arena, id).unwrap(), Removal::Removed);
+    }
 
     #[test]
     fn only_sealed_segments_of_ours_are_removed() {
