@@ -114,8 +114,10 @@ def main() -> None:
     client.wait_for_workers(n_workers, timeout=300)
     records = make_records(300)
     lst = shmstore.SharedList(records)
-    # A segment of its own: shared across machines by name (a chunk of an arena is not).
-    arr = shmstore.put(np.arange(100_000, dtype=np.float64), arena=False)
+    # 800 KB: a chunk of this process's arena (put's default below 1 MiB), which share()
+    # copies into a segment of its own; tasks are given the chunk's handle.
+    arr = shmstore.put(np.arange(100_000, dtype=np.float64))
+    assert "@" in arr.name
     big = np.linspace(0.0, 1.0, 300_000)  # 2.4 MB: above joblib's and shmstore.joblib's thresholds
     expect = read_all(lst, arr)["sha"]
     result: dict = {"expect": expect, "expect_joblib": read_all(lst, arr, big[::2])["sha"]}

@@ -115,6 +115,40 @@ def test_noderef_fetches_once_per_machine_from_a_shared_file(tmp_path, records):
     lst.unlink()
 
 
+def test_a_small_put_in_an_arena_is_shared_as_a_segment_of_its_own(tmp_path):
+    """A small ``put`` lives in a chunk of this process's arena, which no other machine can
+    name: ``share()`` gives it a segment of its own (the same value) and shares that, so it
+    resolves on another machine and on this one."""
+    import numpy as np
+
+    value = {"a": [1, 2.5, "x"], "arr": np.arange(6, dtype=np.int32)}
+    r = shmstore.put(value)
+    assert "@" in r.name  # a chunk of the arena (the default below 1 MiB)
+    ref = sc.share(r, path=tmp_path / "small.shm")
+    assert "@" not in ref.name
+    pkl = tmp_path / "ref.pkl"
+    pkl.write_bytes(pickle.dumps(ref))
+    code = r"""
+import json, pickle, sys, shmstore.cluster as sc
+h = pickle.loads(open(sys.argv[1], "rb").read())
+v = h.get()
+out = {"a": v["a"].to_python(), "arr": v["arr"].tolist(), "fetched": sc.stats()["fetched"]}
+print(json.dumps(out))
+"""
+    env = _env(tmp_path, "b")
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(pkl)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    assert (got["a"], got["arr"], got["fetched"]) == (value["a"], list(range(6)), 1)
+    here = pickle.loads(pkl.read_bytes())  # this machine: the shared segment itself
+    assert here.get()["a"].to_python() == value["a"]
+    here.close()
+    sc.release()
+    r.close()
+
+
 def test_noderef_on_its_own_machine_attaches(records):
     lst = shmstore.SharedList(records)
     ref = sc.share(lst)

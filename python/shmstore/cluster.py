@@ -252,6 +252,15 @@ def _in_dask_scheduler() -> bool:
     return _live("distributed.scheduler", "Scheduler") and not _live("distributed.worker", "Worker")
 
 
+def _shareable(handle: Any) -> Any:
+    """``handle`` itself, or for a chunk of this process's arena (a small ``put``) a segment
+    of its own holding the same value: other machines cannot name a chunk. The value is small
+    (an arena takes objects up to 1 MiB), so the copy is cheap."""
+    if isinstance(handle, shmstore.Ref) and "@" in handle.name:
+        return shmstore.put(handle.get(), arena=False)
+    return handle
+
+
 def share(
     handle: Any,
     *,
@@ -261,12 +270,17 @@ def share(
 ) -> NodeRef:
     """A :class:`NodeRef` for ``handle`` (a SharedList, SharedDict or Ref).
 
+    A ``Ref`` to a chunk of this process's arena (a small ``put``) is first copied into a
+    segment of its own, since no other machine can name a chunk; that segment is what is
+    shared.
+
     ``path``: also save the archive there (a shared file system) and use it as the first
     source, with ``mode`` "copy" or "map" (see :class:`FileSource`); an existing file there
     that is this very archive is reused. ``sources``: more sources, tried in order.
     """
     if not isinstance(handle, shmstore.StoreHandle):
         raise TypeError(f"share() takes a SharedList, SharedDict or Ref, not {type(handle)!r}")
+    handle = _shareable(handle)
     ident = _native._cluster_identity(handle, True)
     srcs: list[Any] = []
     if path is not None:

@@ -254,6 +254,8 @@ def _reduce_handle(h: Any) -> Any:
         path = shmstore._native._store_info(h)["path"]
     except shmstore.ShmStoreError:
         path = None
+    if path is not None and isinstance(h, shmstore.Ref) and "@" in h.name:
+        path = h.name  # a chunk of an arena: its own name, not the arena's path
     with _by_path_lock:
         ref = _by_path.get(str(path)) if path is not None else None
     if ref is not None:
@@ -332,6 +334,8 @@ class DaskShare:
         self._lock = threading.Lock()
         self.name = f"shmstore-{uuid.uuid4().hex[:12]}"
         self.closed = False
+        # What `share` registered for pickling (store paths, arena chunk names).
+        self._keys: list[str] = [r.origin_path for r in refs]
         self._timer: Optional[threading.Timer] = None
         for c in chunks:
             client.subscribe_topic(c.dataset, self._handler(c))
@@ -407,8 +411,8 @@ class DaskShare:
             except (ValueError, KeyError, OSError) as e:
                 log.debug("unregistering %s: %s", name, e)
         with _by_path_lock:
-            for r in self.refs:
-                _by_path.pop(r.origin_path, None)
+            for k in self._keys:
+                _by_path.pop(k, None)
         for r in self.refs:
             cluster.release(r)
         self.drop_chunks()
@@ -473,7 +477,11 @@ def share(
         expected, origin_peers = machines - {here}, here in machines
     refs = []
     chunk_sets: list[_Chunks] = []
-    for h in handles:
+    # Handles that pickle as a NodeRef while the share is open: by store path, and a chunk of
+    # this process's arena by its name (all chunks of an arena share its path).
+    keys: list[tuple[str, cluster.NodeRef]] = []
+    for given in handles:
+        h = cluster._shareable(given)
         ref = cluster.share(h, path=path, mode=mode)
         if scatter:
             futures = []
@@ -497,10 +505,14 @@ def share(
             del futures
             ref = dataclasses.replace(ref, sources=(*ref.sources, DaskSource(dataset, scheduler)))
         refs.append(ref)
+        keys.append((ref.origin_path, ref))
+        if h is not given:
+            keys.append((given.name, ref))
     ds = DaskShare(client, tuple(refs), chunk_sets, keep_chunks)
+    ds._keys = [k for k, _ in keys]
     with _by_path_lock:
-        for r in refs:
-            _by_path[r.origin_path] = r
+        for k, r in keys:
+            _by_path[k] = r
     if nanny and _has_nannies(client):
         client.register_plugin(KeepOnNanny(ds.refs, ds.name + "-nanny"))
     if pre_attach:
