@@ -212,20 +212,15 @@ pub(crate) fn put_archive(
     fork_handlers();
     // Arena work needs no Python: done without the GIL (never wait for the lock with it).
     let dir = dir.unwrap_or_else(segment::default_dir);
+    // With no room: how many arenas this process has made (the next one's size).
     let placed = py.detach(|| {
-        place(
-            &mut ARENAS.lock().unwrap_or_else(|p| p.into_inner()),
-            &dir,
-            archive,
-        )
+        let mut arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
+        let placed = place(&mut arenas, &dir, archive)?;
+        Ok::<_, Error>(placed.ok_or_else(|| arenas.iter().filter(|a| a.writer.is_ours()).count()))
     })?;
     let placed = match placed {
-        Some(p) => p,
-        None => {
-            let made = py.detach(|| {
-                let arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
-                arenas.iter().filter(|a| a.writer.is_ours()).count()
-            });
+        Ok(p) => p,
+        Err(made) => {
             let Some(new) = new_arena(py, dir.clone(), made)? else {
                 return Ok(None);
             };
