@@ -298,12 +298,17 @@ class _Chunks:
         node = msg["node"]
         if msg.get("done"):
             self.done.add(node)
+            changed = range(len(self.futures))
         elif isinstance(msg.get("chunk"), int) and 0 <= msg["chunk"] < len(self.futures):
             self.got.setdefault(msg["chunk"], set()).add(node)
+            changed = range(msg["chunk"], msg["chunk"] + 1)  # only this chunk can go now
+        else:
+            return []
         if not self.expected:
             return []
         out = []
-        for i, fut in enumerate(self.futures):
+        for i in changed:
+            fut = self.futures[i]
             if fut is not None and self.expected <= self.got.get(i, set()) | self.done:
                 out.append(fut)
                 self.futures[i] = None
