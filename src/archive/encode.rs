@@ -48,6 +48,13 @@ pub struct Encoder {
     encs: Vec<Enc>,
 }
 
+/// Symbol `id` of `list` (`Invalid` for an id the encoder never gave out).
+fn symbol_in(list: &[Box<str>], id: u32) -> Result<&str, ArchiveError> {
+    list.get(id as usize)
+        .map(|s| s.as_ref())
+        .ok_or_else(|| ArchiveError::Invalid(format!("symbol {id} was never interned")))
+}
+
 fn too_big() -> ArchiveError {
     ArchiveError::Invalid(
         "a record's structure is larger than 4 GiB (arrays and bytes over 64 KiB are stored \
@@ -82,10 +89,7 @@ impl Encoder {
 
     /// The str of an interned symbol (`Invalid` for an id this encoder never gave out).
     fn symbol(&self, id: u32) -> Result<&str, ArchiveError> {
-        self.symbol_list
-            .get(id as usize)
-            .map(|s| s.as_ref())
-            .ok_or_else(|| ArchiveError::Invalid(format!("symbol {id} was never interned")))
+        symbol_in(&self.symbol_list, id)
     }
 
     /// `key_of`, with interned symbols resolved.
@@ -170,12 +174,7 @@ impl Encoder {
                 o.extend_from_slice(&im.to_le_bytes());
             }
             Value::Str(s) => put_blob(o, T_STR, s.as_bytes()),
-            Value::Sym(id) => {
-                let s = self.symbol_list.get(*id as usize).ok_or_else(|| {
-                    ArchiveError::Invalid(format!("symbol {id} was never interned"))
-                })?;
-                put_blob(o, T_STR, s.as_bytes())
-            }
+            Value::Sym(id) => put_blob(o, T_STR, symbol_in(&self.symbol_list, *id)?.as_bytes()),
             Value::Bytes(b) => put_blob(o, T_BYTES, b),
             Value::BytesExt(e) => {
                 o.push(T_BYTES_EXT);

@@ -818,9 +818,9 @@ impl<B: AsRef<[u8]>> Reader<B> {
         }
     }
 
-    /// Layout of a sequence node: (kind, count, position of the first element).
+    /// A sequence node's layout, read once: its length and how to reach item `i`.
     #[inline(always)]
-    fn seq_layout(&self, node: Node) -> Result<SeqAt, ArchiveError> {
+    pub fn seq(&self, node: Node) -> Result<SeqAt, ArchiveError> {
         let pos = node.pos as usize;
         let seq = |kind, shape, elem: Elem, step, (len, at): (usize, usize)| SeqAt {
             rec: node.rec,
@@ -869,13 +869,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
     }
 
     pub fn seq_len(&self, node: Node) -> Result<usize, ArchiveError> {
-        Ok(self.seq_layout(node)?.len)
-    }
-
-    /// A sequence node's layout, read once: its length and how to reach item `i`.
-    #[inline(always)]
-    pub fn seq(&self, node: Node) -> Result<SeqAt, ArchiveError> {
-        self.seq_layout(node)
+        Ok(self.seq(node)?.len)
     }
 
     /// Item `i` of a sequence node (`Invalid` if `i` is out of range).
@@ -1395,11 +1389,7 @@ impl Walk<'_> {
         if t <= self.last || t >= self.end {
             return corrupt("a reference does not point forward inside the record");
         }
-        if depth > MAX_VALUE_DEPTH + 1 {
-            return corrupt(format!(
-                "values nested deeper than {MAX_VALUE_DEPTH} levels"
-            ));
-        }
+        self.depth(depth)?;
         self.last = t;
         self.queue.push((t, tagged, depth));
         Ok(())

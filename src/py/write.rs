@@ -44,11 +44,10 @@ pub(crate) struct Encoder<'b, 'py, W: Write + Seek> {
     path: Vec<Seg<'py>>,
     /// Containers on the current path, to refuse self-referencing input.
     active: Vec<usize>,
-    /// Dict keys already interned, by object (most dicts of a data set share their key
-    /// objects): the symbol without reading or hashing the str again. Each key is held
-    /// (`key_objs`) while the store is written, so its address cannot be reused by another.
-    key_ids: ahash::AHashMap<usize, u32>,
-    key_objs: Vec<Bound<'py, PyString>>,
+    /// Dict keys already interned, by object address (most dicts of a data set share their
+    /// key objects): the symbol without reading or hashing the str again. Each key object is
+    /// held here while the store is written, so its address cannot be reused by another.
+    key_ids: ahash::AHashMap<usize, (u32, Bound<'py, PyString>)>,
 }
 
 /// Most key objects remembered by one writer.
@@ -69,7 +68,6 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
             path: Vec::new(),
             active: Vec::new(),
             key_ids: Default::default(),
-            key_objs: Vec::new(),
         }
     }
 
@@ -291,25 +289,23 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
 
     /// A dict key as a stored value.
     fn key(&mut self, k: &Bound<'py, PyAny>) -> PyResult<Value> {
-        if let Ok(s) = k.cast_exact::<PyString>() {
-            // An exact str cannot change: the same object is the same key.
-            if let Some(&id) = self.key_ids.get(&(s.as_ptr() as usize)) {
-                return Ok(Value::Sym(id));
-            }
-            let id = self.builder.intern(&self.str_of(s)?);
-            if let Some(id) = id {
-                if self.key_objs.len() < KEY_CACHE {
-                    self.key_ids.insert(s.as_ptr() as usize, id);
-                    self.key_objs.push(s.clone());
-                }
-                return Ok(Value::Sym(id));
-            }
-        }
         if let Ok(s) = k.cast::<PyString>() {
-            let s = self.str_of(s)?;
-            return Ok(match self.builder.intern(&s) {
-                Some(id) => Value::Sym(id),
-                None => Value::Str(s.into_owned()),
+            // An exact str cannot change: the same object is the same key.
+            let exact = k.is_exact_instance_of::<PyString>();
+            if exact {
+                if let Some((id, _)) = self.key_ids.get(&(s.as_ptr() as usize)) {
+                    return Ok(Value::Sym(*id));
+                }
+            }
+            let text = self.str_of(s)?;
+            return Ok(match self.builder.intern(&text) {
+                Some(id) => {
+                    if exact && self.key_ids.len() < KEY_CACHE {
+                        self.key_ids.insert(s.as_ptr() as usize, (id, s.clone()));
+                    }
+                    Value::Sym(id)
+                }
+                None => Value::Str(text.into_owned()),
             });
         }
         match py_key(k)? {

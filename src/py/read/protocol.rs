@@ -92,14 +92,9 @@ impl<'a> Seq<'a> {
                     .into())
                 }
             };
-            let j = if i < 0 {
-                i.checked_add(len as isize)
-            } else {
-                Some(i)
-            };
-            match j {
-                Some(j) if j >= 0 && (j as usize) < len => at.push(j as usize),
-                _ => return Err(self.out_of_range(&index, Some(len))),
+            match position(i, len) {
+                Some(j) => at.push(j),
+                None => return Err(self.out_of_range(&index, Some(len))),
             }
         }
         if let Seq::Records(store) = self {
@@ -152,11 +147,10 @@ impl<'a> Seq<'a> {
                     }
                     Seq::Records(store) => {
                         let len = store.reader.len() as usize;
-                        let j = if i < 0 { i + len as isize } else { i };
-                        if j < 0 || j as usize >= len {
-                            return Err(self.out_of_range(index, Some(len)));
-                        }
-                        return record(py, store, j as usize, false);
+                        return match position(i, len) {
+                            Some(j) => record(py, store, j, false),
+                            None => Err(self.out_of_range(index, Some(len))),
+                        };
                     }
                 }
             }
@@ -176,14 +170,9 @@ impl<'a> Seq<'a> {
                     .into())
                 }
             };
-            let j = if i < 0 {
-                i.checked_add(len as isize)
-            } else {
-                Some(i)
-            };
-            return match j {
-                Some(j) if j >= 0 && (j as usize) < len => self.item(py, j as usize, false),
-                _ => Err(self.out_of_range(index, Some(len))),
+            return match position(i, len) {
+                Some(j) => self.item(py, j, false),
+                None => Err(self.out_of_range(index, Some(len))),
             };
         }
         let slice = index.cast::<PySlice>()?;
@@ -270,6 +259,18 @@ impl<'a> Seq<'a> {
     }
 }
 
+/// The position index `i` names in a sequence of `len` items (negative counts from the
+/// end), or None when it is out of range.
+#[inline(always)]
+fn position(i: isize, len: usize) -> Option<usize> {
+    let j = if i < 0 {
+        i.checked_add(len as isize)?
+    } else {
+        i
+    };
+    usize::try_from(j).ok().filter(|&j| j < len)
+}
+
 /// Item `i` (an int; negative counts from the end) of a sequence whose layout is known, as
 /// a scalar or a view; `None` when `i` is out of range.
 #[inline(always)]
@@ -279,14 +280,11 @@ pub(crate) fn index_item<'py>(
     seq: SeqAt,
     i: isize,
 ) -> Option<PyResult<Bound<'py, PyAny>>> {
-    let j = if i < 0 { i + seq.len as isize } else { i };
-    if j < 0 || j as usize >= seq.len {
-        return None;
-    }
+    let j = position(i, seq.len)?;
     Some(
         store
             .reader
-            .seq_get(seq, j as usize)
+            .seq_get(seq, j)
             .map_err(|e| store.archive_err()(e).into())
             .and_then(|it| read::value(py, store, it, false)),
     )
