@@ -252,11 +252,16 @@ def _in_dask_scheduler() -> bool:
     return _live("distributed.scheduler", "Scheduler") and not _live("distributed.worker", "Worker")
 
 
+def _is_arena_chunk(handle: Any) -> bool:
+    """Whether ``handle`` is a chunk of an arena (a small ``put``; named ``<arena>@...``)."""
+    return isinstance(handle, shmstore.Ref) and "@" in handle.name
+
+
 def _shareable(handle: Any) -> Any:
     """``handle`` itself, or for a chunk of this process's arena (a small ``put``) a segment
     of its own holding the same value: other machines cannot name a chunk. The value is small
     (an arena takes objects up to 1 MiB), so the copy is cheap."""
-    if isinstance(handle, shmstore.Ref) and "@" in handle.name:
+    if _is_arena_chunk(handle):
         return shmstore.put(handle.get(), arena=False)
     return handle
 

@@ -250,11 +250,13 @@ _by_path_lock = threading.Lock()
 
 
 def _reduce_handle(h: Any) -> Any:
+    if not _by_path:  # no share open: the handle pickles by name, as always
+        return h.__reduce__()
     try:
         path = shmstore._native._store_info(h)["path"]
     except shmstore.ShmStoreError:
         path = None
-    if path is not None and isinstance(h, shmstore.Ref) and "@" in h.name:
+    if path is not None and cluster._is_arena_chunk(h):
         path = h.name  # a chunk of an arena: its own name, not the arena's path
     with _by_path_lock:
         ref = _by_path.get(str(path)) if path is not None else None
@@ -332,6 +334,7 @@ class DaskShare:
         refs: tuple[cluster.NodeRef, ...],
         chunks: list[_Chunks],
         keep_chunks: Optional[float] = None,
+        keys: Optional[list[str]] = None,
     ) -> None:
         self.client = client
         self.refs = refs
@@ -340,7 +343,7 @@ class DaskShare:
         self.name = f"shmstore-{uuid.uuid4().hex[:12]}"
         self.closed = False
         # What `share` registered for pickling (store paths, arena chunk names).
-        self._keys: list[str] = [r.origin_path for r in refs]
+        self._keys: list[str] = keys if keys is not None else [r.origin_path for r in refs]
         self._timer: Optional[threading.Timer] = None
         for c in chunks:
             client.subscribe_topic(c.dataset, self._handler(c))
@@ -513,8 +516,7 @@ def share(
         keys.append((ref.origin_path, ref))
         if h is not given:
             keys.append((given.name, ref))
-    ds = DaskShare(client, tuple(refs), chunk_sets, keep_chunks)
-    ds._keys = [k for k, _ in keys]
+    ds = DaskShare(client, tuple(refs), chunk_sets, keep_chunks, [k for k, _ in keys])
     with _by_path_lock:
         for k, r in keys:
             _by_path[k] = r
