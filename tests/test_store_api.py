@@ -559,6 +559,57 @@ def test_dropped_views_and_iterators_give_their_store_back():
     assert mappings_of(path) == [] and mappings_of(dpath) == []
 
 
+def test_subscript_fast_and_long_ways_agree():
+    """`lst[i]`, `view[i]` and `view["key"]` take a fast path for an exact int or str and hand
+    everything else to the general one: both give the same values and the same errors, and
+    an int too large for the fast path leaves no exception pending behind it."""
+    records = [{"a": [10, 20], "b": 2, "\u00e9": "x"} for _ in range(3)]
+    lst = shmstore.SharedList(records)
+    try:
+        rec, seq = lst[0], lst[0]["a"]
+        for i in (0, 2, -1, -3, True, np.int64(1), np.int8(-2)):
+            assert lst[i] == records[i]
+        for i in (0, 1, -1, -2, False, np.int32(1)):
+            assert seq[i] == [10, 20][i]
+        assert lst[1:3] == records[1:3] and seq[::-1] == [20, 10]
+        for big in (2**70, -(2**70), 2**63, -(2**63) - 1, 3, -4):
+            with pytest.raises(IndexError, match="SharedList index"):
+                lst[big]
+            assert lst[0]["b"] == 2  # nothing left pending by the failed read
+        for big in (2**70, -(2**70), 2**63, -(2**63) - 1, 2, -3):
+            with pytest.raises(IndexError, match="ListView index"):
+                seq[big]
+            assert seq[0] == 10
+        for bad in (1.0, "1", None):
+            with pytest.raises(TypeError, match="indices must be integers"):
+                lst[bad]
+            with pytest.raises(TypeError, match="indices must be integers"):
+                seq[bad]
+        assert rec["\u00e9"] == "x" and rec["".join(["a"])] == [10, 20]  # a non-interned key
+
+        class Key(str):
+            pass
+
+        assert rec[Key("b")] == 2
+        for missing in ("zz", "\ud800", 1, None, b"a"):
+            with pytest.raises(KeyError):
+                rec[missing]
+        with pytest.raises(TypeError):
+            rec[["unhashable"]]
+        it = iter(seq)
+        assert (next(it), next(it)) == (10, 20)
+        for _ in range(3):
+            with pytest.raises(StopIteration):
+                next(it)
+        lst.unlink()
+        lst.close()
+        with pytest.raises(shmstore.StoreClosedError):
+            lst[0]
+        assert rec["b"] == 2 and seq[1] == 20  # views keep their store
+    finally:
+        lst.close()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("size", [10, 20_000_000], ids=["small", "20MB"])
 def test_pickles_are_small(kind, size, tmp_path):

@@ -95,6 +95,13 @@ impl StoreHandle {
         })
     }
 
+    /// A reference to the store, or None once closed (for a fast path that leaves the error
+    /// to the long way).
+    #[inline(always)]
+    pub(crate) fn live_ref(slf: &Bound<'_, Self>) -> Option<StoreRef> {
+        slf.get().inner.get(slf.as_any())
+    }
+
     /// The store itself, for work done without the GIL, or StoreClosedError.
     pub(crate) fn store(slf: &Bound<'_, Self>) -> PyResult<Arc<Store>> {
         Ok(Arc::clone(Self::live(slf)?.arc()))

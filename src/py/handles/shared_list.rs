@@ -7,7 +7,8 @@ use pyo3::types::PyList;
 
 use super::{new_handle, open_of, repr, StoreHandle};
 use crate::archive::Kind;
-use crate::py::read::protocol::{iterator, next_item, Seq};
+use crate::py::read::protocol::{iterator, next_item, record_item, Seq};
+use crate::py::read::slots::{exact_index, original_slot, FastGet};
 use crate::py::store;
 use crate::py::write::{Encoder, Seg0};
 
@@ -21,6 +22,25 @@ use crate::py::write::{Encoder, Seg0};
 pub(crate) struct SharedList;
 
 iterator!(RecordIter, "SharedListIterator", next_item);
+
+impl FastGet for SharedList {
+    /// `lst[i]` with an exact int in range, on an open store.
+    #[inline(always)]
+    fn fast_get<'py>(
+        slf: &Bound<'py, Self>,
+        key: &Bound<'py, PyAny>,
+    ) -> Option<PyResult<Bound<'py, PyAny>>> {
+        let i = exact_index(key)?;
+        let store = StoreHandle::live_ref(slf.as_super())?;
+        let item = record_item(slf.py(), &store, i);
+        // SAFETY: the GIL is held (a subscript slot runs with it); given back by a plain
+        // decrement, as the fast path must not drop a `Py` (see `read::slots`).
+        unsafe { store.release() };
+        item
+    }
+
+    original_slot!();
+}
 
 #[pymethods]
 impl SharedList {

@@ -23,6 +23,32 @@ impl super::freelist::HoldsStore for DictView {
     }
 }
 
+impl super::slots::FastGet for DictView {
+    /// `view[key]` with an exact str that is present.
+    #[inline(always)]
+    fn fast_get<'py>(
+        slf: &Bound<'py, Self>,
+        key: &Bound<'py, PyAny>,
+    ) -> Option<PyResult<Bound<'py, PyAny>>> {
+        if !key.is_exact_instance_of::<pyo3::types::PyString>() {
+            return None;
+        }
+        let map = slf.get().map();
+        let i = map.find_str_fast(key)?;
+        Some(map.value(slf.py(), i, false))
+    }
+
+    super::slots::original_slot!();
+}
+
+impl super::slots::FastIter for DictView {
+    #[inline(always)]
+    fn fast_iter<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        let v = slf.get();
+        Ok(DictIter::start(slf.py(), &v.store, Some(v.node), false)?.into_any())
+    }
+}
+
 impl DictView {
     #[inline(always)]
     pub(crate) fn new(store: StoreRef, node: Node) -> Self {

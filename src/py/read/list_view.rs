@@ -29,6 +29,29 @@ impl super::freelist::HoldsStore for ListView {
     }
 }
 
+impl super::slots::FastGet for ListView {
+    /// `view[i]` with an exact int in range, on the layout read at creation.
+    #[inline(always)]
+    fn fast_get<'py>(
+        slf: &Bound<'py, Self>,
+        key: &Bound<'py, PyAny>,
+    ) -> Option<PyResult<Bound<'py, PyAny>>> {
+        let v = slf.get();
+        let seq = v.seq?;
+        index_item(slf.py(), &v.store, seq, super::slots::exact_index(key)?)
+    }
+
+    super::slots::original_slot!();
+}
+
+impl super::slots::FastIter for ListView {
+    #[inline(always)]
+    fn fast_iter<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        let v = slf.get();
+        Ok(ListIter::start(slf.py(), &v.store, Some(v.node), false)?.into_any())
+    }
+}
+
 impl ListView {
     #[inline(always)]
     pub(crate) fn new(store: StoreRef, node: Node) -> Self {

@@ -10,6 +10,7 @@ mod freelist;
 mod list_view;
 mod owner;
 pub(crate) mod protocol;
+pub(crate) mod slots;
 
 pub(crate) use array::ArrayOwner;
 pub(crate) use dict_view::{DictIter, DictView};

@@ -11,6 +11,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use pyo3::exceptions::PyOverflowError;
+use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyInt, PyList, PySlice, PyString, PyTuple};
@@ -290,6 +291,18 @@ pub(crate) fn index_item<'py>(
     )
 }
 
+/// Record `i` (an int; negative counts from the end) of a store, as `lst[i]` gives it;
+/// `None` when `i` is out of range.
+#[inline(always)]
+pub(crate) fn record_item<'py>(
+    py: Python<'py>,
+    store: &StoreRef,
+    i: isize,
+) -> Option<PyResult<Bound<'py, PyAny>>> {
+    let j = position(i, store.reader.len() as usize)?;
+    Some(record(py, store, j, false))
+}
+
 /// A mapping: the entries of a dict store, or of a stored dict.
 #[derive(Clone, Copy)]
 pub(crate) enum Map<'a> {
@@ -334,6 +347,34 @@ impl<'a> Map<'a> {
         let kp = key.as_ptr();
         keys.iter()
             .position(|&k| syms.get(k as usize).is_some_and(|s| s.as_ptr() == kp))
+    }
+
+    /// Entry number of `key`, an exact `str`, in a stored dict, for the fast path of
+    /// `view["field"]` (`read::slots`): `None` when absent, or when anything needs the long
+    /// way (a key that is not valid UTF-8, a corrupt dict), which then decides.
+    #[inline(always)]
+    pub(crate) fn find_str_fast(self, key: &Bound<'_, PyAny>) -> Option<usize> {
+        let Map::Dict(store, node) = self else {
+            return None;
+        };
+        if let Some(i) = self.field_by_identity(key.py(), key) {
+            return Some(i);
+        }
+        let mut len: ffi::Py_ssize_t = 0;
+        // SAFETY: `key` is a live exact `str` (the caller checked) and the GIL is held; the
+        // UTF-8 buffer lives as long as the string, which outlives this call. A failure (a
+        // lone surrogate) is cleared here rather than made into a `PyErr`.
+        let s = unsafe {
+            let p = ffi::PyUnicode_AsUTF8AndSize(key.as_ptr(), &mut len);
+            if p.is_null() {
+                ffi::PyErr_Clear();
+                return None;
+            }
+            std::slice::from_raw_parts(p.cast::<u8>(), usize::try_from(len).ok()?)
+        };
+        // SAFETY: CPython's UTF-8 form of a str is valid UTF-8.
+        let s = unsafe { std::str::from_utf8_unchecked(s) };
+        store.reader.dict_find_str(node, s).ok().flatten()
     }
 
     fn find_unconfirmed(self, key: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
@@ -678,6 +719,16 @@ macro_rules! iterator {
                         cur: $crate::py::read::protocol::Cursor::new(reverse),
                     },
                 )
+            }
+        }
+
+        impl $crate::py::read::slots::FastNext for $ty {
+            #[inline(always)]
+            fn fast_next<'py>(
+                slf: &pyo3::Bound<'py, Self>,
+            ) -> pyo3::PyResult<Option<pyo3::Bound<'py, pyo3::PyAny>>> {
+                let it = slf.get();
+                $next(&it.src, slf.py(), &it.cur)
             }
         }
 

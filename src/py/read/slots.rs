@@ -1,0 +1,262 @@
+//! `obj[key]` without pyo3's call trampoline, for the reads every loop makes: `lst[i]`,
+//! `view[i]` and `view["field"]`.
+//!
+//! pyo3 reaches a `__getitem__` through a trampoline that counts the thread's attachment in
+//! thread-local state, drops deferred references, guards against panics and converts the
+//! arguments; for a read that otherwise costs 10-15 ns that is a fifth of it. Here the
+//! types' `mp_subscript` slot is replaced by [`subscript`], which tries the type's fast path
+//! ([`FastGet`]: an exact `int` index, an exact `str` key) and hands everything else — slices,
+//! other index types, misses, errors it did not raise itself — to the slot pyo3 made, which
+//! then does the whole work with its usual checks and messages.
+//!
+//! What the fast paths may do without the trampoline, and what they must not:
+//! - they run with the GIL held (CPython calls the slot with it), so the `Python` token is
+//!   real; pyo3 only does not know it, so dropping a `Py` there would be deferred to its
+//!   pool. The fast paths therefore drop none: a store reference taken for the call is
+//!   given back with `StoreRef::release` (a plain decrement), and an `int` that does not fit
+//!   is cleared with `PyErr_Clear`, never wrapped in a `PyErr`;
+//! - a panic is caught here and raised as `SystemError`: nothing unwinds into CPython;
+//! - an error they return (a corrupt record) is raised as pyo3 would raise it.
+//!
+//! The slots are replaced only where the view free lists are installed (an interpreter with
+//! a GIL, not the stable ABI): the same conditions, checked in the same place.
+
+#[cfg(not(feature = "abi3"))]
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::OnceLock;
+
+use pyo3::prelude::*;
+#[cfg(not(feature = "abi3"))]
+use pyo3::Borrowed;
+use pyo3::{ffi, PyClass, PyTypeInfo};
+
+/// A type whose `obj[key]` has a fast path.
+#[cfg_attr(feature = "abi3", allow(dead_code))]
+pub(crate) trait FastGet: PyClass + PyTypeInfo {
+    /// `slf[key]` if this is a case the fast path takes (`None`: let pyo3's slot do it).
+    /// Must not drop a `Py` (see the module's text).
+    fn fast_get<'py>(
+        slf: &Bound<'py, Self>,
+        key: &Bound<'py, PyAny>,
+    ) -> Option<PyResult<Bound<'py, PyAny>>>;
+
+    /// The slot pyo3 made, kept when it is replaced.
+    fn original() -> &'static OnceLock<ffi::binaryfunc>;
+}
+
+/// An exact `int` that fits an `isize`, read without making a `PyErr` (which the fast paths
+/// must not drop); `None` for anything else.
+#[inline(always)]
+#[cfg_attr(feature = "abi3", allow(dead_code))]
+pub(crate) fn exact_index(key: &Bound<'_, PyAny>) -> Option<isize> {
+    let p = key.as_ptr();
+    // SAFETY: `p` is a live object (borrowed for the call) and the GIL is held.
+    unsafe {
+        if ffi::PyLong_CheckExact(p) == 0 {
+            return None;
+        }
+        let i = ffi::PyLong_AsSsize_t(p);
+        if i == -1 && !ffi::PyErr_Occurred().is_null() {
+            // Too large for an isize: pyo3's slot raises the IndexError.
+            ffi::PyErr_Clear();
+            return None;
+        }
+        Some(i)
+    }
+}
+
+/// The `mp_subscript` slot of a `FastGet` type.
+#[cfg(not(feature = "abi3"))]
+unsafe extern "C" fn subscript<T: FastGet>(
+    slf: *mut ffi::PyObject,
+    key: *mut ffi::PyObject,
+) -> *mut ffi::PyObject {
+    // SAFETY: CPython calls mp_subscript with the GIL held, `slf` an instance of the type
+    // whose slot this is (T: the types are not subclassable) and `key` a live object, both
+    // borrowed for the call; neither pointer is null.
+    let py = unsafe { Python::assume_attached() };
+    // SAFETY: as above: both are live for the call, and `slf` is a `T`.
+    let (slf_b, key_b) = unsafe {
+        (
+            Borrowed::from_ptr(py, slf).cast_unchecked::<T>(),
+            Borrowed::from_ptr(py, key),
+        )
+    };
+    match catch_unwind(AssertUnwindSafe(|| T::fast_get(&slf_b, &key_b))) {
+        Ok(Some(Ok(value))) => value.into_ptr(),
+        Ok(Some(Err(err))) => {
+            err.restore(py);
+            std::ptr::null_mut()
+        }
+        Ok(None) => match T::original().get() {
+            // SAFETY: pyo3's own slot for this type, called as CPython would.
+            Some(original) => unsafe { original(slf, key) },
+            None => {
+                // Unreachable: the slot is replaced only after the original is kept.
+                // SAFETY: the GIL is held; the message is a NUL-terminated literal.
+                unsafe {
+                    ffi::PyErr_SetString(
+                        ffi::PyExc_SystemError,
+                        c"shmstore: subscript slot without its original".as_ptr(),
+                    )
+                };
+                std::ptr::null_mut()
+            }
+        },
+        Err(_) => {
+            // SAFETY: as above.
+            unsafe {
+                ffi::PyErr_SetString(
+                    ffi::PyExc_SystemError,
+                    c"shmstore: internal error (panic) in a read; please report it".as_ptr(),
+                )
+            };
+            std::ptr::null_mut()
+        }
+    }
+}
+
+/// Replace `T`'s `mp_subscript` with [`subscript`], keeping pyo3's.
+///
+/// # Safety
+/// The GIL is held, the interpreter has one (not free-threaded), and no instance of `T` is
+/// being indexed (this runs in the module's init).
+#[cfg(not(feature = "abi3"))]
+pub(crate) unsafe fn install<T: FastGet>(py: Python<'_>) {
+    let ty = T::type_object_raw(py);
+    // SAFETY: `ty` is the live heap type pyo3 made for `T` (its mapping methods live in the
+    // heap type object and are writable); the GIL is held and nothing indexes an instance
+    // yet (the caller's contract). `PyType_Modified` drops any cached lookups of the type.
+    unsafe {
+        let mapping = (*ty).tp_as_mapping;
+        if mapping.is_null() {
+            return;
+        }
+        let Some(original) = (*mapping).mp_subscript else {
+            return;
+        };
+        if T::original().set(original).is_err() {
+            return;
+        }
+        (*mapping).mp_subscript = Some(subscript::<T>);
+        ffi::PyType_Modified(ty);
+    }
+}
+
+/// An iterator whose `__next__` runs without the trampoline: it is all Rust, so the whole
+/// of it is the fast path. A `Py` it drops (none on the paths that yield an item) is
+/// released at pyo3's next call instead of at once.
+#[cfg_attr(feature = "abi3", allow(dead_code))]
+pub(crate) trait FastNext: PyClass + PyTypeInfo {
+    /// The next item, `None` at the end.
+    fn fast_next<'py>(slf: &Bound<'py, Self>) -> PyResult<Option<Bound<'py, PyAny>>>;
+}
+
+/// The `tp_iternext` slot of a `FastNext` type: the next item, or NULL with no exception
+/// at the end (as CPython's own iterators do), or NULL with the exception.
+#[cfg(not(feature = "abi3"))]
+unsafe extern "C" fn iternext<T: FastNext>(slf: *mut ffi::PyObject) -> *mut ffi::PyObject {
+    // SAFETY: CPython calls tp_iternext with the GIL held on a live instance of the type
+    // whose slot this is (T: the iterator types are not subclassable), borrowed for the call.
+    let py = unsafe { Python::assume_attached() };
+    // SAFETY: as above.
+    let slf_b = unsafe { Borrowed::from_ptr(py, slf).cast_unchecked::<T>() };
+    match catch_unwind(AssertUnwindSafe(|| T::fast_next(&slf_b))) {
+        Ok(Ok(Some(item))) => item.into_ptr(),
+        Ok(Ok(None)) => std::ptr::null_mut(),
+        Ok(Err(err)) => {
+            err.restore(py);
+            std::ptr::null_mut()
+        }
+        Err(_) => {
+            // SAFETY: the GIL is held; the message is a NUL-terminated literal.
+            unsafe {
+                ffi::PyErr_SetString(
+                    ffi::PyExc_SystemError,
+                    c"shmstore: internal error (panic) in a read; please report it".as_ptr(),
+                )
+            };
+            std::ptr::null_mut()
+        }
+    }
+}
+
+/// Replace `T`'s `tp_iternext` with [`iternext`].
+///
+/// # Safety
+/// As [`install`].
+#[cfg(not(feature = "abi3"))]
+pub(crate) unsafe fn install_next<T: FastNext>(py: Python<'_>) {
+    let ty = T::type_object_raw(py);
+    // SAFETY: as in `install`: `ty` is `T`'s live heap type, nothing iterates an instance
+    // yet, and the GIL is held.
+    unsafe {
+        if (*ty).tp_iternext.is_none() {
+            return;
+        }
+        (*ty).tp_iternext = Some(iternext::<T>);
+        ffi::PyType_Modified(ty);
+    }
+}
+
+/// A type whose `iter(obj)` runs without the trampoline (making the iterator is all Rust).
+#[cfg_attr(feature = "abi3", allow(dead_code))]
+pub(crate) trait FastIter: PyClass + PyTypeInfo {
+    /// A new iterator over `slf`.
+    fn fast_iter<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>>;
+}
+
+/// The `tp_iter` slot of a `FastIter` type.
+#[cfg(not(feature = "abi3"))]
+unsafe extern "C" fn iter<T: FastIter>(slf: *mut ffi::PyObject) -> *mut ffi::PyObject {
+    // SAFETY: as in `iternext`: the GIL is held and `slf` is a live instance of `T`.
+    let py = unsafe { Python::assume_attached() };
+    // SAFETY: as above.
+    let slf_b = unsafe { Borrowed::from_ptr(py, slf).cast_unchecked::<T>() };
+    match catch_unwind(AssertUnwindSafe(|| T::fast_iter(&slf_b))) {
+        Ok(Ok(it)) => it.into_ptr(),
+        Ok(Err(err)) => {
+            err.restore(py);
+            std::ptr::null_mut()
+        }
+        Err(_) => {
+            // SAFETY: the GIL is held; the message is a NUL-terminated literal.
+            unsafe {
+                ffi::PyErr_SetString(
+                    ffi::PyExc_SystemError,
+                    c"shmstore: internal error (panic) in a read; please report it".as_ptr(),
+                )
+            };
+            std::ptr::null_mut()
+        }
+    }
+}
+
+/// Replace `T`'s `tp_iter` with [`iter`].
+///
+/// # Safety
+/// As [`install`].
+#[cfg(not(feature = "abi3"))]
+pub(crate) unsafe fn install_iter<T: FastIter>(py: Python<'_>) {
+    let ty = T::type_object_raw(py);
+    // SAFETY: as in `install`.
+    unsafe {
+        if (*ty).tp_iter.is_none() {
+            return;
+        }
+        (*ty).tp_iter = Some(iter::<T>);
+        ffi::PyType_Modified(ty);
+    }
+}
+
+/// `impl FastGet`'s `original` for a type.
+macro_rules! original_slot {
+    () => {
+        fn original() -> &'static std::sync::OnceLock<pyo3::ffi::binaryfunc> {
+            static ORIGINAL: std::sync::OnceLock<pyo3::ffi::binaryfunc> =
+                std::sync::OnceLock::new();
+            &ORIGINAL
+        }
+    };
+}
+pub(crate) use original_slot;
