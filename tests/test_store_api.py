@@ -608,6 +608,20 @@ def test_subscript_fast_and_long_ways_agree():
         assert rec["b"] == 2 and seq[1] == 20  # views keep their store
     finally:
         lst.close()
+    d = shmstore.SharedDict({"a": 1, "\u00e9": [2], 3: "x", "": None})
+    try:
+        assert (d["a"], d["\u00e9"], d[3], d[""], d[Key("a")]) == (1, [2], "x", None, 1)
+        for missing in ("zz", "\ud800", 4, None, b"a"):
+            with pytest.raises(KeyError):
+                d[missing]
+        with pytest.raises(TypeError):
+            d[["unhashable"]]
+        d.unlink()
+        d.close()
+        with pytest.raises(shmstore.StoreClosedError):
+            d["a"]
+    finally:
+        d.close()
 
 
 @pytest.mark.parametrize("kind", KINDS)

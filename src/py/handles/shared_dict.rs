@@ -10,6 +10,7 @@ use crate::archive::Kind;
 use crate::py::errors::Error;
 use crate::py::keys::py_key;
 use crate::py::read::protocol::{abc_view, iterator, next_key, AbcView, Map};
+use crate::py::read::slots::{original_slot, FastGet};
 use crate::py::read::DictView;
 use crate::py::store;
 use crate::py::write::{Encoder, Seg0};
@@ -24,6 +25,30 @@ use crate::py::write::{Encoder, Seg0};
 pub(crate) struct SharedDict;
 
 iterator!(KeyIter, "SharedDictIterator", next_key);
+
+impl FastGet for SharedDict {
+    /// `d[key]` with an exact str that is present, on an open store.
+    #[inline(always)]
+    fn fast_get<'py>(
+        slf: &Bound<'py, Self>,
+        key: &Bound<'py, PyAny>,
+    ) -> Option<PyResult<Bound<'py, PyAny>>> {
+        if !key.is_exact_instance_of::<pyo3::types::PyString>() {
+            return None;
+        }
+        let store = StoreHandle::live_ref(slf.as_super())?;
+        let map = Map::Entries(&store);
+        let item = map
+            .find_str_fast(key)
+            .map(|i| map.value(slf.py(), i, false));
+        // SAFETY: the GIL is held (a subscript slot runs with it); given back by a plain
+        // decrement, as the fast path must not drop a `Py` (see `read::slots`).
+        unsafe { store.release() };
+        item
+    }
+
+    original_slot!();
+}
 
 fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type()

@@ -372,11 +372,12 @@ pub(crate) mod imp {
                 )*
                 super::INSTALLED.store(true, Ordering::Relaxed);
                 // SAFETY: the GIL is held, the interpreter has one (checked above) and no
-                // instance exists yet (module init). The three types are not subclassable.
+                // instance exists yet (module init). None of these types is subclassable.
                 unsafe {
                     super::super::slots::install::<ListView>(py);
                     super::super::slots::install::<DictView>(py);
                     super::super::slots::install::<crate::py::handles::SharedList>(py);
+                    super::super::slots::install::<crate::py::handles::SharedDict>(py);
                     super::super::slots::install_iter::<ListView>(py);
                     super::super::slots::install_iter::<DictView>(py);
                     super::super::slots::install_next::<ListIter>(py);

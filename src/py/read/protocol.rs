@@ -349,14 +349,11 @@ impl<'a> Map<'a> {
             .position(|&k| syms.get(k as usize).is_some_and(|s| s.as_ptr() == kp))
     }
 
-    /// Entry number of `key`, an exact `str`, in a stored dict, for the fast path of
-    /// `view["field"]` (`read::slots`): `None` when absent, or when anything needs the long
+    /// Entry number of `key`, an exact `str`, for the fast paths of `view["field"]` and
+    /// `d["key"]` (`read::slots`): `None` when absent, or when anything needs the long
     /// way (a key that is not valid UTF-8, a corrupt dict), which then decides.
     #[inline(always)]
     pub(crate) fn find_str_fast(self, key: &Bound<'_, PyAny>) -> Option<usize> {
-        let Map::Dict(store, node) = self else {
-            return None;
-        };
         if let Some(i) = self.field_by_identity(key.py(), key) {
             return Some(i);
         }
@@ -374,7 +371,13 @@ impl<'a> Map<'a> {
         };
         // SAFETY: CPython's UTF-8 form of a str is valid UTF-8.
         let s = unsafe { std::str::from_utf8_unchecked(s) };
-        store.reader.dict_find_str(node, s).ok().flatten()
+        match self {
+            Map::Dict(store, node) => store.reader.dict_find_str(node, s).ok().flatten(),
+            Map::Entries(store) => {
+                let key = Key::Str(std::borrow::Cow::Borrowed(s));
+                store.reader.lookup(&key).ok().flatten().map(|e| e as usize)
+            }
+        }
     }
 
     fn find_unconfirmed(self, key: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
