@@ -71,6 +71,26 @@ def pytest_configure(config: pytest.Config) -> None:
         parallel.register_parallel_backend(name, cls)
 
 
+@pytest.fixture(autouse=True)
+def _private_shared_memory_folder(request: pytest.FixtureRequest) -> object:
+    """joblib's ``test_pool_get_temp_dir`` makes a folder ``test.tmpdir`` in joblib's default
+    shared-memory folder (/dev/shm) and leaves it there. For that test, joblib's default is this
+    run's private segment directory instead (on the same tmpfs, so the test still takes the
+    shared-memory branch it checks), which the harness removes."""
+    private = os.environ.get("SHMSTORE_DIR")
+    if not (private and request.node.name.startswith("test_pool_get_temp_dir")):
+        yield None
+        return
+    import joblib._memmapping_reducer as jmr
+
+    saved = jmr.SYSTEM_SHARED_MEM_FS
+    jmr.SYSTEM_SHARED_MEM_FS = private
+    try:
+        yield None
+    finally:
+        jmr.SYSTEM_SHARED_MEM_FS = saved
+
+
 #: test_parallel functions that run (the rest start pools to test joblib's own machinery: BLAS
 #: thread limits, initializers, worker re-use, dispatch races, effective n_jobs, dask, ...)
 PARALLEL_SUBSET = frozenset(
