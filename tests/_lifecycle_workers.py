@@ -42,6 +42,8 @@ Run as ``python tests/_lifecycle_workers.py ROLE [ARGS...]`` with the test's env
   ``nodump``                     make this process non-dumpable (prctl): its /proc entries
                                  become unreadable to other processes of the same user
   ``warnings``                   the shmstore WARNING log records so far, joined by ``|``
+  ``registered NAME``            ``OK True`` if this process told the supervisor it uses
+                                 that store and was not refused, else ``OK False``
   ``sync``                       two HELLO round trips with this user's supervisor on a
                                  connection kept open (see ``Lifecycle.sync``): ``OK``
   ``raise``                      raise an exception out of the main module (exit code 1)
@@ -214,6 +216,9 @@ class Client:
         if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE = 4
             return f"ERR OSError prctl errno {ctypes.get_errno()}"
         return "OK"
+
+    def cmd_registered(self, name: str) -> str:
+        return f"OK {self.shmstore._native._store_info(self.handles[name])['registered']}"
 
     def cmd_warnings(self) -> str:
         return "OK " + "|".join(r.getMessage().replace("\n", " ") for r in self.warned)

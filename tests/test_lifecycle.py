@@ -54,6 +54,7 @@ What is tested where:
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -1484,6 +1485,135 @@ def test_stopped_supervisor_never_stalls_attach_or_release(lc: Lifecycle) -> Non
     for w in (creator, held, reader):
         w.exit()
     assert_gone_within([path], t0, bound=CLEANUP_S + 5)  # + the client's back-off
+
+
+class SlowSupervisor:
+    """A stand-in supervisor on this test's state directory that answers only when the test
+    says so: a supervisor that is slow to answer, without any sleep."""
+
+    def __init__(self, lc: Lifecycle, name: str) -> None:
+        self.name = name
+        self.lc = lc
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        lc.raw.append(self.listener)
+        if lc.state_fd is None:
+            lc.socket_path()  # opens the state directory
+        self.listener.bind(f"/proc/self/fd/{lc.state_fd}/{name}.sock")
+        self.listener.listen(8)
+        self.conn: socket.socket | None = None
+        self.buf = b""
+
+    def accept(self) -> None:
+        poller = select.poll()
+        poller.register(self.listener.fileno(), select.POLLIN)
+        assert poller.poll(REPLY_S * 1000), "no client connected"
+        self.conn, _ = self.listener.accept()
+        self.lc.raw.append(self.conn)
+
+    def line(self) -> str:
+        assert self.conn is not None
+        deadline = time.monotonic() + REPLY_S
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            poller = select.poll()
+            poller.register(self.conn.fileno(), select.POLLIN)
+            assert left > 0 and poller.poll(left * 1000), f"no request after {self.buf!r}"
+            chunk = self.conn.recv(65536)
+            assert chunk, "the client closed the connection"
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode()
+
+    def answer(self, text: str) -> None:
+        assert self.conn is not None
+        self.conn.sendall(text.encode())
+
+
+def removable(path: Path) -> bool:
+    """Whether the exclusive, non-blocking flock the supervisor and ``shmstore gc`` take to
+    unlink a segment (``sweep::remove_if_ours``) would be granted now (released at once)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def slow_attach(lc: Lifecycle, name: str, path: Path) -> tuple[Worker, SlowSupervisor]:
+    """A worker whose supervisor is a ``SlowSupervisor`` attaches ``name``: the attach
+    returns while its HELLO and USE are unanswered (before: it waited for the answers; with
+    this deadline, far beyond the test's bounds)."""
+    fake = SlowSupervisor(lc, f"{lc.name}-slow")
+    reader = lc.worker(SHMSTORE_SUPERVISOR_NAME=fake.name, SHMSTORE_SUPERVISOR_TIMEOUT="600")
+    reader.send(f"attach {name}")
+    fake.accept()  # connected when shmstore was imported (or by the attach)
+    assert fake.line() == f"HELLO {reader.pid}"
+    assert fake.line() == f"USE {path}"
+    assert reader.line() == f"OK {path}", "the attach waited for the supervisor's answer"
+    return reader, fake
+
+
+def test_attach_does_not_wait_for_the_supervisor_and_its_segment_stays_locked(
+    lc: Lifecycle,
+) -> None:
+    """An attach returns before the supervisor answers its USE (before: it waited for the
+    answer, here for ever). Its segment is locked against removal (what the supervisor and
+    ``shmstore gc`` need to remove it is refused) for as long as the reader maps it: before
+    the answer as after it."""
+    creator = lc.worker()
+    name, path = creator.create(20)
+    keeper = lc.worker()
+    name2, path2 = keeper.create(20)
+    reader, fake = slow_attach(lc, name, path)
+    assert not removable(path), "a segment attached but not yet registered can be removed"
+    creator.exit()  # the real supervisor: no client uses it any more
+    assert lc.cli("gc").returncode == 0
+    assert path.exists()
+    fake.answer(f"OK {os.getpid()}\nOK\n")
+    # The next conversation (another attach) reads the answers first.
+    assert reader.ok(f"attach {name2}") == [str(path2)]
+    assert fake.line() == f"USE {path2}"
+    assert reader.ok(f"registered {name}") == ["True"]
+    assert not removable(path)
+    assert reader.ok(f"read {name}") == ["20"]
+    assert reader.ok("warnings") == []
+    reader.ok(f"close {name}")
+    assert removable(path), "the lock outlived the mapping"
+    t0 = time.monotonic()
+    reader.kill()
+    keeper.exit()
+    assert_gone_within([path, path2], t0)
+
+
+def test_a_use_refused_after_the_attach_keeps_the_segment_locked_and_unregistered(
+    lc: Lifecycle,
+) -> None:
+    """The supervisor answers an attach's USE with an error, after the attach returned: the
+    store keeps working, its segment stays locked while it is used and unlocked after, it is
+    never said DROP for, and the next attach says (once) that it is not supervised."""
+    creator = lc.worker()
+    name, path = creator.create(20)
+    name2, path2 = creator.create(20)
+    reader, fake = slow_attach(lc, name, path)
+    fake.answer(f"OK {os.getpid()}\nERR no\n")
+    assert reader.ok(f"attach {name2}") == [str(path2)]  # reads the refusal
+    assert fake.line() == f"USE {path2}"
+    fake.answer("OK\n")
+    assert not removable(path), "a refused segment in use lost its lock"
+    assert reader.ok(f"registered {name}") == ["False"]
+    assert reader.ok(f"registered {name2}") == ["True"]
+    assert reader.ok(f"read {name}") == ["20"]
+    warned = " ".join(reader.ok("warnings"))
+    assert "refused to register" in warned and str(path) in warned, warned
+    reader.send("closeall")  # drops both, then sends the queued DROPs
+    drop = fake.line()
+    fake.answer("OK\n")
+    assert reader.line().startswith("OK")
+    assert drop == f"DROP {path2}", drop
+    assert removable(path) and removable(path2), "a lock outlived its mapping"
 
 
 @pytest.mark.parametrize("how", ["segment", "arena"])

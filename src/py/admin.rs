@@ -43,6 +43,8 @@ fn sweep_dirs() -> Vec<PathBuf> {
 /// detach, then serve until no client is left.
 #[pyfunction]
 pub(crate) fn _supervisor_main(py: Python<'_>) -> PyResult<()> {
+    // Importing shmstore may have connected to another supervisor (`client::prepare`).
+    client::disconnect();
     let daemonized = supervisor::daemonize().map_err(|err| Error::Io {
         at: "daemonize".into(),
         err,

@@ -63,5 +63,11 @@ pub(crate) fn install(py: Python<'_>) -> PyResult<()> {
     if log::set_boxed_logger(Box::new(PublicNames(logger))).is_ok() {
         log::set_max_level(log::LevelFilter::Trace);
     }
+    // The loggers are made now, as a Python module makes its logger at import: not by the
+    // first record (e.g. an attach's DEBUG line), which would pay for making the object.
+    let logging = py.import("logging")?;
+    for name in ["shmstore.store", "shmstore.supervisor", "shmstore.leaks"] {
+        logging.call_method1("getLogger", (name,))?;
+    }
     Ok(())
 }

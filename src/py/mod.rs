@@ -60,6 +60,8 @@ mod _native {
         errors::register(m)?;
         graph::register(m)?;
         admin::configure(m.py())?;
+        // Connect to a running supervisor now (never waits): see `client::prepare`.
+        m.py().detach(crate::supervisor::client::prepare);
         read::install_freelists(m.py())?;
         Ok(())
     }

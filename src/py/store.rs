@@ -64,6 +64,24 @@ impl Registration {
         self.active
     }
 
+    /// This process attached (mapped) the segment at `path` through a locked descriptor
+    /// (`Mapping::open_locked`: the lock lasts as long as the mapping): tell the supervisor
+    /// without waiting for its answer when possible (`client::use_segment_nowait`).
+    fn attached(py: Python<'_>, path: PathBuf) -> Self {
+        let active = match py.detach(|| supervisor::client::use_segment_nowait(&path)) {
+            Ok(()) => {
+                late_news();
+                true
+            }
+            Err(e) => unavailable(&path, e),
+        };
+        Registration {
+            path,
+            active,
+            lock: None,
+        }
+    }
+
     /// Nothing to register (a saved file, not a segment).
     fn none(path: PathBuf) -> Self {
         Registration {
@@ -94,6 +112,8 @@ impl Registration {
 
 impl Drop for Registration {
     fn drop(&mut self) {
+        // The lock goes first: a supervisor that acts on the DROP finds the file unlocked.
+        drop(self.lock.take());
         if self.active {
             supervisor::client::drop_segment(&self.path);
         }
@@ -105,31 +125,54 @@ impl Drop for Registration {
 /// WARNING once per process (with what it means and how to fix it), unless disabled on
 /// purpose.
 fn register(py: Python<'_>, path: &Path, created: bool) -> bool {
-    use supervisor::client::Unavailable;
     match py.detach(|| supervisor::client::use_segment(path, created)) {
-        Ok(()) => true,
-        Err(Unavailable::Disabled) => false,
-        Err(e) => {
-            static WARNED: std::sync::atomic::AtomicBool =
-                std::sync::atomic::AtomicBool::new(false);
-            if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
-                log::warn!(
-                    target: "shmstore::supervisor",
-                    "shmstore runs without its supervisor: {e}. What this means: segments this \
-                     process creates are removed when it closes them or exits normally, but if \
-                     it is killed (SIGKILL, OOM) they stay until the next supervisor starts or \
-                     `shmstore gc` runs. (Said once per process; SHMSTORE_SUPERVISOR=0 turns the \
-                     supervisor off without this warning.)"
-                );
-            } else {
-                log::debug!(
-                    target: "shmstore::supervisor",
-                    "supervisor unavailable for {}: {e}",
-                    path.display()
-                );
-            }
+        Ok(()) => {
+            late_news();
+            true
+        }
+        Err(e) => unavailable(path, e),
+    }
+}
+
+/// Say (once per process, see [`unavailable`]) why a segment attached earlier without
+/// waiting for the supervisor's answer is not covered by it, if that was learnt since.
+fn late_news() {
+    if let Some(why) = supervisor::client::take_late() {
+        warn_unsupervised(&why, None);
+    }
+}
+
+/// The supervisor is unavailable for `path` (`e` says why): false, and the reason said at
+/// WARNING once per process, unless it is disabled on purpose.
+fn unavailable(path: &Path, e: supervisor::client::Unavailable) -> bool {
+    use supervisor::client::Unavailable;
+    match e {
+        Unavailable::Disabled => false,
+        e => {
+            late_news();
+            warn_unsupervised(&e.to_string(), Some(path));
             false
         }
+    }
+}
+
+fn warn_unsupervised(e: &str, path: Option<&Path>) {
+    static WARNED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        log::warn!(
+            target: "shmstore::supervisor",
+            "shmstore runs without its supervisor: {e}. What this means: segments this \
+             process creates are removed when it closes them or exits normally, but if \
+             it is killed (SIGKILL, OOM) they stay until the next supervisor starts or \
+             `shmstore gc` runs. (Said once per process; SHMSTORE_SUPERVISOR=0 turns the \
+             supervisor off without this warning.)"
+        );
+    } else if let Some(path) = path {
+        log::debug!(
+            target: "shmstore::supervisor",
+            "supervisor unavailable for {}: {e}",
+            path.display()
+        );
     }
 }
 
@@ -216,7 +259,7 @@ impl Store {
 
     /// Whether the supervisor knows this process uses the store.
     pub(crate) fn registered(&self) -> bool {
-        self.registration.active
+        self.registration.active && supervisor::client::registered(&self.registration.path)
     }
 
     pub(crate) fn nbytes(&self) -> usize {
@@ -398,36 +441,38 @@ fn open_store(py: Python<'_>, source: Source) -> PyResult<Arc<Store>> {
         Source::File { path } => (path.clone(), path.display().to_string(), false),
         Source::Arena { .. } => unreachable!("handled above"),
     };
-    let owner_check = is_segment;
-    // Register before mapping: then a supervisor deciding to unlink already counts us.
-    let mut registration = if is_segment {
-        Registration::new(py, path.clone(), false)
-    } else {
-        Registration::none(path.clone())
-    };
-    let store = py.detach(|| {
-        let mapping = Mapping::open(&path, &name, owner_check).map_err(StoreErr::Segment)?;
-        let ident = file_ident(&path).unwrap_or((0, 0));
-        if is_segment {
-            registration
-                .lock_if_unsupervised(ident)
-                .map_err(StoreErr::Segment)?;
-        }
+    // A segment is locked (shared `flock`) before it is mapped and checked, through the
+    // descriptor it is mapped from: the lock lasts as long as the mapping (here and in
+    // forked children), and while it does neither the supervisor nor `shmstore gc` removes
+    // the segment. So the supervisor is told after the checks, without waiting for its
+    // answer (docs/lifecycle.md, "Attaching without waiting").
+    let opened = py.detach(|| {
+        let (mapping, ident) = if is_segment {
+            Mapping::open_locked(&path, &name).map_err(StoreErr::Segment)?
+        } else {
+            let mapping = Mapping::open(&path, &name, false).map_err(StoreErr::Segment)?;
+            (mapping, file_ident(&path).unwrap_or((0, 0)))
+        };
         let reader = Reader::open(mapping).map_err(StoreErr::Archive)?;
         Ok::<_, StoreErr>((reader, ident))
     });
-    let store = match store {
-        Ok((reader, ident)) => Arc::new(Store {
-            reader,
-            source: source.clone(),
-            ident,
-            py_symbols: PyOnceLock::new(),
-            _lease: None,
-            registration,
-        }),
-        // `registration` drops here: DROP sent.
+    let (reader, ident) = match opened {
+        Ok(x) => x,
         Err(e) => return Err(e.into_error(&format!("store {name:?}")).into()),
     };
+    let registration = if is_segment {
+        Registration::attached(py, path)
+    } else {
+        Registration::none(path)
+    };
+    let store = Arc::new(Store {
+        reader,
+        source: source.clone(),
+        ident,
+        py_symbols: PyOnceLock::new(),
+        _lease: None,
+        registration,
+    });
     log::debug!(
         "attached {} ({} bytes)",
         store.source.name(),

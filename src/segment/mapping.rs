@@ -125,6 +125,30 @@ fn sealed_copy(file: &File, len: u64, path: &Path) -> Result<File, SegmentError>
     Ok(copy)
 }
 
+/// Open `path` for mapping, never blocking and (`require_owner`: a segment) never
+/// following a symlink (see [`Mapping::open`]).
+fn open_file(path: &Path, name: &str, require_owner: bool) -> Result<File, SegmentError> {
+    let mut flags = rustix::fs::OFlags::CLOEXEC | rustix::fs::OFlags::NONBLOCK;
+    if require_owner {
+        flags |= rustix::fs::OFlags::NOFOLLOW;
+    }
+    OpenOptions::new()
+        .read(true)
+        .custom_flags(flags.bits() as i32)
+        .open(path)
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => SegmentError::NotFound {
+                name: name.to_owned(),
+                path: path.to_owned(),
+            },
+            _ if e.raw_os_error() == Some(libc::ELOOP) => SegmentError::NotAFile {
+                path: path.to_owned(),
+                what: "a symbolic link (shmstore never follows links to stores)".into(),
+            },
+            _ => SegmentError::io(path, e),
+        })
+}
+
 impl Mapping {
     /// Map `path` read-only. `require_owner`: refuse files of another user (segments in
     /// shared memory); saved archive files of other users are read from a private copy.
@@ -133,31 +157,51 @@ impl Mapping {
     /// refused (`O_NOFOLLOW`: in a shared directory anyone may plant one); a file path the
     /// caller gave may be a symlink, since what counts is the file it opens.
     pub fn open(path: &Path, name: &str, require_owner: bool) -> Result<Self, SegmentError> {
-        let mut flags = rustix::fs::OFlags::CLOEXEC | rustix::fs::OFlags::NONBLOCK;
-        if require_owner {
-            flags |= rustix::fs::OFlags::NOFOLLOW;
-        }
-        let file = OpenOptions::new()
-            .read(true)
-            .custom_flags(flags.bits() as i32)
-            .open(path)
-            .map_err(|e| match e.kind() {
-                std::io::ErrorKind::NotFound => SegmentError::NotFound {
-                    name: name.to_owned(),
-                    path: path.to_owned(),
-                },
-                _ if e.raw_os_error() == Some(libc::ELOOP) => SegmentError::NotAFile {
-                    path: path.to_owned(),
-                    what: "a symbolic link (shmstore never follows links to stores)".into(),
-                },
-                _ => SegmentError::io(path, e),
-            })?;
+        let file = open_file(path, name, require_owner)?;
         Self::from_file(file, path, require_owner)
+    }
+
+    /// Map the segment at `path` (as [`Mapping::open`] with `require_owner`) through a
+    /// descriptor that holds a shared `flock`, taken before the file is checked and mapped;
+    /// returned with the file's (device, inode). A `flock` belongs to the open file, which
+    /// the mapping keeps open: the lock lasts as long as the mapping (in this process and in
+    /// forked children that inherit it), with no descriptor left open. The supervisor and
+    /// `shmstore gc` unlink a segment only under an exclusive lock taken without waiting, so
+    /// they never remove one mapped this way (docs/lifecycle.md). The name is checked to
+    /// still lead to the locked file once the lock is held: a segment removed just before
+    /// is `NotFound`, as if the attach had come a moment later. (A private copy, see
+    /// [`Mapping::from_file`], is not the file: its lock ends when this returns.)
+    pub fn open_locked(path: &Path, name: &str) -> Result<(Self, (u64, u64)), SegmentError> {
+        let file = open_file(path, name, true)?;
+        super::flock_shared(&file, path)?;
+        let meta = file.metadata().map_err(|e| SegmentError::io(path, e))?;
+        let ident = (meta.dev(), meta.ino());
+        let named =
+            rustix::fs::statat(rustix::fs::CWD, path, rustix::fs::AtFlags::SYMLINK_NOFOLLOW)
+                .is_ok_and(|st| (st.st_dev, st.st_ino) == ident);
+        if !named || meta.nlink() == 0 {
+            return Err(SegmentError::NotFound {
+                name: name.to_owned(),
+                path: path.to_owned(),
+            });
+        }
+        let mapping = Self::from_meta(file, meta, path, true)?;
+        Ok((mapping, ident))
     }
 
     /// Map an already open segment file (e.g. the one just written by this process).
     pub fn from_file(file: File, path: &Path, require_owner: bool) -> Result<Self, SegmentError> {
         let meta = file.metadata().map_err(|e| SegmentError::io(path, e))?;
+        Self::from_meta(file, meta, path, require_owner)
+    }
+
+    /// [`Mapping::from_file`] of a file whose status is `meta`.
+    fn from_meta(
+        file: File,
+        meta: std::fs::Metadata,
+        path: &Path,
+        require_owner: bool,
+    ) -> Result<Self, SegmentError> {
         let me = rustix::process::geteuid().as_raw();
         if !meta.is_file() {
             return Err(SegmentError::NotAFile {

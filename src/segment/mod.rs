@@ -230,7 +230,7 @@ pub fn private_dir(path: &Path, create: bool) -> Result<PrivateDir, SegmentError
 /// the name just before (it saw no user), the lock comes with the file already unlinked:
 /// then this is `NotFound`, as if the attach had come a moment later.
 pub fn lock_shared(path: &Path, ident: (u64, u64)) -> Result<std::fs::File, SegmentError> {
-    use rustix::fs::{FlockOperation, Mode, OFlags};
+    use rustix::fs::{Mode, OFlags};
     let gone = || SegmentError::NotFound {
         name: path
             .file_name()
@@ -247,22 +247,28 @@ pub fn lock_shared(path: &Path, ident: (u64, u64)) -> Result<std::fs::File, Segm
         rustix::io::Errno::NOENT => gone(),
         e => SegmentError::io(path, e.into()),
     })?;
-    // The supervisor holds its exclusive lock only while it unlinks: wait a bounded moment.
+    flock_shared(&fd, path)?;
+    let st = rustix::fs::fstat(&fd).map_err(|e| SegmentError::io(path, e.into()))?;
+    if (st.st_dev, st.st_ino) != ident || st.st_nlink == 0 {
+        return Err(gone());
+    }
+    Ok(std::fs::File::from(fd))
+}
+
+/// Take a shared `flock` on `fd` (the file at `path`). The supervisor and `shmstore gc`
+/// hold their exclusive lock only while they unlink: this waits a bounded moment.
+pub(crate) fn flock_shared(fd: &impl std::os::fd::AsFd, path: &Path) -> Result<(), SegmentError> {
+    use rustix::fs::FlockOperation;
     let deadline = std::time::Instant::now() + std::time::Duration::from_millis(100);
     loop {
-        match rustix::fs::flock(&fd, FlockOperation::NonBlockingLockShared) {
-            Ok(()) => break,
+        match rustix::fs::flock(fd, FlockOperation::NonBlockingLockShared) {
+            Ok(()) => return Ok(()),
             Err(rustix::io::Errno::WOULDBLOCK) if std::time::Instant::now() < deadline => {
                 std::thread::sleep(std::time::Duration::from_millis(1))
             }
             Err(e) => return Err(SegmentError::io(path, e.into())),
         }
     }
-    let st = rustix::fs::fstat(&fd).map_err(|e| SegmentError::io(path, e.into()))?;
-    if (st.st_dev, st.st_ino) != ident || st.st_nlink == 0 {
-        return Err(gone());
-    }
-    Ok(std::fs::File::from(fd))
 }
 
 /// A fresh unguessable name: the prefix and 128 random bits.

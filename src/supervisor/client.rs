@@ -22,8 +22,8 @@
 //! parent's segments stay registered while the child, which maps them too, is alive).
 
 use std::cell::RefCell;
-use std::collections::{HashMap, HashSet};
-use std::io::{self, BufRead, BufReader, Write};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::io::{self, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -31,7 +31,9 @@ use std::process::{Command, Stdio};
 use std::sync::{Condvar, Mutex, MutexGuard, Once, OnceLock};
 use std::time::{Duration, Instant};
 
-use super::proto::{parse_end, parse_seg, read_line, Request, SegmentUse};
+use rustix::event::{PollFd, PollFlags, Timespec};
+
+use super::proto::{parse_end, parse_seg, Request, SegmentUse};
 use crate::segment::PrivateDir;
 
 /// How to start a supervisor process (set by the Python layer: the interpreter and the
@@ -143,19 +145,146 @@ impl From<Unavailable> for io::Error {
     }
 }
 
+/// A connection to the supervisor. The socket stays non-blocking: every wait is a `poll`
+/// with a deadline, and a request can be written without waiting for its reply.
 struct Conn {
-    writer: UnixStream,
-    reader: BufReader<UnixStream>,
+    sock: UnixStream,
+    /// Bytes received and not yet taken as lines.
+    buf: Vec<u8>,
     supervisor: u32,
+    /// Requests written whose replies are not read yet, oldest first (see [`Pending`]).
+    pending: VecDeque<Pending>,
+    /// The supervisor closed the connection (after what is in `buf`).
+    eof: bool,
+    /// Opened at import ([`prepare`]) for the supervisor in this state directory with this
+    /// name, and not used since (see [`own_conn`]).
+    prepared: Option<(PathBuf, String)>,
 }
 
+/// A request whose reply is read later: the HELLO of a connection opened at import, or a
+/// USE written by an attach that did not wait (see [`use_segment_nowait`]).
+struct Pending {
+    /// The segment of a USE (`None`: a HELLO).
+    path: Option<PathBuf>,
+    sent: Instant,
+}
+
+/// Replies left unread before the next conversation reads them all.
+const MAX_PENDING: usize = 64;
+
 impl Conn {
-    /// Send `reqs` (at most [`BATCH`] at once), then read one `OK` each, by `deadline`.
+    fn new(sock: UnixStream, supervisor: u32) -> Self {
+        Conn {
+            sock,
+            buf: Vec::new(),
+            supervisor,
+            pending: VecDeque::new(),
+            eof: false,
+            prepared: None,
+        }
+    }
+
+    /// Wait until the socket is ready for `events`, at most until `until`: false if it is
+    /// not by then.
+    fn wait(&self, events: PollFlags, until: Instant) -> io::Result<bool> {
+        loop {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(false);
+            }
+            let ts = Timespec {
+                tv_sec: left.as_secs() as i64,
+                tv_nsec: left.subsec_nanos() as _,
+            };
+            let mut fds = [PollFd::new(&self.sock, events)];
+            match rustix::event::poll(&mut fds, Some(&ts)) {
+                Ok(0) => continue, // re-check the clock
+                Ok(_) => return Ok(true),
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Write all of `bytes` by `deadline`.
+    fn send_all(&mut self, mut bytes: &[u8], deadline: Instant) -> io::Result<()> {
+        while !bytes.is_empty() {
+            match self.sock.write(bytes) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => bytes = &bytes[n..],
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if !self.wait(PollFlags::OUT, deadline)? {
+                        return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed"));
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Read what has arrived, without waiting. An error if the supervisor closed the
+    /// connection and nothing came before.
+    fn fill(&mut self) -> io::Result<()> {
+        let closed = || {
+            io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "the supervisor closed the connection",
+            )
+        };
+        if self.eof {
+            return Err(closed());
+        }
+        let mut chunk = [0u8; 4096];
+        let mut got = false;
+        // Bounded: what a supervisor sends is never more than the replies asked for.
+        for _ in 0..1024 {
+            match self.sock.read(&mut chunk) {
+                Ok(0) if got => {
+                    self.eof = true; // said by the next call, after these lines are taken
+                    return Ok(());
+                }
+                Ok(0) => return Err(closed()),
+                Ok(n) => {
+                    self.buf.extend_from_slice(&chunk[..n]);
+                    got = true;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// A complete line received already, without its newline.
+    fn take_line(&mut self) -> Option<String> {
+        let nl = self.buf.iter().position(|&b| b == b'\n')?;
+        let line: Vec<u8> = self.buf.drain(..=nl).collect();
+        Some(String::from_utf8_lossy(&line[..nl]).trim_end().to_owned())
+    }
+
+    /// One line by `until` (`TimedOut` if none).
+    fn line_by(&mut self, until: Instant) -> io::Result<String> {
+        loop {
+            if let Some(line) = self.take_line() {
+                return Ok(line);
+            }
+            if !self.wait(PollFlags::IN, until)? {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed"));
+            }
+            self.fill()?;
+        }
+    }
+
+    /// Send `reqs` (at most [`BATCH`] at once), then read one `OK` each, by `deadline`
+    /// (after the replies still pending).
     fn requests(&mut self, reqs: &[Request], deadline: Instant) -> io::Result<()> {
+        self.settle(deadline)?;
         for chunk in reqs.chunks(BATCH) {
             let text: String = chunk.iter().map(Request::encode).collect();
-            self.arm(deadline)?;
-            self.writer.write_all(text.as_bytes())?;
+            self.send_all(text.as_bytes(), deadline)?;
             for _ in chunk {
                 let reply = self.reply(deadline)?;
                 if !reply.starts_with("OK") {
@@ -166,40 +295,63 @@ impl Conn {
         Ok(())
     }
 
+    /// Read every pending reply (waiting as [`Conn::reply`] does).
+    fn settle(&mut self, deadline: Instant) -> io::Result<()> {
+        while !self.pending.is_empty() {
+            let reply = self.reply(deadline)?;
+            self.answered(&reply)?;
+        }
+        Ok(())
+    }
+
+    /// Take the pending replies that have arrived, without waiting.
+    fn poll_pending(&mut self) -> io::Result<()> {
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        self.fill()?;
+        while !self.pending.is_empty() {
+            let Some(reply) = self.take_line() else {
+                break;
+            };
+            self.answered(&reply)?;
+        }
+        Ok(())
+    }
+
+    /// The oldest pending request is answered with `reply`. A refused HELLO is an error (the
+    /// connection is not usable); a refused USE leaves that segment unregistered
+    /// ([`refused`]).
+    fn answered(&mut self, reply: &str) -> io::Result<()> {
+        let Some(p) = self.pending.pop_front() else {
+            return Ok(());
+        };
+        match p.path {
+            Some(_) if reply.starts_with("OK") => Ok(()),
+            Some(path) => {
+                refused(path, reply);
+                Ok(())
+            }
+            None if reply.starts_with("OK") => Ok(()),
+            None => Err(io::Error::other(format!("the supervisor said {reply:?}"))),
+        }
+    }
+
     /// Read one reply line by `deadline`; past it, wait on (up to [`BUSY_FACTOR`] times as
     /// long) only if the supervisor is running but busy, never if it is stopped.
     fn reply(&mut self, deadline: Instant) -> io::Result<String> {
-        let mut line = String::new();
         // A first short wait: a stopped supervisor is recognised then, without waiting for
         // the whole deadline.
         let mut until = deadline.min(Instant::now() + STOPPED_CHECK);
         let hard = deadline + timeout() * (BUSY_FACTOR - 1);
         loop {
-            self.arm(until)?;
-            match self.reader.read_line(&mut line) {
-                Ok(0) => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        "the supervisor closed the connection",
-                    ))
-                }
-                Ok(_) => return Ok(line.trim_end().to_owned()),
+            match self.line_by(until) {
                 Err(e) if is_timeout(&e) && until < hard && !stopped(self.supervisor) => {
                     until = if until < deadline { deadline } else { hard };
                 }
-                Err(e) => return Err(e),
+                r => return r,
             }
         }
-    }
-
-    /// Socket timeouts set to what is left until `deadline`.
-    fn arm(&self, deadline: Instant) -> io::Result<()> {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed"));
-        }
-        self.writer.set_read_timeout(Some(left))?;
-        self.writer.set_write_timeout(Some(left))
     }
 }
 
@@ -210,17 +362,9 @@ fn is_timeout(e: &io::Error) -> bool {
     )
 }
 
-/// Connect to the supervisor named `name` whose socket is in `dir`, check it is ours
-/// (`SO_PEERCRED`), and say HELLO, all by `deadline`. `first`: requests sent in the same
-/// write as the HELLO (at most [`BATCH`]), each answered OK before this returns: one round
-/// trip for a process's first registration, not two. Nothing is used before its OK arrives,
-/// so this changes no ordering the guarantees rest on (docs/lifecycle.md).
-fn connect_in(
-    dir: &PrivateDir,
-    name: &str,
-    deadline: Instant,
-    first: &[Request],
-) -> Result<Conn, Unavailable> {
+/// Open a connection to the supervisor named `name` whose socket is in `dir` and check it
+/// is ours (`SO_PEERCRED`), by `deadline`; nothing is said yet.
+fn open_conn(dir: &PrivateDir, name: &str, deadline: Instant) -> Result<Conn, Unavailable> {
     use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
     let path =
         super::server::socket_path(dir, name).map_err(|e| Unavailable::Other(e.to_string()))?;
@@ -254,26 +398,33 @@ fn connect_in(
         }
     }
     let stream = UnixStream::from(fd);
-    let other = |e: io::Error| Unavailable::Other(e.to_string());
-    stream.set_nonblocking(false).map_err(other)?;
-    let cred = rustix::net::sockopt::socket_peercred(&stream).map_err(|e| other(e.into()))?;
+    let cred = rustix::net::sockopt::socket_peercred(&stream)
+        .map_err(|e| Unavailable::Other(e.to_string()))?;
     if cred.uid != rustix::process::geteuid() {
         return Err(Unavailable::Other(format!(
             "the supervisor socket belongs to uid {}",
             cred.uid.as_raw()
         )));
     }
-    let mut conn = Conn {
-        reader: BufReader::new(stream.try_clone().map_err(other)?),
-        writer: stream,
-        supervisor: cred.pid.as_raw_nonzero().get() as u32,
-    };
+    Ok(Conn::new(stream, cred.pid.as_raw_nonzero().get() as u32))
+}
+
+/// Connect to the supervisor named `name` whose socket is in `dir`, check it is ours
+/// (`SO_PEERCRED`), and say HELLO, all by `deadline`. `first`: requests sent in the same
+/// write as the HELLO (at most [`BATCH`]), each answered OK before this returns: one round
+/// trip for a process's first registration, not two.
+fn connect_in(
+    dir: &PrivateDir,
+    name: &str,
+    deadline: Instant,
+    first: &[Request],
+) -> Result<Conn, Unavailable> {
+    let mut conn = open_conn(dir, name, deadline)?;
     let first = &first[..first.len().min(BATCH)];
     let hello = (|| {
-        conn.arm(deadline)?;
         let mut text = Request::Hello(std::process::id()).encode();
         text.extend(first.iter().map(Request::encode));
-        conn.writer.write_all(text.as_bytes())?;
+        conn.send_all(text.as_bytes(), deadline)?;
         conn.reply(deadline)
     })();
     match hello {
@@ -391,8 +542,11 @@ fn spawn_supervisor() -> Result<(), Unavailable> {
 struct Use {
     /// Live stores using it.
     count: usize,
-    /// This process created the segment (registered with `NEW`).
+    /// This process creates the segment (registered with `NEW`).
     created: bool,
+    /// The supervisor refused its USE (answered after the attach returned, see
+    /// [`use_segment_nowait`]): not registered, never registered again, no DROP.
+    refused: bool,
 }
 
 /// The conversation (lock order: `IO` before `STATE`).
@@ -411,6 +565,9 @@ struct State {
     sender: u32,
     /// No conversation is tried before this (a supervisor missed a deadline), and why.
     backoff: Option<(Instant, String)>,
+    /// Why the supervisor is not covering a segment this process attached without waiting,
+    /// learnt after the attach returned: said once by the next attach (see [`take_late`]).
+    late: Option<String>,
 }
 
 static IO: Mutex<Io> = Mutex::new(Io { conn: None, pid: 0 });
@@ -448,6 +605,7 @@ extern "C" fn after_fork_child() {
             std::mem::forget(io.conn.take());
             io.pid = 0;
             st.drops.clear(); // never registered by this process
+            st.late = None;
             st.sender = 0;
         }
     });
@@ -476,13 +634,7 @@ type IoGuard = MutexGuard<'static, Io>;
 /// `Ok(true)` says so. Called with `IO` held; releases it only while starting a supervisor
 /// (which may fork: never with our locks held, see the module docs).
 fn ensure(mut io: IoGuard, may_spawn: bool) -> (IoGuard, Result<bool, Unavailable>) {
-    let me = std::process::id();
-    if io.pid != me {
-        if let Some(c) = io.conn.take() {
-            std::mem::forget(c); // inherited: see after_fork_child
-        }
-        io.pid = me;
-    }
+    own_conn(&mut io);
     if io.conn.is_some() {
         return (io, Ok(false));
     }
@@ -532,6 +684,32 @@ fn ensure(mut io: IoGuard, may_spawn: bool) -> (IoGuard, Result<bool, Unavailabl
     (io, Ok(true))
 }
 
+/// Make `io.conn` this process's own: a forked child's inherited connection is its
+/// parent's (forgotten: see `after_fork_child`; never read the parent's pending replies,
+/// and its locks on pending segments stay open here too, harmless since this process maps
+/// those segments as well). A connection opened at import ([`prepare`]) that has not been
+/// used yet is closed if the supervisor it reaches is no longer the one the environment
+/// names (`SHMSTORE_SUPERVISOR_NAME` or the state directory changed since): it registered
+/// nothing, and registering with the one named at the first use is what a process did
+/// before connections were opened at import.
+fn own_conn(io: &mut Io) {
+    let me = std::process::id();
+    if io.pid != me {
+        if let Some(c) = io.conn.take() {
+            std::mem::forget(c);
+        }
+        io.pid = me;
+    }
+    let stale = io
+        .conn
+        .as_ref()
+        .and_then(|c| c.prepared.as_ref())
+        .is_some_and(|target| *target != (super::state_dir_path(), super::socket_name()));
+    if stale {
+        io.conn = None;
+    }
+}
+
 /// What a new connection registers: every segment in use here. A new connection knows
 /// nothing of earlier DROPs: they are forgotten.
 fn registrations() -> Vec<Request> {
@@ -539,6 +717,7 @@ fn registrations() -> Vec<Request> {
     st.drops.clear();
     st.uses
         .iter()
+        .filter(|(_, u)| !u.refused)
         .map(|(p, u)| {
             if u.created {
                 Request::New(p.clone())
@@ -547,6 +726,32 @@ fn registrations() -> Vec<Request> {
             }
         })
         .collect()
+}
+
+/// The supervisor answered a USE written without waiting with `reply`, not OK: the segment
+/// is not registered (it stays locked while this process maps it, see
+/// [`use_segment_nowait`]).
+fn refused(path: PathBuf, reply: &str) {
+    let mut st = lock_state();
+    let why = format!(
+        "the supervisor refused to register {} (it said {reply:?})",
+        path.display()
+    );
+    if let Some(u) = st.uses.get_mut(&path) {
+        u.refused = true;
+    }
+    st.late.get_or_insert(why);
+}
+
+/// Close this process's connection (it failed, or missed a deadline). The next
+/// conversation reconnects and registers every segment in use again, including those whose
+/// USE was still waiting for its answer.
+fn lose(io: &mut Io) {
+    io.conn = None;
+}
+
+fn lock_state() -> MutexGuard<'static, State> {
+    lock(state())
 }
 
 fn fail(c: &Conn, e: io::Error) -> Unavailable {
@@ -569,11 +774,12 @@ fn send(mut io: IoGuard, req: Request, may_spawn: bool) -> Result<(), Unavailabl
             return Ok(()); // `ensure` registered everything in `uses`, this path included
         }
         let c = io.conn.as_mut().expect("ensured");
+        c.prepared = None;
         match c.requests(std::slice::from_ref(&req), Instant::now() + timeout()) {
             Ok(()) => return Ok(()),
             Err(e) => {
                 let err = fail(c, e);
-                io.conn = None;
+                lose(&mut io);
                 if matches!(err, Unavailable::NoAnswer(_)) || attempt == 1 {
                     return Err(err);
                 }
@@ -641,6 +847,231 @@ pub fn use_segment(path: &Path, created: bool) -> Result<(), Unavailable> {
     res
 }
 
+/// This process attached the segment at `path`, holding a shared `flock` on it for as long
+/// as it maps it (`segment::Mapping::open_locked`): tell the supervisor without waiting for
+/// its answer when that is possible, else as [`use_segment`] does.
+///
+/// Why not waiting is safe (docs/lifecycle.md, "Attaching without waiting"): the supervisor
+/// and `shmstore gc` remove a segment only under an exclusive `flock` taken without
+/// waiting, which is refused while any process maps the segment through a locked
+/// descriptor. The USE is written now on this process's connection (opened at import,
+/// [`prepare`], or now if a supervisor is listening), and its answer read by a later
+/// conversation ([`Conn::poll_pending`], [`Conn::settle`]). An answer other than OK leaves
+/// the segment unregistered, said by the next attach ([`take_late`]); a connection that
+/// fails first is opened again by the next conversation, which registers every segment in
+/// use. Nothing the supervisor says is needed to read the segment safely: it was checked
+/// before it was mapped.
+pub fn use_segment_nowait(path: &Path) -> Result<(), Unavailable> {
+    if !enabled() {
+        return Err(Unavailable::Disabled);
+    }
+    install_fork_handlers();
+    {
+        let mut st = lock_state();
+        if let Some(u) = st.uses.get_mut(path) {
+            if u.count > 0 {
+                u.count += 1;
+                return Ok(());
+            }
+        }
+    }
+    let mut io = lock(&IO);
+    {
+        let mut st = lock_state();
+        let u = st.uses.entry(path.to_owned()).or_default();
+        u.count += 1;
+        if u.count > 1 {
+            return Ok(());
+        }
+        if st.drops.remove(path) {
+            return Ok(()); // its DROP was never sent: still registered
+        }
+    }
+    if use_without_waiting(&mut io, path) {
+        return Ok(());
+    }
+    // The usual round trip (it may start a supervisor, or reconnect and register every
+    // segment in use again).
+    let res = send(io, Request::Use(path.to_owned()), true);
+    if let Err(e) = &res {
+        give_up(e);
+        let mut st = lock_state();
+        if let Some(u) = st.uses.get_mut(path) {
+            u.count -= 1;
+            if u.count == 0 {
+                st.uses.remove(path);
+            }
+        }
+    }
+    res
+}
+
+/// Open this process's connection now, if a supervisor is listening: called when shmstore
+/// is imported, so that the first attach writes one line instead of connecting (a connect
+/// wakes the supervisor, which on a busy machine costs about as much as the rest of an
+/// attach). Never starts a supervisor, never waits: the HELLO's answer is read by the
+/// next conversation. Nothing is registered. Any failure is silent (the first real
+/// conversation meets it again and says so).
+pub fn prepare() {
+    if !enabled() {
+        return;
+    }
+    install_fork_handlers();
+    let mut io = lock(&IO);
+    own_conn(&mut io);
+    if io.conn.is_some() {
+        return;
+    }
+    let me = std::process::id();
+    {
+        let st = lock_state();
+        let backoff = st
+            .backoff
+            .as_ref()
+            .is_some_and(|(until, _)| Instant::now() < *until);
+        if backoff || !st.uses.is_empty() {
+            return;
+        }
+    }
+    let Ok(dir) = super::state_dir() else {
+        return;
+    };
+    let name = super::socket_name();
+    // A deadline of now: a full listen backlog is not waited on.
+    let Ok(mut c) = open_conn(&dir, &name, Instant::now()) else {
+        return;
+    };
+    c.prepared = Some((super::state_dir_path(), name));
+    let hello = Request::Hello(me).encode();
+    if c.send_all(hello.as_bytes(), Instant::now() + timeout())
+        .is_err()
+    {
+        return;
+    }
+    c.pending.push_back(Pending {
+        path: None,
+        sent: Instant::now(),
+    });
+    io.conn = Some(c);
+}
+
+/// Close this process's connection without a word (the supervisor process itself, which
+/// imported shmstore, must not be another supervisor's client).
+pub fn disconnect() {
+    let mut io = lock(&IO);
+    if io.pid == std::process::id() {
+        io.conn = None;
+    }
+}
+
+/// Write `USE path` on this process's connection (opening it if a supervisor is listening
+/// and nothing else needs registering), its answer to be read later. False when that is
+/// not possible now: the caller then does the round trip.
+fn use_without_waiting(io: &mut Io, path: &Path) -> bool {
+    let me = std::process::id();
+    own_conn(io);
+    if io.conn.is_none() {
+        {
+            let st = lock_state();
+            if st
+                .backoff
+                .as_ref()
+                .is_some_and(|(until, _)| Instant::now() < *until)
+            {
+                return false;
+            }
+            // Only this segment to register: a reconnection that registers more is a
+            // round trip (`ensure`).
+            if st.uses.len() != 1 {
+                return false;
+            }
+        }
+        let Ok(dir) = super::state_dir() else {
+            return false;
+        };
+        let Ok(mut c) = open_conn(&dir, &super::socket_name(), Instant::now() + timeout()) else {
+            return false; // none running (then one is started), or another failure
+        };
+        let hello = Request::Hello(me).encode();
+        if c.send_all(hello.as_bytes(), Instant::now() + timeout())
+            .is_err()
+        {
+            return false;
+        }
+        c.pending.push_back(Pending {
+            path: None,
+            sent: Instant::now(),
+        });
+        registrations(); // forgets queued DROPs: none was sent on this connection
+        io.conn = Some(c);
+    }
+    let c = io.conn.as_mut().expect("connected above");
+    c.prepared = None;
+    // Take the replies that came meanwhile; a reply overdue (or many unread) is waited for
+    // by the round trip instead, which tells a stopped or gone supervisor.
+    if c.poll_pending().is_err() {
+        lose(io);
+        return false;
+    }
+    let overdue = c
+        .pending
+        .front()
+        .is_some_and(|p| p.sent.elapsed() >= timeout());
+    // A HELLO not answered yet: a supervisor that is stopped would not answer this USE
+    // either; the round trip says so at once.
+    let unanswered = c.pending.front().is_some_and(|p| p.path.is_none());
+    if overdue || c.pending.len() >= MAX_PENDING || (unanswered && stopped(c.supervisor)) {
+        return false;
+    }
+    let text = Request::Use(path.to_owned()).encode();
+    // (No logging here: never while holding `IO`, see the module docs.)
+    if c.send_all(text.as_bytes(), Instant::now() + timeout())
+        .is_err()
+    {
+        lose(io);
+        return false;
+    }
+    c.pending.push_back(Pending {
+        path: Some(path.to_owned()),
+        sent: Instant::now(),
+    });
+    true
+}
+
+/// Why a segment this process attached without waiting is not covered by the supervisor
+/// (learnt after the attach returned), once.
+pub fn take_late() -> Option<String> {
+    lock_state().late.take()
+}
+
+/// Whether this process told the supervisor that it uses `path` (its answer may not be
+/// read yet) and the supervisor did not refuse it.
+pub fn registered(path: &Path) -> bool {
+    lock_state()
+        .uses
+        .get(path)
+        .is_some_and(|u| u.count > 0 && !u.refused)
+}
+
+/// Read the replies to this process's requests that are still pending (called before
+/// questions about what the supervisor tracks, so that the answer includes every segment
+/// this process attached before asking).
+pub fn settle() {
+    let mut io = lock(&IO);
+    if io.pid != std::process::id() {
+        return;
+    }
+    let Some(c) = io.conn.as_mut() else {
+        return;
+    };
+    if let Err(e) = c.settle(Instant::now() + timeout()) {
+        let err = fail(c, e);
+        lose(&mut io);
+        drop(io);
+        give_up(&err);
+    }
+}
+
 /// This process no longer uses the segment at `path` (its last mapping here is gone).
 /// Never blocks on the supervisor: the DROP is queued for the sender thread.
 pub fn drop_segment(path: &Path) {
@@ -652,7 +1083,11 @@ pub fn drop_segment(path: &Path) {
     if u.count > 0 {
         return;
     }
+    let refused = u.refused;
     st.uses.remove(path);
+    if refused {
+        return; // never registered
+    }
     st.drops.insert(path.to_owned());
     let me = std::process::id();
     if st.sender != me {
@@ -737,7 +1172,7 @@ pub fn flush_drops() {
         // Closing the connection drops all our registrations at once; the supervisor's
         // /proc check still sees what we map. The next call reconnects and re-registers.
         let err = fail(c, e);
-        io.conn = None;
+        lose(&mut io);
         drop(io);
         give_up(&err);
     }
@@ -766,6 +1201,7 @@ fn query_timeout() -> Duration {
 /// exiting (it exits only when it tracks nothing): the question is asked once more, and
 /// the second answer (or "none is running") stands.
 pub fn list() -> io::Result<Option<Vec<SegmentUse>>> {
+    settle();
     let dir =
         super::state_dir().map_err(|e| io::Error::from(Unavailable::UnsafeDir(e.to_string())))?;
     list_in(&dir, &super::socket_name())
@@ -792,15 +1228,15 @@ fn list_once(dir: &PrivateDir, name: &str) -> io::Result<Option<Vec<SegmentUse>>
         | io::ErrorKind::UnexpectedEof => io::Error::new(io::ErrorKind::Interrupted, e),
         _ => e,
     };
-    c.arm(Instant::now() + query_timeout())?;
-    c.writer
-        .write_all(Request::List.encode().as_bytes())
-        .map_err(closed_early)?;
+    c.send_all(
+        Request::List.encode().as_bytes(),
+        Instant::now() + query_timeout(),
+    )
+    .map_err(closed_early)?;
     let mut out = Vec::new();
     loop {
         // A long listing streams: the deadline is per line, not for the whole.
-        c.arm(Instant::now() + query_timeout())?;
-        let line = match read_line(&mut c.reader) {
+        let line = match c.line_by(Instant::now() + query_timeout()) {
             Ok(line) => line,
             Err(e) if out.is_empty() => return Err(closed_early(e)),
             Err(e) => {
@@ -846,25 +1282,25 @@ impl TestConn {
             .map(TestConn)
             .map_err(io::Error::from)
     }
+    fn deadline() -> Instant {
+        Instant::now() + Duration::from_secs(30)
+    }
     pub(crate) fn request(&mut self, req: &Request) -> io::Result<String> {
-        self.0.arm(Instant::now() + Duration::from_secs(30))?;
-        self.0.writer.write_all(req.encode().as_bytes())?;
-        read_line(&mut self.0.reader)
+        self.0.send_all(req.encode().as_bytes(), Self::deadline())?;
+        self.0.line_by(Self::deadline())
     }
     pub(crate) fn send_raw(&mut self, bytes: &[u8]) -> io::Result<()> {
-        self.0.arm(Instant::now() + Duration::from_secs(30))?;
-        self.0.writer.write_all(bytes)
+        self.0.send_all(bytes, Self::deadline())
     }
     pub(crate) fn read_reply(&mut self) -> io::Result<String> {
-        self.0.arm(Instant::now() + Duration::from_secs(30))?;
-        read_line(&mut self.0.reader)
+        self.0.line_by(Self::deadline())
     }
     pub(crate) fn list(&mut self) -> io::Result<Vec<String>> {
-        self.0.arm(Instant::now() + Duration::from_secs(30))?;
-        self.0.writer.write_all(Request::List.encode().as_bytes())?;
+        self.0
+            .send_all(Request::List.encode().as_bytes(), Self::deadline())?;
         let mut lines = Vec::new();
         loop {
-            let l = read_line(&mut self.0.reader)?;
+            let l = self.0.line_by(Self::deadline())?;
             if parse_end(&l).is_some() {
                 return Ok(lines);
             }

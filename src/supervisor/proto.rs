@@ -17,7 +17,6 @@
 //! batches); replies come in order. The count after `END` lets a reader tell a complete
 //! listing from a cut one.
 
-use std::io::{self, BufRead};
 use std::path::{Path, PathBuf};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -95,11 +94,12 @@ pub fn parse_end(line: &str) -> Option<usize> {
 }
 
 /// Read one line, without its newline.
-pub fn read_line(r: &mut impl BufRead) -> io::Result<String> {
+#[cfg(test)]
+pub fn read_line(r: &mut impl std::io::BufRead) -> std::io::Result<String> {
     let mut s = String::new();
     if r.read_line(&mut s)? == 0 {
-        return Err(io::Error::new(
-            io::ErrorKind::UnexpectedEof,
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
             "the supervisor closed the connection",
         ));
     }

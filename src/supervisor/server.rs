@@ -430,12 +430,16 @@ pub fn serve(bound: Bound, cfg: ServerConfig) -> io::Result<()> {
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(e) => return Err(e.into()),
             }
-            let rc: Vec<(u64, PollFlags)> = client_ids
+            // Oldest connection first: a request written before another process connected
+            // (an attach that does not wait for its answer, then a `list` prompted by it)
+            // is answered first.
+            let mut rc: Vec<(u64, PollFlags)> = client_ids
                 .iter()
                 .zip(&fds[1..])
                 .filter(|(_, f)| !f.revents().is_empty())
                 .map(|(id, f)| (*id, f.revents()))
                 .collect();
+            rc.sort_unstable_by_key(|(id, _)| *id);
             let rp: Vec<u32> = pids
                 .iter()
                 .zip(&fds[1 + client_ids.len()..])
