@@ -136,7 +136,6 @@ def fmt_ms(s: float) -> str:
 
 
 def bench_large(sizes_mib: list[int], repeats: int) -> tuple[str, list[str]]:
-    from multiprocessing import shared_memory
 
     d = seg_dir()
     rows: list[list[Any]] = []
@@ -172,36 +171,9 @@ def bench_large(sizes_mib: list[int], repeats: int) -> tuple[str, list[str]]:
             f"put {', '.join(f'{x:.3f}' for x in put)}"
         )
 
-        # First attach + get of the array in a fresh process.
-        ref = shmstore.put(a, dir=str(d))
-        shm = shared_memory.SharedMemory(create=True, size=n)
-        np.ndarray((n,), dtype=np.uint8, buffer=shm.buf)[:] = a
-        sa, sb = [], []
-        try:
-            for r in range(repeats):
-                order = ("shmstore", "shm") if r % 2 else ("shm", "shmstore")
-                for how in order:
-                    name = ref.name if how == "shmstore" else shm.name
-                    (sa if how == "shmstore" else sb).append(first_attach(how, name, d, n))
-        finally:
-            ref.unlink()
-            ref.close()
-            shm.close()
-            shm.unlink()
-        ma, mb = statistics.median(sa), statistics.median(sb)
-        attach_rows.append(
-            [
-                f"{size} MiB",
-                fmt_ms(mb),
-                fmt_ms(ma),
-                f"{ma / mb:.1f}x",
-                verdict(ma <= 1e-3 and ma <= 5 * mb),
-            ]
-        )
-        raw.append(
-            f"{size} MiB attach: shmstore {', '.join(f'{x * 1e3:.2f}' for x in sa)} ms; "
-            f"SharedMemory {', '.join(f'{x * 1e3:.2f}' for x in sb)} ms"
-        )
+        row, line = attach_size(a, size, repeats)
+        attach_rows.append(row)
+        raw.append(line)
         del a
     text = "## put of a large uint8 array\n\n"
     text += (
@@ -222,12 +194,59 @@ def bench_large(sizes_mib: list[int], repeats: int) -> tuple[str, list[str]]:
         ],
         rows,
     )
-    text += "\n\n## first `Ref.attach(name).get()` in a fresh process\n\n"
+    text += "\n\n" + attach_md(attach_rows, repeats)
+    return text, raw
+
+
+ATTACH_TITLE = "## first `Ref.attach(name).get()` in a fresh process"
+
+
+def attach_size(a: np.ndarray, size: int, repeats: int) -> tuple[list[Any], str]:
+    """First attach + get of the array `a` (`size` MiB) in fresh processes, both ways,
+    alternating: (table row, raw timings line)."""
+    from multiprocessing import shared_memory
+
+    d = seg_dir()
+    n = a.nbytes
+    ref = shmstore.put(a, dir=str(d))
+    shm = shared_memory.SharedMemory(create=True, size=n)
+    np.ndarray((n,), dtype=np.uint8, buffer=shm.buf)[:] = a
+    sa, sb = [], []
+    try:
+        for r in range(repeats):
+            order = ("shmstore", "shm") if r % 2 else ("shm", "shmstore")
+            for how in order:
+                name = ref.name if how == "shmstore" else shm.name
+                (sa if how == "shmstore" else sb).append(first_attach(how, name, d, n))
+    finally:
+        ref.unlink()
+        ref.close()
+        shm.close()
+        shm.unlink()
+    ma, mb = statistics.median(sa), statistics.median(sb)
+    row = [
+        f"{size} MiB",
+        fmt_ms(mb),
+        fmt_ms(ma),
+        f"{ma / mb:.1f}x",
+        verdict(ma <= 1e-3 and ma <= 5 * mb),
+    ]
+    line = (
+        f"{size} MiB attach: shmstore {', '.join(f'{x * 1e3:.2f}' for x in sa)} ms; "
+        f"SharedMemory {', '.join(f'{x * 1e3:.2f}' for x in sb)} ms"
+    )
+    return row, line
+
+
+def attach_md(rows: list[list[Any]], repeats: int) -> str:
+    text = ATTACH_TITLE + "\n\n"
     text += (
         "Timed inside a freshly started process (numpy and shmstore already imported), up to "
         "reading one element of the array: `shmstore.Ref.attach(name).get()` against "
         "`SharedMemory(name)` + `np.ndarray`. Median of "
-        f"{repeats}, alternating.\n\n"
+        f"{repeats}, alternating. Importing shmstore connects to a running supervisor "
+        "(docs/lifecycle.md), so the attach writes its `USE` on an open connection and does not "
+        "wait for the answer.\n\n"
     )
     text += md_table(
         [
@@ -237,9 +256,51 @@ def bench_large(sizes_mib: list[int], repeats: int) -> tuple[str, list[str]]:
             "ratio",
             "target <= 1 ms and <= 5x",
         ],
-        attach_rows,
+        rows,
     )
-    return text, raw
+    return text
+
+
+def attach_only(sizes_mib: list[int], repeats: int, out: Path) -> None:
+    """Re-run only the attach table and put it into `out` in place of the one there; the
+    other tables stay from the run the file describes, which the new section says."""
+    start_load = os.getloadavg()
+    rows, raw = [], []
+    for size in sizes_mib:
+        a = np.random.default_rng(0).integers(0, 255, size * MiB, dtype=np.uint8)
+        row, line = attach_size(a, size, repeats)
+        rows.append(row)
+        raw.append(line)
+        del a
+    end_load = os.getloadavg()
+    load = " / ".join(f"{x:.2f}" for x in start_load)
+    section = attach_md(rows, repeats)
+    section += (
+        f"\n\nThis table alone was re-run on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} "
+        f"(`--attach-only`; same machine; load average at start {load}, at the end "
+        f"{' / '.join(f'{x:.2f}' for x in end_load)}); the other tables are from the run "
+        "described at the top. Raw timings:\n\n"
+    )
+    section += "\n".join(f"- {line}" for line in raw)
+    text = out.read_text() if out.exists() else "# Arrays and small objects\n\n"
+    start = text.find(ATTACH_TITLE)
+    if start < 0:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    else:
+        end = text.find("\n## ", start + len(ATTACH_TITLE))
+        end = len(text) if end < 0 else end
+        text = text[:start] + section + "\n\n" + text[end:].lstrip("\n")
+    # The earlier run's raw attach timings go with its table.
+    raw_at = text.find("## raw timings")
+    if raw_at >= 0:
+        kept = [
+            line
+            for line in text[raw_at:].split("\n")
+            if not (line.startswith("- ") and " MiB attach: " in line)
+        ]
+        text = text[:raw_at] + "\n".join(kept)
+    out.write_text(text)
+    print(section)
 
 
 # --- small objects across processes -------------------------------------------------------------
@@ -391,6 +452,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "arrays.md"))
     ap.add_argument("--skip-large", action="store_true")
+    ap.add_argument(
+        "--attach-only",
+        action="store_true",
+        help="run only the first-attach table and replace it in --out (the rest is kept)",
+    )
     ap.add_argument("--skip-small", action="store_true")
     ap.add_argument("--skip-fragmentation", action="store_true")
     ap.add_argument("--small-sizes", default="1,8,64", help="small object sizes in KiB")
@@ -398,6 +464,9 @@ def main() -> None:
     ap.add_argument("--ops", type=int, default=1_000_000, help="fragmentation operations")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
+    if args.attach_only:
+        attach_only(sizes, args.repeats, Path(args.out))
+        return
     parts = ["# Arrays and small objects\n", machine_md(), ""]
     raw: list[str] = []
     if not args.skip_large:
