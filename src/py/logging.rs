@@ -66,8 +66,12 @@ pub(crate) fn install(py: Python<'_>) -> PyResult<()> {
     // The loggers are made now, as a Python module makes its logger at import: not by the
     // first record (e.g. an attach's DEBUG line), which would pay for making the object.
     let logging = py.import("logging")?;
+    // Asking once fills the logger's level cache (emptied by `logging` whenever a level
+    // changes), which the first DEBUG record would otherwise fill.
     for name in ["shmstore.store", "shmstore.supervisor", "shmstore.leaks"] {
-        logging.call_method1("getLogger", (name,))?;
+        logging
+            .call_method1("getLogger", (name,))?
+            .call_method1("isEnabledFor", (10,))?;
     }
     Ok(())
 }
