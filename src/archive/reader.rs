@@ -941,6 +941,35 @@ impl<B: AsRef<[u8]>> Reader<B> {
         }
     }
 
+    /// The shape id of a shaped dict node (`None` for any other node).
+    #[inline(always)]
+    pub fn dict_shape(&self, node: Node) -> Option<u32> {
+        match node.form {
+            Form::Struct(id) => Some(id),
+            _ => None,
+        }
+    }
+
+    /// The number of shapes, and shape `id` (its keys, slot encodings and offsets).
+    pub fn shape_count(&self) -> usize {
+        self.shapes.len()
+    }
+
+    pub fn shape_def(&self, id: u32) -> Option<&Shape> {
+        self.shapes.get(id as usize).map(|s| &s.shape)
+    }
+
+    /// The value in the slot of a shaped dict node that a field of its shape (`enc` at
+    /// `off`, from [`Self::shape_def`]) names: what `dict_value` reads, for a caller that
+    /// found the field itself.
+    #[inline(always)]
+    pub fn struct_slot(&self, node: Node, enc: Enc, off: u32) -> Result<Item<'_>, ArchiveError> {
+        let at = (node.pos as usize)
+            .checked_add(off as usize)
+            .ok_or_else(|| ArchiveError::Corrupt("a slot beyond the address space".into()))?;
+        self.slot(node.rec, enc, at)
+    }
+
     /// Value of entry `i` of a dict node.
     #[inline(always)]
     pub fn dict_value(&self, node: Node, i: usize) -> Result<Item<'_>, ArchiveError> {

@@ -24,14 +24,30 @@ pub(crate) struct Store {
     pub(crate) source: Source,
     /// (device, inode) of the mapped file, to notice a name that now means another store.
     ident: (u64, u64),
-    /// Python str objects for the symbol table (dict keys), made once per process.
-    py_symbols: PyOnceLock<Vec<Py<PyString>>>,
+    /// Python str objects for the symbol table (dict keys), and each shape's fields by
+    /// key object, made once per process.
+    py_symbols: PyOnceLock<Symbols>,
     /// A chunk of an arena: this process's lease on it, released after the mapping is gone.
     _lease: Option<Lease>,
     /// The supervisor knows this process uses the segment (told before mapping it).
     /// Declared last: fields drop in order, so the mapping is gone before DROP is sent and
     /// the supervisor's /proc check does not see this process as still mapping it.
     registration: Registration,
+}
+
+/// A store's symbols as Python objects, and its shapes' fields by those objects.
+pub(crate) struct Symbols {
+    strs: Vec<Py<PyString>>,
+    fields: Vec<Box<[PyField]>>,
+}
+
+/// One field of a shape: its key's str object (by address: the objects live in `strs`,
+/// as long as the store), and where and how its value is stored in a dict's slots.
+#[derive(Clone, Copy)]
+pub(crate) struct PyField {
+    pub(crate) key: usize,
+    pub(crate) enc: crate::archive::format::Enc,
+    pub(crate) off: u32,
 }
 
 /// "This process uses the segment": told to the supervisor when made, DROP queued when
@@ -298,15 +314,49 @@ impl Store {
     /// All symbols as interned Python strs, made on first use. Interned: a key literal in
     /// user code is the very same object, so lookups can match by identity first.
     pub(crate) fn py_symbols(&self, py: Python<'_>) -> PyResult<&[Py<PyString>]> {
-        let syms = self.py_symbols.get_or_try_init(py, || {
-            (0..self.reader.symbol_count() as u32)
+        Ok(&self.symbols(py)?.strs)
+    }
+
+    /// The fields of shape `id` by key object (`None` for an id out of range), for
+    /// `view["field"]`: a compare per field and the slot's place, with no other lookup.
+    #[inline(always)]
+    pub(crate) fn py_fields(&self, py: Python<'_>, id: u32) -> Option<&[PyField]> {
+        self.symbols(py)
+            .ok()?
+            .fields
+            .get(id as usize)
+            .map(|f| &f[..])
+    }
+
+    #[inline(always)]
+    fn symbols(&self, py: Python<'_>) -> PyResult<&Symbols> {
+        self.py_symbols.get_or_try_init(py, || {
+            let strs = (0..self.reader.symbol_count() as u32)
                 .map(|i| {
                     let s = self.reader.symbol(i).map_err(self.archive_err())?;
                     Ok::<_, PyErr>(PyString::intern(py, s).unbind())
                 })
-                .collect::<PyResult<Vec<_>>>()
-        })?;
-        Ok(syms)
+                .collect::<PyResult<Vec<_>>>()?;
+            let r = &self.reader;
+            let fields = (0..r.shape_count() as u32)
+                .map(|id| {
+                    let Some(sh) = r.shape_def(id) else {
+                        return Box::default();
+                    };
+                    sh.keys
+                        .iter()
+                        .zip(sh.encs.iter().zip(sh.offsets.iter()))
+                        .map(|(&k, (&enc, &off))| PyField {
+                            // A key out of range matches no object (address 0).
+                            key: strs.get(k as usize).map_or(0, |s| s.as_ptr() as usize),
+                            enc,
+                            off,
+                        })
+                        .collect()
+                })
+                .collect();
+            Ok(Symbols { strs, fields })
+        })
     }
 }
 

@@ -48,7 +48,11 @@ impl super::slots::FastIter for ListView {
     #[inline(always)]
     fn fast_iter<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
         let v = slf.get();
-        Ok(ListIter::start(slf.py(), &v.store, Some(v.node), false)?.into_any())
+        let seq = match v.seq {
+            Some(seq) => Some(seq),
+            None => v.store.reader.seq(v.node).ok(),
+        };
+        Ok(ListIter::start_seq(slf.py(), &v.store, Some(v.node), seq, false)?.into_any())
     }
 }
 

@@ -636,6 +636,7 @@ impl Owned {
 }
 
 /// The next item of a sequence iterator.
+#[inline(always)]
 pub(crate) fn next_item<'py>(
     src: &Owned,
     py: Python<'py>,
@@ -711,13 +712,27 @@ macro_rules! iterator {
                 node: Option<$crate::archive::Node>,
                 reverse: bool,
             ) -> pyo3::PyResult<pyo3::Bound<'py, Self>> {
+                let seq = node.and_then(|n| store.reader.seq(n).ok());
+                Self::start_seq(py, store, node, seq, reverse)
+            }
+
+            /// `start` with the node's sequence layout already read (by its view).
+            #[inline(always)]
+            #[allow(dead_code)]
+            pub(crate) fn start_seq<'py>(
+                py: pyo3::Python<'py>,
+                store: &$crate::py::read::StoreRef,
+                node: Option<$crate::archive::Node>,
+                seq: Option<$crate::archive::reader::SeqAt>,
+                reverse: bool,
+            ) -> pyo3::PyResult<pyo3::Bound<'py, Self>> {
                 $crate::py::read::new_view(
                     py,
                     $ty {
                         src: $crate::py::read::protocol::Owned {
                             store: store.clone_ref(py),
                             node,
-                            seq: node.and_then(|n| store.reader.seq(n).ok()),
+                            seq,
                         },
                         cur: $crate::py::read::protocol::Cursor::new(reverse),
                     },
