@@ -303,6 +303,24 @@ def test_a_name_taken_by_another_user_says_so(segdir, other_user):
     assert planted.read_bytes() == b"not a store"
 
 
+def test_a_name_taken_and_locked_by_another_user_says_so(segdir, other_user):
+    """An attach locks a segment before mapping it (docs/lifecycle.md): a file of another
+    user under the name is refused for what it is, not waited on and failed for the lock
+    that user holds on it."""
+    name = f"shmstore-taken-locked-{os.getpid()}"
+    planted = segdir / name
+    planted.write_bytes(b"not a store")
+    os.chown(planted, *other_user)
+    fd = os.open(planted, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # the lock the supervisor takes to remove a file
+        with pytest.raises(shmstore.StorePermissionError) as e:
+            shmstore.SharedList.attach(name)
+        assert f"belongs to uid {other_user[0]}" in str(e.value)
+    finally:
+        os.close(fd)
+
+
 def test_a_symlink_under_a_store_name_is_not_followed(segdir, tmp_path):
     name = f"shmstore-link-{os.getpid()}"
     with shmstore.put([1]) as r:

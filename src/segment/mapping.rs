@@ -125,6 +125,35 @@ fn sealed_copy(file: &File, len: u64, path: &Path) -> Result<File, SegmentError>
     Ok(copy)
 }
 
+/// Refuse what cannot be mapped as a store: not a regular file, empty, or (`require_owner`)
+/// another user's.
+fn check_file(
+    meta: &std::fs::Metadata,
+    path: &Path,
+    require_owner: bool,
+) -> Result<(), SegmentError> {
+    let me = rustix::process::geteuid().as_raw();
+    if !meta.is_file() {
+        return Err(SegmentError::NotAFile {
+            path: path.to_owned(),
+            what: describe_file(meta.mode(), meta.uid()),
+        });
+    }
+    if require_owner && meta.uid() != me {
+        return Err(SegmentError::WrongOwner {
+            path: path.to_owned(),
+            owner: meta.uid(),
+            me,
+        });
+    }
+    if meta.len() == 0 {
+        return Err(SegmentError::Empty {
+            path: path.to_owned(),
+        });
+    }
+    Ok(())
+}
+
 /// Open `path` for mapping, never blocking and (`require_owner`: a segment) never
 /// following a symlink (see [`Mapping::open`]).
 fn open_file(path: &Path, name: &str, require_owner: bool) -> Result<File, SegmentError> {
@@ -173,13 +202,19 @@ impl Mapping {
     /// [`Mapping::from_file`], is not the file: its lock ends when this returns.)
     pub fn open_locked(path: &Path, name: &str) -> Result<(Self, (u64, u64)), SegmentError> {
         let file = open_file(path, name, true)?;
-        super::flock_shared(&file, path)?;
         let meta = file.metadata().map_err(|e| SegmentError::io(path, e))?;
+        // What is not ours (or not a file) is refused before it is locked: another user
+        // holding a lock on a file planted under the name cannot turn that clear error into
+        // a wait.
+        check_file(&meta, path, true)?;
+        super::flock_shared(&file, path)?;
+        // The name still leads to this file (so it still has a name): a removal, which
+        // happens only under an exclusive lock, did not come first.
         let ident = (meta.dev(), meta.ino());
         let named =
             rustix::fs::statat(rustix::fs::CWD, path, rustix::fs::AtFlags::SYMLINK_NOFOLLOW)
                 .is_ok_and(|st| (st.st_dev, st.st_ino) == ident);
-        if !named || meta.nlink() == 0 {
+        if !named {
             return Err(SegmentError::NotFound {
                 name: name.to_owned(),
                 path: path.to_owned(),
@@ -202,25 +237,7 @@ impl Mapping {
         path: &Path,
         require_owner: bool,
     ) -> Result<Self, SegmentError> {
-        let me = rustix::process::geteuid().as_raw();
-        if !meta.is_file() {
-            return Err(SegmentError::NotAFile {
-                path: path.to_owned(),
-                what: describe_file(meta.mode(), meta.uid()),
-            });
-        }
-        if require_owner && meta.uid() != me {
-            return Err(SegmentError::WrongOwner {
-                path: path.to_owned(),
-                owner: meta.uid(),
-                me,
-            });
-        }
-        if meta.len() == 0 {
-            return Err(SegmentError::Empty {
-                path: path.to_owned(),
-            });
-        }
+        check_file(&meta, path, require_owner)?;
         let private_copy = !trusted_in_place(meta.uid(), meta.mode());
         let mapped = if private_copy {
             log::info!(
