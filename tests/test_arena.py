@@ -350,3 +350,47 @@ def test_an_arena_whose_creator_died_mid_write_is_still_removed() -> None:
     while arena.exists() and time.monotonic() < deadline:
         time.sleep(0.02)  # the supervisor's unlink: no event to wait on
     assert not arena.exists(), "an arena without the seal mark was left behind"
+
+
+def test_writing_chunks_leaves_the_seal_mark() -> None:
+    """The creator copies chunks into a mapping whose pages were all faulted in writable at
+    creation: tmpfs moves the modification time only on a write fault, so after thousands of
+    chunks over hundreds of pages the arena still carries the writer's seal mark (its mtime's
+    nanoseconds, docs/invariants.md), with no system call per chunk to put it back."""
+    import os
+
+    refs = [shmstore.put(np.full(1000 + i % 64, i % 251, dtype=np.uint8)) for i in range(2000)]
+    arenas = {r.path for r in refs}
+    assert all("@" in r.name for r in refs)
+    for arena in arenas:
+        assert os.stat(arena).st_mtime_ns % 10**9 == 314_159_265, arena
+    assert [int(r.get()[-1]) for r in refs] == [i % 251 for i in range(2000)]
+
+
+def test_a_pickled_chunk_handle_is_short_and_checked() -> None:
+    """A chunk's Ref pickles as `_rebuild_chunk(path, offset, size, generation)`; unpickled
+    after its chunk was freed and reused it raises StoreClosedError, and hostile
+    coordinates in a pickle are CorruptStoreError, as through `Ref.attach`."""
+    ref = shmstore.put(b"a" * 1000)
+    data = pickle.dumps(ref)
+    assert len(data) < 256
+    again = pickle.loads(data)
+    assert again.get() == b"a" * 1000 and again.name == ref.name
+    arena, offset, size, generation = chunk_of(ref)
+    for off, sz in [(0, size), (offset + 8, size), (offset, 1 << 62), (offset, 8)]:
+        with pytest.raises(shmstore.CorruptStoreError):
+            _native._rebuild_chunk(str(ref.path), off, sz, generation)
+    ref.close()
+    again.close()
+    del ref, again
+    gc.collect()
+    new = shmstore.put(b"b" * 1000)
+    assert chunk_of(new)[:2] == (arena, offset)
+    with pytest.raises(shmstore.StoreClosedError, match="was freed"):
+        pickle.loads(data)
+    code = "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"
+    out = subprocess.run([sys.executable, "-c", code], input=data, capture_output=True, timeout=300)
+    assert out.returncode == 1 and b"StoreClosedError" in out.stderr, out.stderr
+    # The path must be an arena shmstore made: any other file is refused, not mapped.
+    with pytest.raises((shmstore.CorruptStoreError, shmstore.StoreNotFoundError)):
+        _native._rebuild_chunk(str(segment_dir() / "shmstore-no-such-arena"), 4096, 128, 1)

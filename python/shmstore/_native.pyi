@@ -46,6 +46,7 @@ __all__ = [
     "_fuzz_case",
     "_import_archive",
     "_rebuild",
+    "_rebuild_chunk",
     "_rebuild_view",
     "_remove_segment",
     "_search_dirs",
@@ -347,6 +348,7 @@ class SharedDictIterator(Iterator[Any]):
     def __next__(self) -> Any: ...
 
 def _rebuild(cls: str, path: str, kind_flag: str) -> StoreHandle: ...
+def _rebuild_chunk(path: str, offset: int, size: int, generation: int) -> Ref: ...
 def _rebuild_view(
     path: str, kind_flag: str, rec: int, pos: int, form: int = 0, aux: int = 0
 ) -> ListView | DictView: ...

@@ -17,9 +17,14 @@
 //!
 //! The file is sealed like every segment (mode 0400, the seal mark in its mtime), so the
 //! supervisor and `shmstore gc` treat it as one: removed once no process maps or holds it.
-//! The creator writes through the read-write descriptor it opened before sealing (`pwrite`),
-//! into space reserved with `fallocate` at creation, so a full /dev/shm fails at creation
-//! with a clear error and never later.
+//! The creator writes through a shared writable mapping of the read-write descriptor it
+//! opened before sealing (a copy, no system call), into space reserved with `fallocate` at
+//! creation, so a full /dev/shm fails at creation with a clear error and never later. Every
+//! page of that mapping is faulted in writable at creation, before the seal mark is set:
+//! tmpfs moves the modification time on a write *fault* (a page written for the first
+//! time through a mapping), never on a write through a page already mapped writable, so
+//! writing chunks leaves the mark alone (checked at most once a second, see
+//! [`ArenaWriter::put`]).
 
 use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};
@@ -29,6 +34,7 @@ use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, Once, OnceLock, Weak};
+use std::time::{Duration, Instant};
 
 use super::alloc::{Bfc, ALIGN};
 use crate::segment::{self, SegmentError};
@@ -128,6 +134,11 @@ pub struct Chunk {
 /// waiting to be reused.
 pub struct ArenaWriter {
     file: File,
+    /// The whole file mapped shared and writable (through `file`), every page faulted in at
+    /// creation: chunks are copied in here. Only free chunks (locked by `file`) are written.
+    map: memmap2::MmapRaw,
+    /// When the seal mark was last checked (see [`ArenaWriter::put`]).
+    mark_checked: Instant,
     path: PathBuf,
     bfc: Bfc,
     next_generation: u64,
@@ -179,18 +190,22 @@ impl ArenaWriter {
             file.write_all_at(&head, 0).map_err(|e| io_err(&tmp, e))?;
             file.set_permissions(std::fs::Permissions::from_mode(0o400))
                 .map_err(|e| io_err(&tmp, e))?;
+            let map = map_for_writing(&file, total).map_err(|e| io_err(&tmp, e))?;
+            // After the pages are in: their write faults moved the modification time.
             segment::mark_sealed(&file).map_err(|e| io_err(&tmp, e))?;
             // All of the chunk region is free: locked by the creator until it is written.
             if !ofd_lock(&file, Lock::Exclusive, HEADER, capacity).map_err(|e| io_err(&tmp, e))? {
                 return Err(io_err(&tmp, io::Error::from(io::ErrorKind::WouldBlock)));
             }
             std::fs::hard_link(&tmp, &path).map_err(|e| io_err(&path, e))?;
-            Ok::<(), ArenaError>(())
+            Ok::<_, ArenaError>(map)
         })();
         let _ = std::fs::remove_file(&tmp);
-        res?;
+        let map = res?;
         Ok(ArenaWriter {
             file,
+            map,
+            mark_checked: Instant::now(),
             path,
             bfc: Bfc::new(capacity),
             next_generation: 1,
@@ -224,24 +239,39 @@ impl ArenaWriter {
         // In offset order: each lock taken then merges with its locked neighbour, so the
         // kernel's lock list (walked by every fcntl on the file) stays short. In hash order,
         // thousands of reclaimed chunks left as many separate locks for a while.
-        let mut candidates: Vec<u64> = pending
-            .iter()
-            .copied()
-            .filter(|off| !self.fresh.contains(off))
-            .collect();
-        candidates.sort_unstable();
-        for off in candidates {
-            let Some(size) = self.bfc.size_at(off - HEADER) else {
-                freed.push(off);
-                continue;
-            };
-            if ofd_lock(&self.file, Lock::Exclusive, off, size)
-                .map_err(|e| io_err(&self.path, e))?
-            {
-                // Nobody holds it: free, and locked (like all free space) until rewritten.
-                self.bfc.free(off - HEADER);
-                freed.push(off);
+        let mut candidates: Vec<(u64, u64)> = Vec::with_capacity(pending.len());
+        for &off in pending.iter().filter(|off| !self.fresh.contains(off)) {
+            match self.bfc.size_at(off - HEADER) {
+                Some(size) => candidates.push((off, size)),
+                None => freed.push(off),
             }
+        }
+        candidates.sort_unstable();
+        // Runs of adjacent chunks: one lock over a whole run, granted only if no process
+        // holds a lease on any byte of it (the kernel checks the range at once); a run
+        // refused is tried chunk by chunk. Chunks freed together (a batch of results let go
+        // of) are mostly adjacent, so this is one system call instead of one per chunk.
+        let mut i = 0;
+        while i < candidates.len() {
+            let (start, mut end) = (candidates[i].0, candidates[i].0 + candidates[i].1);
+            let mut j = i + 1;
+            while j < candidates.len() && candidates[j].0 == end {
+                end += candidates[j].1;
+                j += 1;
+            }
+            let lock = |off, len| {
+                ofd_lock(&self.file, Lock::Exclusive, off, len).map_err(|e| io_err(&self.path, e))
+            };
+            let whole = j - i > 1 && lock(start, end - start)?;
+            for &(off, size) in &candidates[i..j] {
+                if whole || lock(off, size)? {
+                    // Nobody holds it: free, and locked (like all free space) until
+                    // rewritten.
+                    self.bfc.free(off - HEADER);
+                    freed.push(off);
+                }
+            }
+            i = j;
         }
         for off in freed {
             pending.remove(&off);
@@ -266,10 +296,10 @@ impl ArenaWriter {
         head[..4].copy_from_slice(&CHUNK_MAGIC.to_le_bytes());
         head[8..16].copy_from_slice(&generation.to_le_bytes());
         head[16..24].copy_from_slice(&(archive.len() as u64).to_le_bytes());
-        let written = write_chunk(&self.file, off, &head, archive)
-            // pwrite set the mtime: put the seal mark back (sweeps recognise segments by it).
-            .and_then(|()| segment::mark_sealed(&self.file))
-            // Written: leases may be taken from now on.
+        let written = self
+            .write_chunk(off, size, &head, archive)
+            // Written: leases may be taken from now on (the unlock is a system call, which
+            // orders the copies above before any lease another process takes after it).
             .and_then(|()| ofd_lock(&self.file, Lock::Unlock, off, size).map(|_| ()));
         if let Err(e) = written {
             // Still locked (an unlock that failed left it so): free space again.
@@ -277,11 +307,57 @@ impl ArenaWriter {
             return Err(io_err(&self.path, e));
         }
         self.fresh.insert(off);
+        self.keep_seal_mark();
         Ok(Some(Chunk {
             offset: off,
             size,
             generation,
         }))
+    }
+
+    /// Copy a chunk's header and archive into the mapping at `off` (`size` bytes allocated
+    /// there, at least `head.len() + archive.len()`).
+    fn write_chunk(&mut self, off: u64, size: u64, head: &[u8], archive: &[u8]) -> io::Result<()> {
+        let need = head.len() + archive.len();
+        let end = off.checked_add(size);
+        // The allocator never hands out space past its capacity (the mapping's length less
+        // the header); checked anyway, as a bug here would write outside the mapping.
+        if need as u64 > size || end.is_none_or(|e| e > self.map.len() as u64) {
+            return Err(io::Error::other(format!(
+                "chunk ({off}, {size}) outside the arena mapping"
+            )));
+        }
+        // SAFETY: `[off, off + need)` lies inside the mapping (checked above), which lives
+        // as long as `self`. The chunk is free space: locked exclusively through `self.file`
+        // since it was freed (or since creation), so no other process holds a lease on it
+        // and none reads it (a lease is taken before any read, and refused here); in this
+        // process no reference to these bytes exists (the creator's own handles read only
+        // their chunks, never free space, and through another mapping). The sources are
+        // this call's slices, never part of the mapping: no overlap. Raw copies, no
+        // reference into shared memory is made.
+        unsafe {
+            let dst = self.map.as_mut_ptr().add(off as usize);
+            std::ptr::copy_nonoverlapping(head.as_ptr(), dst, head.len());
+            std::ptr::copy_nonoverlapping(archive.as_ptr(), dst.add(head.len()), archive.len());
+        }
+        Ok(())
+    }
+
+    /// Put the seal mark back if the modification time moved (a page of the mapping was
+    /// faulted in again for a write, e.g. after the kernel swapped it out): checked at most
+    /// once a second (one `fstat`). Sweeps recognise an arena by its header meanwhile
+    /// (`supervisor::sweep::is_segment`), so a mark missing for a second loses nothing.
+    fn keep_seal_mark(&mut self) {
+        if self.mark_checked.elapsed() < Duration::from_secs(1) {
+            return;
+        }
+        self.mark_checked = Instant::now();
+        let moved = rustix::fs::fstat(&self.file)
+            .is_ok_and(|st| st.st_mtime_nsec as i64 != i64::from(segment::SEALED_MTIME_NSEC));
+        if moved {
+            // A failure leaves the arena to be recognised by its header (see above).
+            let _ = segment::mark_sealed(&self.file);
+        }
     }
 
     /// The handle for the chunk at `offset` holds its lease now (or was never made): from
@@ -296,31 +372,23 @@ impl ArenaWriter {
     }
 }
 
-/// Write a chunk's header and archive at `off`: one `pwritev`, then plain writes of whatever
-/// it left (tmpfs writes it all at once).
-fn write_chunk(file: &File, off: u64, head: &[u8], archive: &[u8]) -> io::Result<()> {
-    let total = head.len() + archive.len();
-    let n = loop {
-        match rustix::io::pwritev(
-            file,
-            &[io::IoSlice::new(head), io::IoSlice::new(archive)],
-            off,
-        ) {
-            Ok(n) => break n,
-            Err(rustix::io::Errno::INTR) => continue,
-            Err(e) => return Err(e.into()),
-        }
-    };
-    if n < total {
-        let rest = |from: usize| off + from as u64;
-        if n < head.len() {
-            file.write_all_at(&head[n..], rest(n))?;
-            file.write_all_at(archive, rest(head.len()))?;
-        } else {
-            file.write_all_at(&archive[n - head.len()..], rest(n))?;
+/// `file` (`len` bytes) mapped shared and writable, every page faulted in for writing
+/// (`MADV_POPULATE_WRITE`; on a kernel without it, by reading a byte of each page, which
+/// maps a page of a shared writable tmpfs mapping writable). Afterwards writes through the
+/// mapping take no fault, and so do not move the file's modification time (the seal mark).
+fn map_for_writing(file: &File, len: u64) -> io::Result<memmap2::MmapRaw> {
+    let len = usize::try_from(len).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let map = memmap2::MmapOptions::new().len(len).map_raw(file)?;
+    if map.advise(memmap2::Advice::PopulateWrite).is_err() {
+        let page = rustix::param::page_size();
+        for at in (0..len).step_by(page) {
+            // SAFETY: `at < len`, inside the mapping; a volatile read of one byte through a
+            // raw pointer makes no reference to shared memory (nobody else writes this new,
+            // unlinked file yet anyway).
+            unsafe { std::ptr::read_volatile(map.as_ptr().add(at)) };
         }
     }
-    Ok(())
+    Ok(map)
 }
 
 // --- every user's side ------------------------------------------------------------------------
@@ -484,6 +552,11 @@ impl ArenaFile {
     /// (device, inode) of the file.
     pub fn ident(&self) -> (u64, u64) {
         self.ident
+    }
+
+    /// The process that opened it (a forked child opens its own).
+    pub fn pid(&self) -> u32 {
+        self.pid
     }
 
     /// This process made the arena: record chunks whose last lease here ends, for reuse.
@@ -845,6 +918,51 @@ mod tests {
         let mut pending = HashSet::from([e.offset]);
         w.reclaim(&mut pending).unwrap();
         assert!(pending.is_empty());
+    }
+
+    /// Adjacent chunks are reclaimed with one lock over the run when nobody holds any of
+    /// them; a lease on one of them keeps that one (only) from reuse.
+    #[test]
+    fn a_run_of_freed_chunks_is_reclaimed_around_a_leased_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = arena(dir.path());
+        let cs: Vec<Chunk> = (0..5u8)
+            .map(|i| w.put(&[i; 300]).unwrap().unwrap())
+            .collect();
+        for c in &cs {
+            w.settled(c.offset);
+        }
+        assert!(cs
+            .windows(2)
+            .all(|p| p[0].offset + p[0].size == p[1].offset));
+        let f = ArenaFile::open(w.path()).unwrap();
+        let (lease, _, _) = f.lease(cs[2]).unwrap();
+        let mut pending: HashSet<u64> = cs.iter().map(|c| c.offset).collect();
+        w.reclaim(&mut pending).unwrap();
+        assert_eq!(pending, HashSet::from([cs[2].offset]));
+        // The freed ones are locked again (free space): a lease on one is refused.
+        assert!(matches!(f.lease(cs[0]), Err(ArenaError::Stale { .. })));
+        assert!(matches!(f.lease(cs[4]), Err(ArenaError::Stale { .. })));
+        // ...and reused, best fit from the lowest offset.
+        let again = w.put(&[9u8; 300]).unwrap().unwrap();
+        assert_eq!(again.offset, cs[0].offset);
+        drop(lease);
+        w.reclaim(&mut pending).unwrap();
+        assert!(pending.is_empty());
+        // A run nobody holds: reclaimed at once, every chunk of it refused to a lease.
+        let run: Vec<Chunk> = (0..3u8)
+            .map(|i| w.put(&[i; 2000]).unwrap().unwrap())
+            .collect();
+        let mut pending = HashSet::new();
+        for c in &run {
+            w.settled(c.offset);
+            pending.insert(c.offset);
+        }
+        w.reclaim(&mut pending).unwrap();
+        assert!(pending.is_empty());
+        for c in &run {
+            assert!(matches!(f.lease(*c), Err(ArenaError::Stale { .. })));
+        }
     }
 
     /// A release of a chunk's offset that arrives between the write and the creator's own

@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::errors::Error;
-use super::store::{self, Registration, Store};
+use super::store::{self, ArenaUse, Registration, Store};
 use super::write::Encoder;
 use crate::archive::{Builder, Kind};
 use crate::arena::{alloc, ArenaFile, ArenaWriter, Chunk, PartState};
@@ -24,15 +24,14 @@ const DEFAULT_CAPACITY: u64 = 64 << 20;
 /// [`capacity`]: a process that puts a few small objects reserves 4 MiB, not 64.
 const FIRST_CAPACITY: u64 = 4 << 20;
 
-/// One arena of this process: the writer, the opened file (whose releases say which chunks
-/// this process no longer holds), chunks waiting for their last lease elsewhere, and the
-/// supervisor registration (kept for the life of the process).
+/// One arena of this process: the writer, this process's use of it (the opened file, whose
+/// releases say which chunks this process no longer holds, and the supervisor
+/// registration), and chunks waiting for their last lease elsewhere.
 struct Owned {
     dir: PathBuf,
     writer: ArenaWriter,
-    file: Arc<ArenaFile>,
+    arena: Arc<ArenaUse>,
     pending: HashSet<u64>,
-    _registration: Registration,
 }
 
 static ARENAS: Mutex<Vec<Owned>> = Mutex::new(Vec::new());
@@ -50,13 +49,13 @@ fn place(
     arenas: &mut [Owned],
     dir: &Path,
     archive: &[u8],
-) -> Result<Option<(PathBuf, Chunk, Arc<ArenaFile>)>, Error> {
+) -> Result<Option<(PathBuf, Chunk, Arc<ArenaUse>)>, Error> {
     for a in arenas
         .iter_mut()
         .rev()
         .filter(|a| a.writer.is_ours() && a.dir == dir)
     {
-        let released = a.file.take_released();
+        let released = a.arena.file.take_released();
         a.pending.extend(released);
         let path = a.writer.path().to_owned();
         let arena_err = |err| Error::Arena {
@@ -65,7 +64,7 @@ fn place(
         };
         a.writer.reclaim(&mut a.pending).map_err(arena_err)?;
         if let Some(chunk) = a.writer.put(archive).map_err(arena_err)? {
-            return Ok(Some((path, chunk, a.file.clone())));
+            return Ok(Some((path, chunk, a.arena.clone())));
         }
     }
     Ok(None)
@@ -123,9 +122,8 @@ fn new_arena(py: Python<'_>, dir: PathBuf, made: usize) -> PyResult<Option<Owned
     Ok(Some(Owned {
         dir,
         writer,
-        file,
+        arena: ArenaUse::created(file, registration),
         pending: HashSet::new(),
-        _registration: registration,
     }))
 }
 
@@ -245,8 +243,8 @@ pub(crate) fn put_archive(
             }
         }
     };
-    let (path, chunk, file) = placed;
-    let opened = store::open_chunk(py, path.clone(), chunk, Some((file, archive.len() as u64)));
+    let (path, chunk, arena) = placed;
+    let opened = store::open_chunk(py, path.clone(), chunk, Some((arena, archive.len() as u64)));
     let failed = opened.is_err();
     // Held by its handle now (or failed): the chunk is an ordinary one from here on; if the
     // handle was not made, this process holds no lease on it, so it is a reuse candidate.
@@ -266,6 +264,7 @@ type Held = (
     std::sync::MutexGuard<'static, crate::arena::OpenFiles>,
     std::sync::MutexGuard<'static, Vec<Owned>>,
     std::sync::MutexGuard<'static, store::LastArena>,
+    std::sync::MutexGuard<'static, store::ArenaUses>,
 );
 
 thread_local! {
@@ -280,7 +279,8 @@ extern "C" fn before_fork() {
     let files = crate::arena::lock_open_files();
     let arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
     let last = store::LAST_ARENA.lock().unwrap_or_else(|p| p.into_inner());
-    HELD.with(|h| *h.borrow_mut() = Some((files, arenas, last)));
+    let uses = store::lock_uses();
+    HELD.with(|h| *h.borrow_mut() = Some((files, arenas, last, uses)));
 }
 
 extern "C" fn after_fork() {

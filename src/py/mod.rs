@@ -48,7 +48,7 @@ mod _native {
     #[pymodule_export]
     use super::handles::{put, KeyIter, RecordIter, Ref, SharedDict, SharedList, StoreHandle};
     #[pymodule_export]
-    use super::pickle::{_rebuild, _rebuild_view};
+    use super::pickle::{_rebuild, _rebuild_chunk, _rebuild_view};
     #[pymodule_export]
     use super::read::{ArrayOwner, DictIter, DictView, ListIter, ListView};
 

@@ -37,6 +37,28 @@ pub(crate) fn _rebuild<'py>(
     handle_for(py, store)
 }
 
+/// Unpickle a chunk of an arena (`Ref.__reduce__`): the arena's path, then where the
+/// chunk is. Whatever the values, the worst is a clear error: the arena is opened and checked
+/// like any (owner, mode, header), the chunk's range and generation are checked under its
+/// lease, and its archive like any archive.
+#[pyfunction]
+pub(crate) fn _rebuild_chunk<'py>(
+    py: Python<'py>,
+    path: &str,
+    offset: u64,
+    size: u64,
+    generation: u64,
+) -> PyResult<Bound<'py, PyAny>> {
+    let chunk = crate::arena::Chunk {
+        offset,
+        size,
+        generation,
+    };
+    let store = store::open_chunk(py, PathBuf::from(path), chunk, None)?;
+    store::expect_kind(&store, Kind::Object)?;
+    handle_for(py, store)
+}
+
 /// Unpickle a view: attach, then rebuild the node (every read through a node is checked,
 /// so a forged one can at worst raise CorruptStoreError).
 #[pyfunction]

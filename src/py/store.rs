@@ -29,6 +29,9 @@ pub(crate) struct Store {
     py_symbols: PyOnceLock<Symbols>,
     /// A chunk of an arena: this process's lease on it, released after the mapping is gone.
     _lease: Option<Lease>,
+    /// A chunk of an arena: this process's use of the arena (its one mapping and its one
+    /// registration), let go of after the lease.
+    arena: Option<Arc<ArenaUse>>,
     /// The supervisor knows this process uses the segment (told before mapping it).
     /// Declared last: fields drop in order, so the mapping is gone before DROP is sent and
     /// the supervisor's /proc check does not see this process as still mapping it.
@@ -275,7 +278,11 @@ impl Store {
 
     /// Whether the supervisor knows this process uses the store.
     pub(crate) fn registered(&self) -> bool {
-        self.registration.active && supervisor::client::registered(&self.registration.path)
+        let r = match &self.arena {
+            Some(u) => &u.registration,
+            None => &self.registration,
+        };
+        r.active && supervisor::client::registered(&r.path)
     }
 
     pub(crate) fn nbytes(&self) -> usize {
@@ -405,11 +412,53 @@ fn parse_chunk(s: &str) -> Option<Chunk> {
     })
 }
 
+/// This process's use of one arena: the file opened and mapped once, registered with the
+/// supervisor once (or, without one, held with a shared `flock`), for as long as any chunk
+/// of it is used here (each chunk's `Store` holds it) or [`LAST_ARENA`] keeps it.
+pub(crate) struct ArenaUse {
+    pub(crate) file: Arc<ArenaFile>,
+    /// Declared last: the mapping (the file's, unless chunks still hold it) goes first.
+    registration: Registration,
+}
+
+impl ArenaUse {
+    /// The creator's use of the arena it just made (`registration`: its `NEW`).
+    pub(crate) fn created(file: Arc<ArenaFile>, registration: Registration) -> Arc<ArenaUse> {
+        let u = Arc::new(ArenaUse { file, registration });
+        remember_use(&u);
+        u
+    }
+
+    fn path(&self) -> &Path {
+        &self.registration.path
+    }
+}
+
+/// The arenas used in this process, by path (`ArenaUse`s are kept by their chunks).
+pub(crate) type ArenaUses = HashMap<PathBuf, Weak<ArenaUse>>;
+
+fn uses() -> &'static Mutex<ArenaUses> {
+    static USES: OnceLock<Mutex<ArenaUses>> = OnceLock::new();
+    USES.get_or_init(Default::default)
+}
+
+/// The map of [`uses`], locked (for the fork handlers, `super::arena`: taken last; no code
+/// holds it while taking another lock).
+pub(crate) fn lock_uses() -> std::sync::MutexGuard<'static, ArenaUses> {
+    uses().lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn remember_use(u: &Arc<ArenaUse>) {
+    let mut uses = uses().lock().unwrap_or_else(|p| p.into_inner());
+    uses.retain(|_, w| w.strong_count() > 0);
+    uses.insert(u.path().to_owned(), Arc::downgrade(u));
+}
+
 /// The arena this process read a chunk of last, kept open and registered after its last
 /// chunk here is gone. A process that reads many chunks of one arena one after another would
 /// otherwise open the file again and register it with the supervisor (a round trip) for
 /// every chunk. At most one arena per process is held this way (docs/arena.md).
-pub(crate) type LastArena = Option<(PathBuf, Arc<ArenaFile>, Registration)>;
+pub(crate) type LastArena = Option<Arc<ArenaUse>>;
 pub(crate) static LAST_ARENA: Mutex<LastArena> = Mutex::new(None);
 
 /// Let go of the arena kept by [`LAST_ARENA`].
@@ -418,63 +467,91 @@ pub(crate) fn forget_last_arena() {
     drop(old); // outside the lock: queues a DROP (never blocks)
 }
 
-/// Open a chunk of an arena: register the arena (counted per process), take a lease on the
-/// chunk, check its generation, and open its archive in a window of the arena's one mapping
-/// in this process. `own`: the creator's put, which just wrote the chunk (an archive of
-/// this many bytes) into its arena (`ArenaFile::lease_own`); else the arena is opened (or
-/// found open) by path.
+/// This process's use of the arena at `path`: the one it has (its last, or one a live chunk
+/// holds), else the arena opened, mapped and registered now.
+///
+/// An arena this process already uses is not looked up by name again (no `statx`): while
+/// this process holds its registration (or its `flock`), neither the supervisor nor
+/// `shmstore gc` removes it, so its name cannot lead to another file (docs/arena.md,
+/// "One mapping per arena per process").
+fn arena_use(py: Python<'_>, path: &Path) -> Result<Arc<ArenaUse>, StoreErr> {
+    let me = crate::arena::pid();
+    let found = |u: &Arc<ArenaUse>| u.file.pid() == me && u.path() == path;
+    if let Some(u) = LAST_ARENA
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+        .filter(|u| found(u))
+    {
+        return Ok(u.clone());
+    }
+    let known = uses()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(path)
+        .and_then(Weak::upgrade)
+        .filter(found);
+    let u = match known {
+        Some(u) => u,
+        None => {
+            // Registered before it is mapped (docs/invariants.md, 5).
+            let mut registration = Registration::new(py, path.to_owned(), false);
+            let file = py.detach(|| {
+                let file = ArenaFile::open(path).map_err(StoreErr::Arena)?;
+                registration
+                    .lock_if_unsupervised(file.ident())
+                    .map_err(StoreErr::Segment)?;
+                Ok::<_, StoreErr>(file)
+            })?;
+            let u = Arc::new(ArenaUse { file, registration });
+            remember_use(&u);
+            u
+        }
+    };
+    let old = LAST_ARENA
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .replace(u.clone());
+    drop(old); // outside the lock: may queue a DROP (never blocks)
+    Ok(u)
+}
+
+/// Open a chunk of an arena: find or open this process's use of the arena (registered once),
+/// take a lease on the chunk, check its generation, and open its archive in a window of the
+/// arena's one mapping in this process. `own`: the creator's put, which just wrote the chunk
+/// (an archive of this many bytes) into its arena (`ArenaFile::lease_own`).
 pub(crate) fn open_chunk(
     py: Python<'_>,
     path: PathBuf,
     chunk: Chunk,
-    own: Option<(Arc<ArenaFile>, u64)>,
+    own: Option<(Arc<ArenaUse>, u64)>,
 ) -> PyResult<Arc<Store>> {
     super::arena::fork_handlers();
-    let mut registration = Registration::new(py, path.clone(), false);
-    let opened = py.detach(|| {
-        let (file, (lease, at, len)) = match own {
-            Some((file, len)) => {
-                let leased = file.lease_own(chunk, len);
-                (file, leased)
-            }
-            None => {
-                let file = ArenaFile::open(&path).map_err(StoreErr::Arena)?;
-                let leased = file.lease(chunk).map_err(StoreErr::Arena)?;
-                (file, leased)
-            }
-        };
-        let ident = file.ident();
-        registration
-            .lock_if_unsupervised(ident)
-            .map_err(StoreErr::Segment)?;
-        let mapping = Mapping::window(file.map(), &path, at, len).map_err(StoreErr::Segment)?;
-        let reader = Reader::open(mapping).map_err(StoreErr::Archive)?;
-        Ok::<_, StoreErr>((reader, lease, ident, file))
-    });
     let source = Source::Arena { path, chunk };
-    let (reader, lease, ident, file) =
-        opened.map_err(|e| e.into_error(&format!("store {:?}", source.name())))?;
-    let path = source.path();
-    let known = LAST_ARENA
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .as_ref()
-        .is_some_and(|(p, f, _)| p == path && Arc::ptr_eq(f, &file));
-    if !known {
-        // Counted: this store's own registration makes it a local increment.
-        let keep = Registration::new(py, path.to_owned(), false);
-        let old = LAST_ARENA
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .replace((path.to_owned(), file, keep));
-        drop(old);
-    }
+    let failed = |e: StoreErr| e.into_error(&format!("store {:?}", source.name()));
+    let (arena, own_len) = match own {
+        Some((u, len)) => (u, Some(len)),
+        None => (arena_use(py, source.path()).map_err(failed)?, None),
+    };
+    let opened = py.detach(|| {
+        let (lease, at, len) = match own_len {
+            Some(len) => arena.file.lease_own(chunk, len),
+            None => arena.file.lease(chunk).map_err(StoreErr::Arena)?,
+        };
+        let mapping =
+            Mapping::window(arena.file.map(), source.path(), at, len).map_err(StoreErr::Segment)?;
+        let reader = Reader::open(mapping).map_err(StoreErr::Archive)?;
+        Ok::<_, StoreErr>((reader, lease))
+    });
+    let (reader, lease) = opened.map_err(failed)?;
+    let registration = Registration::none(source.path().to_owned());
     Ok(Arc::new(Store {
         reader,
+        ident: arena.file.ident(),
         source,
-        ident,
         py_symbols: PyOnceLock::new(),
         _lease: Some(lease),
+        arena: Some(arena),
         registration,
     }))
 }
@@ -521,6 +598,7 @@ fn open_store(py: Python<'_>, source: Source) -> PyResult<Arc<Store>> {
         ident,
         py_symbols: PyOnceLock::new(),
         _lease: None,
+        arena: None,
         registration,
     });
     log::debug!(
@@ -757,6 +835,7 @@ fn publish(
         ident,
         py_symbols: PyOnceLock::new(),
         _lease: None,
+        arena: None,
         registration: reg,
     });
     remember(&store);

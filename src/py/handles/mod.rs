@@ -18,7 +18,8 @@ use std::sync::Arc;
 use pyo3::impl_::pyclass::PyClassBaseType;
 use pyo3::prelude::*;
 use pyo3::sync::critical_section::with_critical_section;
-use pyo3::types::PyType;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyTuple, PyType};
 use pyo3::PyClass;
 use pyo3::PyClassInitializer;
 
@@ -32,9 +33,9 @@ use crate::archive::Kind;
 #[pyclass(name = "StoreHandle", module = "shmstore", frozen, weakref, subclass)]
 pub(crate) struct StoreHandle {
     inner: Slot,
-    /// Cached for messages and `path` after close.
-    name: String,
-    path: PathBuf,
+    /// Where the store came from, kept for `name`, `path` and messages after close (the
+    /// name is made when asked for: a chunk's is formatted).
+    source: Source,
     kind: Kind,
     /// This handle created the store (its `with` block unlinks it at exit).
     created: bool,
@@ -76,8 +77,7 @@ impl Slot {
 impl StoreHandle {
     fn new(py: Python<'_>, store: Arc<Store>, created: bool) -> PyResult<Self> {
         Ok(StoreHandle {
-            name: store.source.name(),
-            path: store.source.path().to_owned(),
+            source: store.source.clone(),
             kind: store.kind(),
             inner: Slot(UnsafeCell::new(Some(StoreRef::new(py, store)?))),
             created,
@@ -89,7 +89,7 @@ impl StoreHandle {
         let h = slf.get();
         h.inner.get(slf.as_any()).ok_or_else(|| {
             Error::Closed {
-                name: h.name.clone(),
+                name: h.source.name(),
             }
             .into()
         })
@@ -161,12 +161,12 @@ fn repr(class: &str, slf: &Bound<'_, StoreHandle>, len: bool) -> String {
     match StoreHandle::live(slf) {
         Ok(s) if len => format!(
             "{class}(name='{}', len={}, nbytes={})",
-            h.name,
+            h.source.name(),
             s.reader.len(),
             s.nbytes()
         ),
-        Ok(s) => format!("{class}(name='{}', nbytes={})", h.name, s.nbytes()),
-        Err(_) => format!("{class}(name='{}', closed)", h.name),
+        Ok(s) => format!("{class}(name='{}', nbytes={})", h.source.name(), s.nbytes()),
+        Err(_) => format!("{class}(name='{}', closed)", h.source.name()),
     }
 }
 
@@ -194,14 +194,14 @@ impl StoreHandle {
     /// The store's name (`shmstore-…`), or the file path for a store opened from a file.
     #[getter]
     fn name(&self) -> String {
-        self.name.clone()
+        self.source.name()
     }
 
     /// The file behind the store: the segment in /dev/shm (or `SHMSTORE_DIR`, or the disk
     /// fallback), or the saved archive file.
     #[getter]
     fn path(&self) -> PathBuf {
-        self.path.clone()
+        self.source.path().to_owned()
     }
 
     /// What the store holds: `"list"`, `"dict"` or `"object"`.
@@ -247,7 +247,7 @@ impl StoreHandle {
         // One line per event: a second unlink (e.g. `with` exiting after an explicit
         // unlink()) or a name the supervisor already removed logs nothing.
         if removed {
-            log::debug!("unlinked {}", slf.get().name);
+            log::debug!("unlinked {}", slf.get().source.name());
         }
         Ok(())
     }
@@ -287,16 +287,37 @@ impl StoreHandle {
         Ok(false)
     }
 
-    /// Pickled by name: `_rebuild` (src/py/pickle.rs) attaches in the other process.
-    fn __reduce__<'py>(
-        slf: &Bound<'py, Self>,
-    ) -> PyResult<(Bound<'py, PyAny>, (String, String, String))> {
+    /// Pickled by name: `_rebuild` (src/py/pickle.rs) attaches in the other process; a
+    /// chunk of an arena (always a `Ref`) as `_rebuild_chunk(path, offset, size,
+    /// generation)`, shorter to pickle and to unpickle.
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
         let py = slf.py();
-        let (path, flag, _, _) = Self::live(slf)?.pickle_args(0, 0);
+        let store = Self::live(slf)?;
+        if let (Source::Arena { chunk, .. }, Some(path)) =
+            (&store.source, store.source.path().to_str())
+        {
+            let args = (path, chunk.offset, chunk.size, chunk.generation);
+            return (rebuild_fn(py, &REBUILD_CHUNK, "_rebuild_chunk")?, args).into_pyobject(py);
+        }
+        let (path, flag, _, _) = store.pickle_args(0, 0);
         let cls: String = slf.get_type().name()?.to_string();
-        let rebuild = py.import("shmstore._native")?.getattr("_rebuild")?;
-        Ok((rebuild, (cls, path, flag)))
+        (rebuild_fn(py, &REBUILD, "_rebuild")?, (cls, path, flag)).into_pyobject(py)
     }
+}
+
+static REBUILD: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+static REBUILD_CHUNK: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// `shmstore._native.<name>`, looked up once per process (pickling a handle needs it).
+fn rebuild_fn<'py>(
+    py: Python<'py>,
+    cell: &'static PyOnceLock<Py<PyAny>>,
+    name: &str,
+) -> PyResult<Bound<'py, PyAny>> {
+    let f = cell.get_or_try_init(py, || {
+        Ok::<_, PyErr>(py.import("shmstore._native")?.getattr(name)?.unbind())
+    })?;
+    Ok(f.bind(py).clone())
 }
 
 /// A handle of the class that fits `store`'s kind (unpickling).
