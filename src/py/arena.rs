@@ -140,6 +140,10 @@ pub(crate) fn may_fit(obj: &Bound<'_, PyAny>, size_hint: Option<u64>) -> bool {
     }
 }
 
+/// Bytes of an object archive besides a known-size payload (header, index, metadata, the
+/// payload's alignment), reserved up front by [`encode_small`]; more is grown into.
+const ARCHIVE_ROOM: usize = 4096;
+
 /// An in-memory sink that refuses to grow past [`MAX_OBJECT`] bytes (and says so in `over`).
 struct Bounded<'a> {
     out: Cursor<Vec<u8>>,
@@ -168,11 +172,19 @@ impl std::io::Seek for Bounded<'_> {
 }
 
 /// The object archive of `obj`, built in memory; `None` when it is larger than
-/// [`MAX_OBJECT`] (found out while writing: at most that much is buffered).
-pub(crate) fn encode_small(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u8>>> {
+/// [`MAX_OBJECT`] (found out while writing: at most that much is buffered). `size_hint`:
+/// the payload's size when known (an array, bytes): the buffer is made that large plus room
+/// for the archive's own bytes at once, not grown (and copied) step by step while writing.
+pub(crate) fn encode_small(
+    obj: &Bound<'_, PyAny>,
+    size_hint: Option<u64>,
+) -> PyResult<Option<Vec<u8>>> {
     let over = std::sync::atomic::AtomicBool::new(false);
+    let room = size_hint
+        .and_then(|n| usize::try_from(n).ok())
+        .map_or(0, |n| n.min(MAX_OBJECT).saturating_add(ARCHIVE_ROOM));
     let sink = Bounded {
-        out: Cursor::new(Vec::new()),
+        out: Cursor::new(Vec::with_capacity(room)),
         over: &over,
     };
     let archive_err = |err| Error::Archive {

@@ -56,7 +56,7 @@ pub(crate) fn put<'py>(
     // A small object into this process's arena (docs/arena.md), unless `arena=False` or
     // named; too large, or no supervisor: a segment of its own.
     if arena && name.is_none() && arena::may_fit(obj, size_hint) {
-        if let Some(archive) = arena::encode_small(obj)? {
+        if let Some(archive) = arena::encode_small(obj, size_hint)? {
             if let Some(store) = arena::put_archive(py, &archive, dir.clone())? {
                 return new_handle(py, store, true, Ref);
             }
