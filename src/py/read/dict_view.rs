@@ -59,6 +59,13 @@ impl super::slots::FastGet for DictView {
     super::slots::original_slot!();
 }
 
+impl super::slots::FastLen for DictView {
+    #[inline(always)]
+    fn fast_len(slf: &Bound<'_, Self>) -> usize {
+        slf.get().map().len()
+    }
+}
+
 impl super::slots::FastIter for DictView {
     #[inline(always)]
     fn fast_iter<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {

@@ -378,6 +378,8 @@ pub(crate) mod imp {
                     super::super::slots::install::<DictView>(py);
                     super::super::slots::install::<crate::py::handles::SharedList>(py);
                     super::super::slots::install::<crate::py::handles::SharedDict>(py);
+                    super::super::slots::install_len::<ListView>(py);
+                    super::super::slots::install_len::<DictView>(py);
                     super::super::slots::install_iter::<ListView>(py);
                     super::super::slots::install_iter::<DictView>(py);
                     super::super::slots::install_next::<ListIter>(py);

@@ -44,6 +44,13 @@ impl super::slots::FastGet for ListView {
     super::slots::original_slot!();
 }
 
+impl super::slots::FastLen for ListView {
+    #[inline(always)]
+    fn fast_len(slf: &Bound<'_, Self>) -> usize {
+        slf.get().len()
+    }
+}
+
 impl super::slots::FastIter for ListView {
     #[inline(always)]
     fn fast_iter<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
@@ -66,15 +73,20 @@ impl ListView {
     fn seq(&self) -> Seq<'_> {
         Seq::Items(&self.store, self.node)
     }
+
+    #[inline(always)]
+    fn len(&self) -> usize {
+        match self.seq {
+            Some(seq) => seq.len,
+            None => self.seq().len(),
+        }
+    }
 }
 
 #[pymethods]
 impl ListView {
     fn __len__(&self) -> usize {
-        match self.seq {
-            Some(seq) => seq.len,
-            None => self.seq().len(),
-        }
+        self.len()
     }
 
     fn __getitem__<'py>(

@@ -249,6 +249,56 @@ pub(crate) unsafe fn install_iter<T: FastIter>(py: Python<'_>) {
     }
 }
 
+/// A type whose `len(obj)` runs without the trampoline (it cannot fail).
+#[cfg_attr(feature = "abi3", allow(dead_code))]
+pub(crate) trait FastLen: PyClass + PyTypeInfo {
+    fn fast_len(slf: &Bound<'_, Self>) -> usize;
+}
+
+/// The `sq_length` / `mp_length` slot of a `FastLen` type.
+#[cfg(not(feature = "abi3"))]
+unsafe extern "C" fn length<T: FastLen>(slf: *mut ffi::PyObject) -> ffi::Py_ssize_t {
+    // SAFETY: as in `iternext`: the GIL is held and `slf` is a live instance of `T`.
+    let py = unsafe { Python::assume_attached() };
+    // SAFETY: as above.
+    let slf_b = unsafe { Borrowed::from_ptr(py, slf).cast_unchecked::<T>() };
+    match catch_unwind(AssertUnwindSafe(|| T::fast_len(&slf_b))) {
+        // A length beyond isize cannot come from a mapping; saturate rather than wrap.
+        Ok(n) => ffi::Py_ssize_t::try_from(n).unwrap_or(ffi::Py_ssize_t::MAX),
+        Err(_) => {
+            // SAFETY: the GIL is held; the message is a NUL-terminated literal.
+            unsafe {
+                ffi::PyErr_SetString(
+                    ffi::PyExc_SystemError,
+                    c"shmstore: internal error (panic) in a read; please report it".as_ptr(),
+                )
+            };
+            -1
+        }
+    }
+}
+
+/// Replace `T`'s `sq_length` and `mp_length` (those pyo3 set) with [`length`].
+///
+/// # Safety
+/// As [`install`].
+#[cfg(not(feature = "abi3"))]
+pub(crate) unsafe fn install_len<T: FastLen>(py: Python<'_>) {
+    let ty = T::type_object_raw(py);
+    // SAFETY: as in `install`.
+    unsafe {
+        let seq = (*ty).tp_as_sequence;
+        if !seq.is_null() && (*seq).sq_length.is_some() {
+            (*seq).sq_length = Some(length::<T>);
+        }
+        let map = (*ty).tp_as_mapping;
+        if !map.is_null() && (*map).mp_length.is_some() {
+            (*map).mp_length = Some(length::<T>);
+        }
+        ffi::PyType_Modified(ty);
+    }
+}
+
 /// `impl FastGet`'s `original` for a type.
 macro_rules! original_slot {
     () => {
