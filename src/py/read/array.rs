@@ -7,8 +7,9 @@ use pyo3::types::{PyDict, PyTuple};
 
 use crate::py::store::Store;
 
-/// Owns the mapping behind a numpy array (the array's `.base`): numpy reads the data
-/// address from `__array_interface__`, marked read-only.
+/// Owns the mapping behind a numpy array (the array's `.base`). The array is made through
+/// numpy's C API (`ndarray.rs`), or where that is not usable by `numpy.asarray`, which reads
+/// the data address from `__array_interface__`, marked read-only.
 #[pyclass(name = "ArrayOwner", module = "shmstore", frozen, weakref)]
 pub(crate) struct ArrayOwner {
     store: Arc<Store>,
@@ -25,6 +26,16 @@ impl ArrayOwner {
             shape,
             offset,
         }
+    }
+
+    /// The stored array's type string and shape.
+    pub(crate) fn spec(&self) -> (&str, &[usize]) {
+        (&self.typestr, &self.shape)
+    }
+
+    /// The address of the stored array's first byte (inside the mapping this owner keeps).
+    pub(crate) fn data_ptr(&self) -> *mut std::os::raw::c_void {
+        self.store.reader.bytes()[self.offset..].as_ptr() as *mut std::os::raw::c_void
     }
 }
 

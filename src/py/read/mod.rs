@@ -8,6 +8,7 @@ mod array;
 mod dict_view;
 mod freelist;
 mod list_view;
+mod ndarray;
 mod owner;
 pub(crate) mod protocol;
 pub(crate) mod slots;
@@ -167,6 +168,14 @@ fn value_at<'py>(
             let a = store.reader.array(a).map_err(&err)?;
             let owner = ArrayOwner::new(store.arc().clone(), a.typestr, a.shape, a.offset);
             let owner = new_untracked(py, owner)?;
+            let cannot = |e: PyErr| {
+                PyErr::from(err(ArchiveError::Corrupt(format!(
+                    "numpy cannot represent the stored array ({e})"
+                ))))
+            };
+            if let Some(arr) = ndarray::make(owner.clone()) {
+                return arr.map_err(cannot);
+            }
             let asarray = NP_ASARRAY.get_or_try_init(py, || {
                 let np = py.import("numpy").map_err(|e| {
                     Error::Missing(format!(
@@ -178,11 +187,7 @@ fn value_at<'py>(
             // The metadata passed the reader's checks (dtype allowlist, numpy's size and
             // dimension limits), so numpy should accept it; if a numpy still refuses, the
             // array is unreadable here, which is reported as such.
-            asarray.bind(py).call1((owner,)).map_err(|e| {
-                PyErr::from(err(ArchiveError::Corrupt(format!(
-                    "numpy cannot represent the stored array ({e})"
-                ))))
-            })?
+            asarray.bind(py).call1((owner,)).map_err(cannot)?
         }
     })
 }
