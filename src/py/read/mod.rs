@@ -66,6 +66,7 @@ pub(crate) fn value<'py>(
             Item::Int(i) => return i.into_bound_py_any(py),
             Item::Float(f) => return Ok(PyFloat::new(py, f).into_any()),
             Item::Sym(id) => return Ok(store.py_symbol(py, id)?.into_any()),
+            Item::Str(b) => return py_str(py, store, b),
             Item::List(node) | Item::Tuple(node) => {
                 return Ok(new_view(py, ListView::new(store.clone_ref(py), node))?.into_any())
             }
