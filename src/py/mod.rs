@@ -60,6 +60,8 @@ mod _native {
         errors::register(m)?;
         graph::register(m)?;
         admin::configure(m.py())?;
+        // Before any thread of the program can hold the owned-names lock (fork safety).
+        crate::segment::install_fork_handlers();
         // Connect to a running supervisor now (never waits): see `client::prepare`.
         m.py().detach(crate::supervisor::client::prepare);
         read::install_freelists(m.py())?;

@@ -1,20 +1,63 @@
 //! Read-only mappings of sealed segments, and the creator's ownership of a segment's name.
 
-use std::collections::HashSet;
+use std::collections::BTreeSet;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, Once};
 
 use memmap2::Mmap;
 
 use super::SegmentError;
 
+type Owned = BTreeSet<(PathBuf, u32)>;
+
 /// Names this process created and still owns: unlinked when their mapping is dropped in
 /// this process, or at interpreter exit (`cleanup_owned`).
-fn owned() -> &'static Mutex<HashSet<(PathBuf, u32)>> {
-    static OWNED: OnceLock<Mutex<HashSet<(PathBuf, u32)>>> = OnceLock::new();
-    OWNED.get_or_init(Default::default)
+static OWNED: Mutex<Owned> = Mutex::new(BTreeSet::new());
+
+/// [`OWNED`], with the fork handlers installed.
+///
+/// Fork safety: the set is locked with the GIL released (a segment made or unlinked without
+/// a supervisor), so a thread may hold it while another thread forks. A `pthread_atfork`
+/// prepare handler takes the lock, so the fork waits for that thread's short insert or
+/// remove, and the child gets the set unlocked: before, a child forked at that moment hung
+/// at its first unsupervised segment. No code holds this lock while taking another one.
+fn owned() -> &'static Mutex<Owned> {
+    install_fork_handlers();
+    &OWNED
+}
+
+thread_local! {
+    /// [`OWNED`], held by the forking thread from `prepare` to `parent`/`child`.
+    static HELD: std::cell::RefCell<Option<MutexGuard<'static, Owned>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+extern "C" fn before_fork() {
+    let guard = OWNED.lock().unwrap_or_else(|p| p.into_inner());
+    HELD.with(|h| *h.borrow_mut() = Some(guard));
+}
+
+extern "C" fn after_fork() {
+    HELD.with(|h| drop(h.borrow_mut().take()));
+}
+
+/// Install the fork handlers of the owned-names set (once per process). The Python module
+/// does it at import, before any thread of the program can be in the middle of it: a fork
+/// while another thread runs this for the first time would leave the child a `Once` that
+/// never completes.
+pub fn install_fork_handlers() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: the handlers only lock and unlock a process-global mutex that is held
+        // for short stretches by threads that take no other lock meanwhile; they never
+        // touch Python, never allocate besides what `Mutex::lock` does, and never unwind
+        // (poisoning is recovered from).
+        unsafe {
+            libc::pthread_atfork(Some(before_fork), Some(after_fork), Some(after_fork));
+        }
+    });
 }
 
 /// Unlink every segment this process (pid) created and still owns. Forked children
@@ -381,5 +424,65 @@ impl Drop for Mapping {
                     .remove(&entry);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Whether thread `tid` of this process is waiting in `futex` (blocked on a mutex).
+    fn in_futex(tid: libc::pid_t) -> bool {
+        std::fs::read_to_string(format!("/proc/self/task/{tid}/syscall"))
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse::<libc::c_long>().ok())
+            == Some(libc::SYS_futex)
+    }
+
+    /// A fork while another thread holds the owned-names lock: the child must get it
+    /// unlocked (before: the child hung at its first unsupervised segment; here it would be
+    /// killed by its alarm). The holder lets go only once the forking thread is blocked in
+    /// the prepare handler (or, without handlers, once the fork is done).
+    #[test]
+    fn fork_while_another_thread_holds_the_owned_set() {
+        install_fork_handlers();
+        // SAFETY: gettid has no preconditions.
+        let me = unsafe { libc::gettid() };
+        let (held_tx, held_rx) = std::sync::mpsc::channel();
+        let (forked_tx, forked_rx) = std::sync::mpsc::channel::<()>();
+        let holder = std::thread::spawn(move || {
+            let guard = OWNED.lock().unwrap();
+            held_tx.send(()).unwrap();
+            let start = std::time::Instant::now();
+            // Bounded: 30 s at most, whatever happens.
+            while forked_rx.try_recv().is_err()
+                && !in_futex(me)
+                && start.elapsed() < std::time::Duration::from_secs(30)
+            {
+                std::thread::yield_now();
+            }
+            drop(guard);
+        });
+        held_rx.recv().unwrap();
+        // SAFETY: the child only takes the lock, calls alarm and _exit (no allocation
+        // besides the lock's, which the child's own handlers left usable).
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork failed");
+        if pid == 0 {
+            // SAFETY: alarm and _exit are async-signal-safe.
+            unsafe { libc::alarm(10) };
+            let ok = OWNED.lock().is_ok();
+            // SAFETY: _exit ends the child at once, running nothing of the parent's.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        let _ = forked_tx.send(()); // the holder may be gone already
+        let mut status = 0;
+        // SAFETY: waits for the child forked above.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        holder.join().unwrap();
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the forked child could not take the owned-names lock (status {status:#x})"
+        );
     }
 }
