@@ -73,6 +73,59 @@ def record(i: int) -> dict:
     return {"i": i, "s": f"rec-{i}", "xs": [i, 2 * i, 3 * i], "f": i / 4}
 
 
+def proc_state(pid: int | str, task: int | str | None = None) -> str:
+    """State, kernel wait channel and system call of a process (or one of its threads)."""
+    base = f"/proc/{pid}" + (f"/task/{task}" if task is not None else "")
+    out = []
+    for name in ("stat", "wchan", "syscall"):
+        try:
+            with open(f"{base}/{name}") as f:
+                text = f.read().strip()
+        except OSError as e:
+            text = f"({e.strerror})"
+        if name == "stat":  # "pid (comm) S ...": the state follows the last ')'
+            text = text.rpartition(")")[2].split()[0] if ")" in text else text
+        out.append(f"{name}={text}")
+    return " ".join(out)
+
+
+def describe_hung(pid: int) -> str:
+    """What a hung child is doing, for the failure's output: each thread's state, wait
+    channel and system call, the supervisor's (its pid from its lock file), and the
+    threads' stacks when gdb is installed (bounded)."""
+    import shutil
+    import subprocess
+
+    lines = [f"child {pid}:"]
+    try:
+        tasks = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
+    except OSError as e:
+        tasks = []
+        lines.append(f"  no /proc entry ({e.strerror})")
+    lines += [f"  thread {t}: {proc_state(pid, t)}" for t in tasks]
+    run = os.environ.get("XDG_RUNTIME_DIR", "")
+    name = os.environ.get("SHMSTORE_SUPERVISOR_NAME", "shmstore-supervisor")
+    try:
+        with open(os.path.join(run, "shmstore", f"{name}.lock")) as f:
+            sup = f.read().strip()
+        lines.append(f"supervisor {sup}: {proc_state(sup)}")
+    except OSError as e:
+        lines.append(f"supervisor: no lock file ({e.strerror})")
+    gdb = shutil.which("gdb")
+    if gdb:
+        try:
+            bt = subprocess.run(
+                [gdb, "-p", str(pid), "-batch", "-ex", "thread apply all bt"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            ).stdout
+            lines += [f"  {line}" for line in bt.splitlines() if line.startswith(("#", "Thread"))]
+        except (OSError, subprocess.TimeoutExpired) as e:
+            lines.append(f"gdb: {e}")
+    return "\n".join(lines)
+
+
 def check_all(handle) -> int:
     n = len(handle)
     for i in range(n):
@@ -197,6 +250,7 @@ class Client:
                         break
                     if time.monotonic() > deadline:
                         print(f"child {pid} hung", file=sys.stderr, flush=True)
+                        print(describe_hung(pid), file=sys.stderr, flush=True)
                         if os.environ.get("SHMSTORE_TEST_HANG_DEBUG"):
                             time.sleep(3600)
                         os.kill(pid, signal.SIGKILL)
