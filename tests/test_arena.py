@@ -327,9 +327,11 @@ def test_a_process_s_arenas_start_small_and_grow() -> None:
 
 
 def test_an_arena_whose_creator_died_mid_write_is_still_removed() -> None:
-    """Each chunk written resets the arena's modification time until its creator puts the
-    seal mark back: a creator SIGKILLed in between leaves an arena without the mark, which
-    the supervisor must still recognise (by its header) and remove (before: kept forever)."""
+    """An arena's modification time can move after its creator set the seal mark (a page of
+    its writable mapping faulted in again for a write; formerly every chunk written
+    moved it): a creator SIGKILLed before putting the mark back leaves an arena without
+    it, which the supervisor must still recognise (by its header) and remove (before: kept
+    forever)."""
     import time
     from pathlib import Path
 

@@ -99,9 +99,10 @@ pub fn is_segment(path: &Path, st: &rustix::fs::Stat) -> bool {
 }
 
 /// Whether the file at `path` (the one `st` describes) is an arena (docs/arena.md): its
-/// header says `SHMARENA`. An arena's creator writes chunks after sealing it, and each write
-/// resets the modification time until the creator puts the mark back: a creator killed in
-/// between leaves an arena without the mark, recognised by its header instead.
+/// header says `SHMARENA`. An arena's creator writes chunks after sealing it, through a
+/// mapping faulted in before the mark was set; a page faulted in again for a write (after
+/// the kernel took it away) moves the modification time until the creator next checks: a
+/// creator killed in between leaves an arena without the mark, recognised by its header.
 fn is_arena(path: &Path, st: &rustix::fs::Stat) -> bool {
     use rustix::fs::{Mode, OFlags};
     let Ok(fd) = rustix::fs::open(
