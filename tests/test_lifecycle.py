@@ -1629,6 +1629,19 @@ def test_fork_during_supervisor_round_trips(lc: Lifecycle, how: str) -> None:
     w.exit()
 
 
+def test_fork_during_unsupervised_creates(lc: Lifecycle) -> None:
+    """Without a supervisor a segment's creator owns its name: creating and unlinking lock
+    the set of owned names with the GIL released. Every child forked meanwhile must be able
+    to create one (before: a child forked while the thread held that lock hung; the
+    deterministic check is the Rust test ``fork_while_another_thread_holds_the_owned_set``)."""
+    w = lc.worker(SHMSTORE_SUPERVISOR="0")
+    hung, failed, made = w.ok("forkstorm 150 segment")
+    assert int(hung) == 0, f"{hung} of 150 forked children hung"
+    assert int(failed) == 0, f"{failed} of 150 forked children failed (tracebacks above)"
+    assert int(made) > 0
+    w.exit()
+
+
 def test_releasing_ten_thousand_handles(lc: Lifecycle) -> None:
     """Releasing many stores at once is batched (one DROP batch, one /proc scan)."""
     n = 10_000
