@@ -95,11 +95,19 @@ impl StoreHandle {
         })
     }
 
-    /// A reference to the store, or None once closed (for a fast path that leaves the error
-    /// to the long way).
+    /// `f` of the store, or None once closed (for a read slot's fast path, which leaves the
+    /// error to the long way). The reference taken for the call is given back by a plain
+    /// decrement: a fast path must not drop a `Py` (see `read::slots`).
     #[inline(always)]
-    pub(crate) fn live_ref(slf: &Bound<'_, Self>) -> Option<StoreRef> {
-        slf.get().inner.get(slf.as_any())
+    pub(crate) fn with_live<R>(
+        slf: &Bound<'_, Self>,
+        f: impl FnOnce(&StoreRef) -> Option<R>,
+    ) -> Option<R> {
+        let store = slf.get().inner.get(slf.as_any())?;
+        let out = f(&store);
+        // SAFETY: the GIL is held (`slf` is bound to it).
+        unsafe { store.release() };
+        out
     }
 
     /// The store itself, for work done without the GIL, or StoreClosedError.

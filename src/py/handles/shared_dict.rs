@@ -33,18 +33,9 @@ impl FastGet for SharedDict {
         slf: &Bound<'py, Self>,
         key: &Bound<'py, PyAny>,
     ) -> Option<PyResult<Bound<'py, PyAny>>> {
-        if !key.is_exact_instance_of::<pyo3::types::PyString>() {
-            return None;
-        }
-        let store = StoreHandle::live_ref(slf.as_super())?;
-        let map = Map::Entries(&store);
-        let item = map
-            .find_str_fast(key)
-            .map(|i| map.value(slf.py(), i, false));
-        // SAFETY: the GIL is held (a subscript slot runs with it); given back by a plain
-        // decrement, as the fast path must not drop a `Py` (see `read::slots`).
-        unsafe { store.release() };
-        item
+        StoreHandle::with_live(slf.as_super(), |store| {
+            Map::Entries(store).get_str_fast(slf.py(), key)
+        })
     }
 
     original_slot!();

@@ -31,12 +31,7 @@ impl FastGet for SharedList {
         key: &Bound<'py, PyAny>,
     ) -> Option<PyResult<Bound<'py, PyAny>>> {
         let i = exact_index(key)?;
-        let store = StoreHandle::live_ref(slf.as_super())?;
-        let item = record_item(slf.py(), &store, i);
-        // SAFETY: the GIL is held (a subscript slot runs with it); given back by a plain
-        // decrement, as the fast path must not drop a `Py` (see `read::slots`).
-        unsafe { store.release() };
-        item
+        StoreHandle::with_live(slf.as_super(), |store| record_item(slf.py(), store, i))
     }
 
     original_slot!();

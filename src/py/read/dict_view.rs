@@ -30,30 +30,7 @@ impl super::slots::FastGet for DictView {
         slf: &Bound<'py, Self>,
         key: &Bound<'py, PyAny>,
     ) -> Option<PyResult<Bound<'py, PyAny>>> {
-        if !key.is_exact_instance_of::<pyo3::types::PyString>() {
-            return None;
-        }
-        let v = slf.get();
-        let py = slf.py();
-        // A shaped dict and a key that is the very object of one of its fields' symbols (key
-        // literals are interned, and so are the symbols): one compare per field.
-        if let Some(id) = v.store.reader.dict_shape(v.node) {
-            let kp = key.as_ptr() as usize;
-            for f in v.store.py_fields(py, id)? {
-                if f.key == kp {
-                    return Some(
-                        v.store
-                            .reader
-                            .struct_slot(v.node, f.enc, f.off)
-                            .map_err(|e| v.store.archive_err()(e).into())
-                            .and_then(|it| super::value(py, &v.store, it, false)),
-                    );
-                }
-            }
-        }
-        let map = v.map();
-        let i = map.find_str_fast(key)?;
-        Some(map.value(py, i, false))
+        slf.get().map().get_str_fast(slf.py(), key)
     }
 
     super::slots::original_slot!();

@@ -22,6 +22,7 @@ use crate::py::errors::Error;
 use crate::py::keys::{self, py_key};
 use crate::py::read;
 use crate::py::read::StoreRef;
+use crate::py::store::PyField;
 
 /// A sequence: the records of a list store, or the items of a stored list or tuple.
 #[derive(Clone, Copy)]
@@ -336,31 +337,62 @@ impl<'a> Map<'a> {
 
     /// The hot path of `view["field"]`: a shaped dict, and a key that is the very object of
     /// the symbol (key literals in user code are interned, and so are the symbols), so it
-    /// is a pointer compare per field, no string compare and no hashing.
-    #[inline]
-    fn field_by_identity(self, py: Python<'_>, key: &Bound<'_, PyAny>) -> Option<usize> {
+    /// is a pointer compare per field, no string compare and no hashing. The entry number
+    /// and the field (where its slot is).
+    #[inline(always)]
+    fn field_by_identity(self, py: Python<'_>, key: &Bound<'_, PyAny>) -> Option<(usize, PyField)> {
         let Map::Dict(store, node) = self else {
             return None;
         };
-        let keys = store.reader.dict_shape_keys(node)?;
-        let syms = store.py_symbols(py).ok()?;
-        let kp = key.as_ptr();
-        keys.iter()
-            .position(|&k| syms.get(k as usize).is_some_and(|s| s.as_ptr() == kp))
+        let kp = key.as_ptr() as usize;
+        let fields = store.py_fields(py, store.reader.dict_shape(node)?)?;
+        fields
+            .iter()
+            .enumerate()
+            .find(|(_, f)| f.key == kp)
+            .map(|(i, f)| (i, *f))
     }
 
-    /// Entry number of `key`, an exact `str`, for the fast paths of `view["field"]` and
-    /// `d["key"]` (`read::slots`): `None` when absent, or when anything needs the long
-    /// way (a key that is not valid UTF-8, a corrupt dict), which then decides.
+    /// `self[key]` for a key found by [`Self::field_by_identity`], its slot read directly.
     #[inline(always)]
-    pub(crate) fn find_str_fast(self, key: &Bound<'_, PyAny>) -> Option<usize> {
-        if let Some(i) = self.field_by_identity(key.py(), key) {
-            return Some(i);
+    fn get_by_identity<'py>(
+        self,
+        py: Python<'py>,
+        key: &Bound<'py, PyAny>,
+    ) -> Option<PyResult<Bound<'py, PyAny>>> {
+        let Map::Dict(store, node) = self else {
+            return None;
+        };
+        let (_, f) = self.field_by_identity(py, key)?;
+        Some(
+            store
+                .reader
+                .struct_slot(node, f.enc, f.off)
+                .map_err(|e| store.archive_err()(e).into())
+                .and_then(|it| read::value(py, store, it, false)),
+        )
+    }
+
+    /// `self[key]` for an exact `str` key that is present, for the fast paths of
+    /// `view["field"]` and `d["key"]` (`read::slots`): `None` when absent, or when anything
+    /// needs the long way (another key type, a key that is not valid UTF-8, a corrupt dict),
+    /// which then decides.
+    #[inline(always)]
+    pub(crate) fn get_str_fast<'py>(
+        self,
+        py: Python<'py>,
+        key: &Bound<'py, PyAny>,
+    ) -> Option<PyResult<Bound<'py, PyAny>>> {
+        if !key.is_exact_instance_of::<PyString>() {
+            return None;
+        }
+        if let Some(value) = self.get_by_identity(py, key) {
+            return Some(value);
         }
         let mut len: ffi::Py_ssize_t = 0;
-        // SAFETY: `key` is a live exact `str` (the caller checked) and the GIL is held; the
-        // UTF-8 buffer lives as long as the string, which outlives this call. A failure (a
-        // lone surrogate) is cleared here rather than made into a `PyErr`.
+        // SAFETY: `key` is a live exact `str` and the GIL is held; the UTF-8 buffer lives as
+        // long as the string, which outlives this call. A failure (a lone surrogate) is
+        // cleared here rather than made into a `PyErr`.
         let s = unsafe {
             let p = ffi::PyUnicode_AsUTF8AndSize(key.as_ptr(), &mut len);
             if p.is_null() {
@@ -371,13 +403,14 @@ impl<'a> Map<'a> {
         };
         // SAFETY: CPython's UTF-8 form of a str is valid UTF-8.
         let s = unsafe { std::str::from_utf8_unchecked(s) };
-        match self {
+        let i = match self {
             Map::Dict(store, node) => store.reader.dict_find_str(node, s).ok().flatten(),
             Map::Entries(store) => {
                 let key = Key::Str(std::borrow::Cow::Borrowed(s));
                 store.reader.lookup(&key).ok().flatten().map(|e| e as usize)
             }
-        }
+        }?;
+        Some(self.value(py, i, false))
     }
 
     fn find_unconfirmed(self, key: &Bound<'_, PyAny>) -> PyResult<Option<usize>> {
@@ -402,7 +435,7 @@ impl<'a> Map<'a> {
             Map::Dict(store, node) => {
                 let r = &store.reader;
                 if let Ok(s) = key.cast::<PyString>() {
-                    if let Some(i) = self.field_by_identity(key.py(), key) {
+                    if let Some((i, _)) = self.field_by_identity(key.py(), key) {
                         return Ok(Some(i));
                     }
                     if let Ok(s) = s.to_str() {
@@ -457,8 +490,8 @@ impl<'a> Map<'a> {
         py: Python<'py>,
         key: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        if let Some(i) = self.field_by_identity(py, key) {
-            return self.value(py, i, false);
+        if let Some(value) = self.get_by_identity(py, key) {
+            return value;
         }
         match self.find(key)? {
             Some(i) => self.value(py, i, false),

@@ -25,6 +25,8 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::OnceLock;
 
+#[cfg(not(feature = "abi3"))]
+use pyo3::exceptions::PySystemError;
 use pyo3::prelude::*;
 #[cfg(not(feature = "abi3"))]
 use pyo3::Borrowed;
@@ -65,6 +67,46 @@ pub(crate) fn exact_index(key: &Bound<'_, PyAny>) -> Option<isize> {
     }
 }
 
+/// Run a slot's body as pyo3's trampoline would for it, without the trampoline: an error
+/// is raised (restored) and a panic becomes `SystemError`; either returns `failed`.
+#[cfg(not(feature = "abi3"))]
+#[inline(always)]
+fn guarded<R>(py: Python<'_>, failed: R, body: impl FnOnce() -> PyResult<R>) -> R {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(out)) => out,
+        Ok(Err(err)) => {
+            err.restore(py);
+            failed
+        }
+        Err(_) => {
+            // SAFETY: the GIL is held (slots run with it); the message is a NUL-terminated
+            // literal.
+            unsafe {
+                ffi::PyErr_SetString(
+                    ffi::PyExc_SystemError,
+                    c"shmstore: internal error (panic) in a read; please report it".as_ptr(),
+                )
+            };
+            failed
+        }
+    }
+}
+
+/// `slf`, an instance of `T` that CPython passed to one of `T`'s slots, borrowed for the call.
+///
+/// # Safety
+/// The GIL is held and `slf` is a live instance of `T` (the types are not subclassable, so
+/// a slot of `T` only ever sees instances of `T`).
+#[cfg(not(feature = "abi3"))]
+#[inline(always)]
+unsafe fn instance<'a, 'py, T: PyClass>(
+    py: Python<'py>,
+    slf: *mut ffi::PyObject,
+) -> Borrowed<'a, 'py, T> {
+    // SAFETY: the caller's contract.
+    unsafe { Borrowed::from_ptr(py, slf).cast_unchecked::<T>() }
+}
+
 /// The `mp_subscript` slot of a `FastGet` type.
 #[cfg(not(feature = "abi3"))]
 unsafe extern "C" fn subscript<T: FastGet>(
@@ -72,45 +114,24 @@ unsafe extern "C" fn subscript<T: FastGet>(
     key: *mut ffi::PyObject,
 ) -> *mut ffi::PyObject {
     // SAFETY: CPython calls mp_subscript with the GIL held, `slf` an instance of the type
-    // whose slot this is (T: the types are not subclassable) and `key` a live object, both
-    // borrowed for the call; neither pointer is null.
+    // whose slot this is and `key` a live object, both borrowed for the call.
     let py = unsafe { Python::assume_attached() };
-    // SAFETY: as above: both are live for the call, and `slf` is a `T`.
-    let (slf_b, key_b) = unsafe {
-        (
-            Borrowed::from_ptr(py, slf).cast_unchecked::<T>(),
-            Borrowed::from_ptr(py, key),
-        )
-    };
-    match catch_unwind(AssertUnwindSafe(|| T::fast_get(&slf_b, &key_b))) {
-        Ok(Some(Ok(value))) => value.into_ptr(),
-        Ok(Some(Err(err))) => {
-            err.restore(py);
-            std::ptr::null_mut()
-        }
-        Ok(None) => match T::original().get() {
-            // SAFETY: pyo3's own slot for this type, called as CPython would.
-            Some(original) => unsafe { original(slf, key) },
-            None => {
-                // Unreachable: the slot is replaced only after the original is kept.
-                // SAFETY: the GIL is held; the message is a NUL-terminated literal.
-                unsafe {
-                    ffi::PyErr_SetString(
-                        ffi::PyExc_SystemError,
-                        c"shmstore: subscript slot without its original".as_ptr(),
-                    )
-                };
-                std::ptr::null_mut()
-            }
-        },
-        Err(_) => {
-            // SAFETY: as above.
-            unsafe {
-                ffi::PyErr_SetString(
-                    ffi::PyExc_SystemError,
-                    c"shmstore: internal error (panic) in a read; please report it".as_ptr(),
-                )
-            };
+    // SAFETY: as above.
+    let (slf_b, key_b) = unsafe { (instance::<T>(py, slf), Borrowed::from_ptr(py, key)) };
+    let fast = guarded(py, Some(std::ptr::null_mut()), || {
+        T::fast_get(&slf_b, &key_b)
+            .map(|value| value.map(Bound::into_ptr))
+            .transpose()
+    });
+    if let Some(out) = fast {
+        return out;
+    }
+    match T::original().get() {
+        // SAFETY: pyo3's own slot for this type, called as CPython would.
+        Some(original) => unsafe { original(slf, key) },
+        None => {
+            // Unreachable: the slot is replaced only after the original is kept.
+            PySystemError::new_err("shmstore: subscript slot without its original").restore(py);
             std::ptr::null_mut()
         }
     }
@@ -157,28 +178,13 @@ pub(crate) trait FastNext: PyClass + PyTypeInfo {
 #[cfg(not(feature = "abi3"))]
 unsafe extern "C" fn iternext<T: FastNext>(slf: *mut ffi::PyObject) -> *mut ffi::PyObject {
     // SAFETY: CPython calls tp_iternext with the GIL held on a live instance of the type
-    // whose slot this is (T: the iterator types are not subclassable), borrowed for the call.
+    // whose slot this is, borrowed for the call.
     let py = unsafe { Python::assume_attached() };
     // SAFETY: as above.
-    let slf_b = unsafe { Borrowed::from_ptr(py, slf).cast_unchecked::<T>() };
-    match catch_unwind(AssertUnwindSafe(|| T::fast_next(&slf_b))) {
-        Ok(Ok(Some(item))) => item.into_ptr(),
-        Ok(Ok(None)) => std::ptr::null_mut(),
-        Ok(Err(err)) => {
-            err.restore(py);
-            std::ptr::null_mut()
-        }
-        Err(_) => {
-            // SAFETY: the GIL is held; the message is a NUL-terminated literal.
-            unsafe {
-                ffi::PyErr_SetString(
-                    ffi::PyExc_SystemError,
-                    c"shmstore: internal error (panic) in a read; please report it".as_ptr(),
-                )
-            };
-            std::ptr::null_mut()
-        }
-    }
+    let slf_b = unsafe { instance::<T>(py, slf) };
+    guarded(py, std::ptr::null_mut(), || {
+        Ok(T::fast_next(&slf_b)?.map_or(std::ptr::null_mut(), Bound::into_ptr))
+    })
 }
 
 /// Replace `T`'s `tp_iternext` with [`iternext`].
@@ -212,24 +218,10 @@ unsafe extern "C" fn iter<T: FastIter>(slf: *mut ffi::PyObject) -> *mut ffi::PyO
     // SAFETY: as in `iternext`: the GIL is held and `slf` is a live instance of `T`.
     let py = unsafe { Python::assume_attached() };
     // SAFETY: as above.
-    let slf_b = unsafe { Borrowed::from_ptr(py, slf).cast_unchecked::<T>() };
-    match catch_unwind(AssertUnwindSafe(|| T::fast_iter(&slf_b))) {
-        Ok(Ok(it)) => it.into_ptr(),
-        Ok(Err(err)) => {
-            err.restore(py);
-            std::ptr::null_mut()
-        }
-        Err(_) => {
-            // SAFETY: the GIL is held; the message is a NUL-terminated literal.
-            unsafe {
-                ffi::PyErr_SetString(
-                    ffi::PyExc_SystemError,
-                    c"shmstore: internal error (panic) in a read; please report it".as_ptr(),
-                )
-            };
-            std::ptr::null_mut()
-        }
-    }
+    let slf_b = unsafe { instance::<T>(py, slf) };
+    guarded(py, std::ptr::null_mut(), || {
+        Ok(T::fast_iter(&slf_b)?.into_ptr())
+    })
 }
 
 /// Replace `T`'s `tp_iter` with [`iter`].
@@ -261,21 +253,11 @@ unsafe extern "C" fn length<T: FastLen>(slf: *mut ffi::PyObject) -> ffi::Py_ssiz
     // SAFETY: as in `iternext`: the GIL is held and `slf` is a live instance of `T`.
     let py = unsafe { Python::assume_attached() };
     // SAFETY: as above.
-    let slf_b = unsafe { Borrowed::from_ptr(py, slf).cast_unchecked::<T>() };
-    match catch_unwind(AssertUnwindSafe(|| T::fast_len(&slf_b))) {
-        // A length beyond isize cannot come from a mapping; saturate rather than wrap.
-        Ok(n) => ffi::Py_ssize_t::try_from(n).unwrap_or(ffi::Py_ssize_t::MAX),
-        Err(_) => {
-            // SAFETY: the GIL is held; the message is a NUL-terminated literal.
-            unsafe {
-                ffi::PyErr_SetString(
-                    ffi::PyExc_SystemError,
-                    c"shmstore: internal error (panic) in a read; please report it".as_ptr(),
-                )
-            };
-            -1
-        }
-    }
+    let slf_b = unsafe { instance::<T>(py, slf) };
+    // A length beyond isize cannot come from a mapping; saturate rather than wrap.
+    guarded(py, -1, || {
+        Ok(ffi::Py_ssize_t::try_from(T::fast_len(&slf_b)).unwrap_or(ffi::Py_ssize_t::MAX))
+    })
 }
 
 /// Replace `T`'s `sq_length` and `mp_length` (those pyo3 set) with [`length`].
