@@ -25,8 +25,6 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::OnceLock;
 
-#[cfg(not(feature = "abi3"))]
-use pyo3::exceptions::PySystemError;
 use pyo3::prelude::*;
 #[cfg(not(feature = "abi3"))]
 use pyo3::Borrowed;
@@ -131,7 +129,13 @@ unsafe extern "C" fn subscript<T: FastGet>(
         Some(original) => unsafe { original(slf, key) },
         None => {
             // Unreachable: the slot is replaced only after the original is kept.
-            PySystemError::new_err("shmstore: subscript slot without its original").restore(py);
+            // SAFETY: the GIL is held; the message is a NUL-terminated literal.
+            unsafe {
+                ffi::PyErr_SetString(
+                    ffi::PyExc_SystemError,
+                    c"shmstore: subscript slot without its original".as_ptr(),
+                )
+            };
             std::ptr::null_mut()
         }
     }
