@@ -396,3 +396,69 @@ def test_a_pickled_chunk_handle_is_short_and_checked() -> None:
     # The path must be an arena shmstore made: any other file is refused, not mapped.
     with pytest.raises((shmstore.CorruptStoreError, shmstore.StoreNotFoundError)):
         _native._rebuild_chunk(str(segment_dir() / "shmstore-no-such-arena"), 4096, 128, 1)
+
+
+def test_known_size_objects_are_built_in_their_chunk() -> None:
+    """An array or bytes object (its size known before encoding) is encoded straight into a
+    chunk reserved for it, which then shrinks to the archive: chunks are as tight as those of
+    objects encoded in memory first, objects of one shape reuse each other's chunks, and
+    an object whose archive needs more room than reserved (another shape) still goes to
+    the arena, whole."""
+    values: list[object] = [
+        np.arange(256, dtype=np.float32),
+        np.full(64 << 10, 7, dtype=np.uint8),
+        np.arange(300_000, dtype=np.uint8).reshape(100, 3000),
+        b"z" * 100_000,  # out of line
+        b"y" * 1000,  # inline
+        np.zeros((1,) * 20, dtype=np.int16),  # more metadata than any before it
+        np.arange(6, dtype=np.int64)[::2],  # not contiguous: copied first
+    ]
+    refs = [shmstore.put(v) for v in values]
+    for v, r in zip(values, refs, strict=True):
+        assert "@" in r.name
+        size = chunk_of(r)[2]
+        nbytes = v.nbytes if isinstance(v, np.ndarray) else len(v)  # type: ignore[arg-type]
+        assert size < nbytes + 1024, (size, nbytes)  # shrunk: no room left reserved
+        got = r.get()
+        if isinstance(v, np.ndarray):
+            assert got.dtype == v.dtype and got.shape == v.shape and np.array_equal(got, v)
+            assert got.ctypes.data % 64 == 0
+        else:
+            assert got == v
+        r.verify()
+    # Same-shaped arrays: a freed chunk is reused by the next one.
+    same = [shmstore.put(np.full(64 << 10, i, dtype=np.uint8)) for i in range(6)]
+    freed = {chunk_of(same[i])[1] for i in (1, 4)}
+    for i in (1, 4):
+        same[i].close()
+    del same[4], same[1]
+    gc.collect()
+    again = [shmstore.put(np.full(64 << 10, 9, dtype=np.uint8)) for _ in range(2)]
+    assert {chunk_of(r)[1] for r in again} == freed
+    assert all(int(r.get()[-1]) == 9 for r in again)
+
+
+def test_a_modified_payload_of_a_chunk_is_found_by_verify() -> None:
+    """The payload checksum of an array built in its chunk is right (verify() passes), and
+    a byte of the payload changed afterwards in the arena file is found by verify() as
+    CorruptStoreError (reads of the array do not hash it: docs/format.md, "Integrity")."""
+    import os
+
+    ref = shmstore.put(np.arange(20_000, dtype=np.uint8))
+    ref.verify()
+    _, offset, size, _ = chunk_of(ref)
+    path = ref.path
+    # The payload sits in the chunk's second half; flip one of its bytes through the file.
+    at = offset + size // 2
+    os.chmod(path, 0o600)
+    try:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            (old,) = os.pread(fd, 1, at)
+            os.pwrite(fd, bytes([old ^ 0xFF]), at)
+        finally:
+            os.close(fd)
+    finally:
+        os.chmod(path, 0o400)
+    with pytest.raises(shmstore.CorruptStoreError, match=r"modified|checksum"):
+        ref.verify()

@@ -154,6 +154,31 @@ impl Bfc {
         Some(size)
     }
 
+    /// Shrink the used chunk at `off` to `size` bytes (rounded up to [`ALIGN`]; at most its
+    /// size): the rest becomes free, merged with a free chunk after it. For a chunk reserved
+    /// for more than what was written into it. Returns the new size, or `None` if no used
+    /// chunk starts at `off` or `size` is 0 or larger than the chunk.
+    pub fn shrink(&mut self, off: u64, size: u64) -> Option<u64> {
+        let size = round(size)?;
+        let (have, free) = *self.chunks.get(&off)?;
+        if free || size > have {
+            return None;
+        }
+        if size == have {
+            return Some(size);
+        }
+        self.chunks.insert(off, (size, false));
+        self.used -= have - size;
+        let (tail, mut len) = (off + size, have - size);
+        if let Some(&(nsize, true)) = self.chunks.get(&(off + have)) {
+            self.remove_free(off + have, nsize);
+            self.chunks.remove(&(off + have));
+            len += nsize;
+        }
+        self.insert_free(tail, len);
+        Some(size)
+    }
+
     /// Check every invariant of the module docs; the first broken one as text.
     #[cfg(test)]
     pub fn check(&self) -> Result<(), String> {
@@ -372,6 +397,30 @@ mod tests {
     }
 
     #[test]
+    fn shrink_frees_the_tail_and_merges_it() {
+        let mut a = Bfc::new(1 << 20);
+        let (x, _) = a.alloc(4096).unwrap();
+        let (y, _) = a.alloc(4096).unwrap();
+        let (z, _) = a.alloc(64).unwrap();
+        a.free(z).unwrap();
+        // The last chunk: its tail merges with the free space after it.
+        assert_eq!(a.shrink(y, 100), Some(128));
+        a.check().unwrap();
+        assert_eq!(a.best_fit(1), Some((4096 - 128 + 64, y + 128)));
+        // A middle chunk: its tail is a free chunk of its own.
+        assert_eq!(a.shrink(x, 1000), Some(1024));
+        a.check().unwrap();
+        assert_eq!(a.used(), 1024 + 128);
+        assert_eq!(a.alloc(3072), Some((1024, 3072)), "the tail is reused");
+        // Refused: larger than the chunk, zero, free space, no chunk there.
+        assert_eq!(a.shrink(x, 2048), None);
+        assert_eq!(a.shrink(x, 0), None);
+        assert_eq!(a.shrink(y + 128, 64), None);
+        assert_eq!(a.shrink(7, 64), None);
+        a.check().unwrap();
+    }
+
+    #[test]
     fn capacity_is_a_hard_limit() {
         let mut a = Bfc::new(1024);
         assert!(a.alloc(1024).is_some());
@@ -416,6 +465,14 @@ mod tests {
                             for &(o, s) in &live {
                                 assert!(off + size <= o || o + s <= off, "overlap");
                             }
+                            // Sometimes written shorter than reserved: shrunk at once.
+                            let size = if rng.unit() < 0.3 {
+                                let to = round(rng.log_uniform(1, size)).unwrap();
+                                assert_eq!(a.shrink(off, to), Some(to));
+                                to
+                            } else {
+                                size
+                            };
                             live.push((off, size));
                         }
                         None => assert!(expect.is_none(), "seed {seed}: a fitting chunk missed"),

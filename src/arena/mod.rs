@@ -9,5 +9,5 @@ pub mod segment;
 
 pub(crate) use segment::{lock_open_files, OpenFiles};
 pub use segment::{
-    pid, survey, ArenaError, ArenaFile, ArenaWriter, Chunk, Lease, PartState, MAGIC,
+    pid, survey, ArenaError, ArenaFile, ArenaWriter, Chunk, Lease, PartState, Reservation, MAGIC,
 };

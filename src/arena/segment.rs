@@ -136,7 +136,8 @@ pub struct ArenaWriter {
     file: File,
     /// The whole file mapped shared and writable (through `file`), every page faulted in at
     /// creation: chunks are copied in here. Only free chunks (locked by `file`) are written.
-    map: memmap2::MmapRaw,
+    /// Shared with the [`Reservation`]s made from it (written without this writer at hand).
+    map: Arc<memmap2::MmapRaw>,
     /// When the seal mark was last checked (see [`ArenaWriter::put`]).
     mark_checked: Instant,
     path: PathBuf,
@@ -204,7 +205,7 @@ impl ArenaWriter {
         let map = res?;
         Ok(ArenaWriter {
             file,
-            map,
+            map: Arc::new(map),
             mark_checked: Instant::now(),
             path,
             bfc: Bfc::new(capacity),
@@ -280,67 +281,114 @@ impl ArenaWriter {
     }
 
     /// Write `archive` into a new chunk; `None` when the arena has no room for it.
+    #[cfg(test)]
     pub fn put(&mut self, archive: &[u8]) -> Result<Option<Chunk>, ArenaError> {
+        let Some(mut r) = self.reserve(archive.len() as u64)? else {
+            return Ok(None);
+        };
+        if let Err(e) = r.write_at(0, archive) {
+            self.cancel(&r);
+            return Err(io_err(&self.path, e));
+        }
+        self.commit(&r, archive.len() as u64).map(Some)
+    }
+
+    /// A new chunk with room for an archive of up to `max_len` bytes, to be written in place
+    /// ([`Reservation`], [`ChunkSink`]) and then given out with [`Self::commit`] (or back
+    /// with [`Self::cancel`]); `None` when the arena has no room. Allocating takes no system
+    /// call: free space is locked by this writer's descriptor already (see the module docs),
+    /// so no reader holds a lease on any of it, and none can take one until `commit`
+    /// unlocks the chunk. Until then the chunk is never reclaimed (it is `fresh`), so the
+    /// reservation may be written without this writer, while no lock of this process is
+    /// held (encoding an object runs Python code).
+    pub fn reserve(&mut self, max_len: u64) -> Result<Option<Reservation>, ArenaError> {
         let need = CHUNK_HEADER
-            .checked_add(archive.len() as u64)
+            .checked_add(max_len)
             .ok_or_else(|| io_err(&self.path, io::Error::from(io::ErrorKind::InvalidInput)))?;
-        // Free space is locked by this descriptor already (see the module docs): no reader
-        // holds a lease on any of it, and none can take one until it is unlocked below.
         let Some((rel, size)) = self.bfc.alloc(need) else {
             return Ok(None);
         };
-        let off = HEADER + rel;
+        let offset = HEADER + rel;
+        // The allocator never hands out space past its capacity (the mapping's length less
+        // the header); checked anyway, as a bug here would write outside the mapping.
+        if offset
+            .checked_add(size)
+            .is_none_or(|e| e > self.map.len() as u64)
+        {
+            self.bfc.free(rel);
+            return Err(io_err(
+                &self.path,
+                io::Error::other(format!(
+                    "chunk ({offset}, {size}) outside the arena mapping"
+                )),
+            ));
+        }
         let generation = self.next_generation;
         self.next_generation += 1;
-        let mut head = [0u8; CHUNK_HEADER as usize];
-        head[..4].copy_from_slice(&CHUNK_MAGIC.to_le_bytes());
-        head[8..16].copy_from_slice(&generation.to_le_bytes());
-        head[16..24].copy_from_slice(&(archive.len() as u64).to_le_bytes());
-        let written = self
-            .write_chunk(off, size, &head, archive)
-            // Written: leases may be taken from now on (the unlock is a system call, which
-            // orders the copies above before any lease another process takes after it).
-            .and_then(|()| ofd_lock(&self.file, Lock::Unlock, off, size).map(|_| ()));
-        if let Err(e) = written {
-            // Still locked (an unlock that failed left it so): free space again.
-            self.bfc.free(rel);
-            return Err(io_err(&self.path, e));
-        }
-        self.fresh.insert(off);
-        self.keep_seal_mark();
-        Ok(Some(Chunk {
-            offset: off,
+        self.fresh.insert(offset);
+        Ok(Some(Reservation {
+            map: self.map.clone(),
+            offset,
             size,
             generation,
+            over: false,
         }))
     }
 
-    /// Copy a chunk's header and archive into the mapping at `off` (`size` bytes allocated
-    /// there, at least `head.len() + archive.len()`).
-    fn write_chunk(&mut self, off: u64, size: u64, head: &[u8], archive: &[u8]) -> io::Result<()> {
-        let need = head.len() + archive.len();
-        let end = off.checked_add(size);
-        // The allocator never hands out space past its capacity (the mapping's length less
-        // the header); checked anyway, as a bug here would write outside the mapping.
-        if need as u64 > size || end.is_none_or(|e| e > self.map.len() as u64) {
-            return Err(io::Error::other(format!(
-                "chunk ({off}, {size}) outside the arena mapping"
-            )));
+    /// Give out the chunk of `r`, an archive of `len` bytes written into it: the chunk
+    /// shrinks to what the archive needs (the rest is free space again, still locked), gets
+    /// its header (the generation), and is unlocked: leases may be taken from now on (the
+    /// unlock is a system call, which orders the writes before any lease another process
+    /// takes after it). On an error the chunk is free again.
+    pub fn commit(&mut self, r: &Reservation, len: u64) -> Result<Chunk, ArenaError> {
+        let fail = |w: &mut Self, e: io::Error| {
+            w.cancel(r);
+            Err(io_err(&w.path, e))
+        };
+        if !Arc::ptr_eq(&r.map, &self.map) {
+            return Err(io_err(
+                &self.path,
+                io::Error::other("a reservation of another arena"),
+            ));
         }
-        // SAFETY: `[off, off + need)` lies inside the mapping (checked above), which lives
-        // as long as `self`. The chunk is free space: locked exclusively through `self.file`
-        // since it was freed (or since creation), so no other process holds a lease on it
-        // and none reads it (a lease is taken before any read, and refused here); in this
-        // process no reference to these bytes exists (the creator's own handles read only
-        // their chunks, never free space, and through another mapping). The sources are
-        // this call's slices, never part of the mapping: no overlap. Raw copies, no
-        // reference into shared memory is made.
-        unsafe {
-            let dst = self.map.as_mut_ptr().add(off as usize);
-            std::ptr::copy_nonoverlapping(head.as_ptr(), dst, head.len());
-            std::ptr::copy_nonoverlapping(archive.as_ptr(), dst.add(head.len()), archive.len());
+        let rel = r.offset - HEADER;
+        let size = match CHUNK_HEADER
+            .checked_add(len)
+            .filter(|&n| n <= r.size)
+            .and_then(|n| self.bfc.shrink(rel, n))
+        {
+            Some(size) => size,
+            None => {
+                return fail(
+                    self,
+                    io::Error::other(format!("{len} bytes do not fit a chunk of {}", r.size)),
+                )
+            }
+        };
+        let mut head = [0u8; CHUNK_HEADER as usize];
+        head[..4].copy_from_slice(&CHUNK_MAGIC.to_le_bytes());
+        head[8..16].copy_from_slice(&r.generation.to_le_bytes());
+        head[16..24].copy_from_slice(&len.to_le_bytes());
+        // SAFETY: the header's 64 bytes lie inside the chunk (`size >= CHUNK_HEADER`).
+        unsafe { r.write_raw(0, &head) };
+        // The tail given back by `shrink` stays locked, like all free space.
+        if let Err(e) = ofd_lock(&self.file, Lock::Unlock, r.offset, size) {
+            // Still locked (an unlock that failed left it so): free space again.
+            return fail(self, e);
         }
-        Ok(())
+        self.keep_seal_mark();
+        Ok(Chunk {
+            offset: r.offset,
+            size,
+            generation: r.generation,
+        })
+    }
+
+    /// Give the chunk of `r` back (nothing was given out from it): free space again.
+    pub fn cancel(&mut self, r: &Reservation) {
+        if Arc::ptr_eq(&r.map, &self.map) && self.fresh.remove(&r.offset) {
+            self.bfc.free(r.offset - HEADER);
+        }
     }
 
     /// Put the seal mark back if the modification time moved (a page of the mapping was
@@ -389,6 +437,108 @@ fn map_for_writing(file: &File, len: u64) -> io::Result<memmap2::MmapRaw> {
         }
     }
     Ok(map)
+}
+
+/// A chunk of an arena reserved for an archive written in place ([`ArenaWriter::reserve`]):
+/// free space of its writer's, allocated and still locked by the writer's descriptor, so
+/// nobody else reads or writes it until [`ArenaWriter::commit`] gives it out (or
+/// [`ArenaWriter::cancel`] frees it). Holds the writer's mapping: it stays valid even if the
+/// writer goes meanwhile (the commit then fails, the chunk was never given out).
+pub struct Reservation {
+    map: Arc<memmap2::MmapRaw>,
+    offset: u64,
+    size: u64,
+    generation: u64,
+    /// A write past the room was refused.
+    over: bool,
+}
+
+impl Reservation {
+    /// Bytes an archive may have in this chunk.
+    pub fn room(&self) -> u64 {
+        self.size - CHUNK_HEADER
+    }
+
+    /// Whether a write past [`Self::room`] was refused (the archive did not fit).
+    pub fn overflowed(&self) -> bool {
+        self.over
+    }
+
+    /// Copy `bytes` to the archive's position `at` (after the chunk header); an error
+    /// past [`Self::room`].
+    pub fn write_at(&mut self, at: u64, bytes: &[u8]) -> io::Result<()> {
+        match at.checked_add(bytes.len() as u64) {
+            Some(end) if end <= self.room() => {
+                // SAFETY: inside the chunk (checked just above).
+                unsafe { self.write_raw(CHUNK_HEADER + at, bytes) };
+                Ok(())
+            }
+            _ => {
+                self.over = true;
+                Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "larger than the chunk reserved for it",
+                ))
+            }
+        }
+    }
+
+    /// Copy `bytes` to offset `at` of the chunk.
+    ///
+    /// # Safety
+    /// `at + bytes.len() <= self.size`.
+    unsafe fn write_raw(&self, at: u64, bytes: &[u8]) {
+        // SAFETY: the chunk `[offset, offset + size)` lies inside the mapping (checked by
+        // `reserve`), which `self.map` keeps alive, and `at + len <= size` (the caller's
+        // promise). The chunk is free space: locked exclusively through the writer's
+        // descriptor since it was freed (or since creation), so no other process holds a
+        // lease on it and none reads it (a lease is taken before any read, and refused
+        // here); in this process it is allocated to this reservation alone and never
+        // reclaimed before it is given out (`fresh`), and no reference to its bytes exists
+        // (the creator's own handles read only their chunks, through another mapping).
+        // `bytes` is never part of the mapping (it comes from the encoder or the caller's
+        // memory): no overlap. Raw copies, no reference into shared memory is made.
+        unsafe {
+            let dst = self.map.as_mut_ptr().add((self.offset + at) as usize);
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, bytes.len());
+        }
+    }
+
+    /// A `Write + Seek` sink over the archive's bytes of the chunk (for the archive builder).
+    pub fn sink(&mut self) -> ChunkSink<'_> {
+        ChunkSink { r: self, pos: 0 }
+    }
+}
+
+/// Writes an archive straight into a [`Reservation`]: writing past its room is an error
+/// (`ErrorKind::WriteZero`), nothing is written there.
+pub struct ChunkSink<'a> {
+    r: &'a mut Reservation,
+    pos: u64,
+}
+
+impl io::Write for ChunkSink<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.r.write_at(self.pos, buf)?;
+        self.pos += buf.len() as u64;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl io::Seek for ChunkSink<'_> {
+    fn seek(&mut self, pos: io::SeekFrom) -> io::Result<u64> {
+        let to = match pos {
+            io::SeekFrom::Start(n) => Some(n),
+            io::SeekFrom::Current(d) => self.pos.checked_add_signed(d),
+            io::SeekFrom::End(d) => self.r.room().checked_add_signed(d),
+        };
+        self.pos = to.ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+        Ok(self.pos)
+    }
 }
 
 // --- every user's side ------------------------------------------------------------------------
@@ -1044,6 +1194,65 @@ mod tests {
         let rest = s.parts.last().unwrap();
         assert_eq!((rest.generation, rest.state), (None, PartState::Free));
         assert_eq!(s.parts.iter().map(|p| p.size).sum::<u64>(), s.capacity);
+    }
+
+    /// An archive written in place: the chunk is reserved larger, shrunk to what was
+    /// written at the commit; the tail is free space again (locked: no lease on it); a
+    /// write past the room is refused and a cancelled chunk is free (and locked) again.
+    #[test]
+    fn a_reserved_chunk_is_written_in_place_then_shrunk_or_cancelled() {
+        use std::io::{Seek, SeekFrom, Write};
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = arena(dir.path());
+        let f = ArenaFile::open(w.path()).unwrap();
+        let mut r = w.reserve(10_000).unwrap().unwrap();
+        assert!(r.room() >= 10_000);
+        {
+            let mut sink = r.sink();
+            sink.write_all(&[0u8; 8]).unwrap();
+            sink.write_all(b" in place").unwrap();
+            sink.seek(SeekFrom::Start(0)).unwrap();
+            sink.write_all(b"written!").unwrap();
+        }
+        let c = w.commit(&r, 17).unwrap();
+        w.settled(c.offset);
+        assert_eq!(
+            c.size, 128,
+            "shrunk to the chunk header and 17 bytes, 64-aligned"
+        );
+        let (lease, at, len) = f.lease(c).unwrap();
+        let mut got = vec![0u8; len as usize];
+        f.file().read_exact_at(&mut got, at).unwrap();
+        assert_eq!(got, b"written! in place");
+        // The tail is free space: locked by the creator, so no lease is taken on it.
+        let tail = Chunk {
+            offset: c.offset + c.size,
+            size: 128,
+            generation: 0,
+        };
+        assert!(matches!(f.lease(tail), Err(ArenaError::Stale { .. })));
+        // ...and the next chunk is placed there.
+        let mut r2 = w.reserve(100).unwrap().unwrap();
+        assert_eq!(r2.offset, tail.offset);
+        // Writing past the room is refused, nothing is given out; cancelled, the chunk is
+        // free again and its range still refuses leases.
+        assert!(r2.write_at(r2.room() - 1, b"ab").is_err());
+        assert!(r2.overflowed());
+        w.cancel(&r2);
+        assert!(matches!(
+            f.lease(Chunk {
+                offset: r2.offset,
+                size: r2.size,
+                generation: r2.generation,
+            }),
+            Err(ArenaError::Stale { .. })
+        ));
+        assert_eq!(w.reserve(100).unwrap().unwrap().offset, tail.offset);
+        // A commit longer than the reservation is refused (and frees it).
+        let r3 = w.reserve(100).unwrap().unwrap();
+        assert!(w.commit(&r3, r3.room() + 1).is_err());
+        assert_eq!(w.reserve(100).unwrap().unwrap().offset, r3.offset);
+        drop(lease);
     }
 
     #[test]

@@ -4,6 +4,7 @@
 use std::collections::HashSet;
 use std::io::Cursor;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
@@ -13,7 +14,7 @@ use super::errors::Error;
 use super::store::{self, ArenaUse, Registration, Store};
 use super::write::Encoder;
 use crate::archive::{Builder, Kind};
-use crate::arena::{alloc, ArenaFile, ArenaWriter, Chunk, PartState};
+use crate::arena::{alloc, ArenaFile, ArenaWriter, PartState, Reservation};
 use crate::segment;
 
 /// Largest object archive that goes into an arena (bigger ones get a segment of their own).
@@ -27,6 +28,10 @@ const FIRST_CAPACITY: u64 = 4 << 20;
 /// One arena of this process: the writer, this process's use of it (the opened file, whose
 /// releases say which chunks this process no longer holds, and the supervisor
 /// registration), and chunks waiting for their last lease elsewhere.
+/// A chunk reserved in an arena of this process: the arena's path, the reservation, and
+/// this process's use of the arena.
+type Placed = (PathBuf, Reservation, Arc<ArenaUse>);
+
 struct Owned {
     dir: PathBuf,
     writer: ArenaWriter,
@@ -44,12 +49,9 @@ fn capacity() -> u64 {
         .unwrap_or(DEFAULT_CAPACITY)
 }
 
-/// Place `archive` in one of this process's arenas; `None` when none has room.
-fn place(
-    arenas: &mut [Owned],
-    dir: &Path,
-    archive: &[u8],
-) -> Result<Option<(PathBuf, Chunk, Arc<ArenaUse>)>, Error> {
+/// A chunk for an archive of up to `max_len` bytes in one of this process's arenas in
+/// `dir`; `None` when none has room.
+fn place(arenas: &mut [Owned], dir: &Path, max_len: u64) -> Result<Option<Placed>, Error> {
     for a in arenas
         .iter_mut()
         .rev()
@@ -63,8 +65,8 @@ fn place(
             err,
         };
         a.writer.reclaim(&mut a.pending).map_err(arena_err)?;
-        if let Some(chunk) = a.writer.put(archive).map_err(arena_err)? {
-            return Ok(Some((path, chunk, a.arena.clone())));
+        if let Some(r) = a.writer.reserve(max_len).map_err(arena_err)? {
+            return Ok(Some((path, r, a.arena.clone())));
         }
     }
     Ok(None)
@@ -195,11 +197,7 @@ pub(crate) fn encode_small(
         let mut builder =
             Builder::new(sink, Kind::Object, crate::arena::pid()).map_err(archive_err)?;
         Encoder::new(&mut builder, "obj").write_record(obj, None)?;
-        let now_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or(0);
-        let (out, _) = builder.finish(now_ms).map_err(archive_err)?;
+        let (out, _) = builder.finish(now_ms()).map_err(archive_err)?;
         Ok::<_, PyErr>(out.out.into_inner())
     })();
     match built {
@@ -216,7 +214,133 @@ pub(crate) fn put_archive(
     archive: &[u8],
     dir: Option<PathBuf>,
 ) -> PyResult<Option<Arc<Store>>> {
-    if archive.len() > MAX_OBJECT || archive.len() as u64 + 64 > capacity() {
+    let Some(placed) = reserve(py, archive.len() as u64, dir)? else {
+        return Ok(None);
+    };
+    let (path, mut r, arena) = placed;
+    if let Err(e) = r.write_at(0, archive) {
+        cancel(py, &path, &r);
+        return Err(arena_io(&path, e));
+    }
+    give_out(py, path, r, archive.len() as u64, arena).map(Some)
+}
+
+/// What became of [`put_in_place`].
+pub(crate) enum InPlace {
+    /// In a chunk, mapped for its handle.
+    Put(Arc<Store>),
+    /// No arena available (no supervisor, no room for one): the object needs a segment.
+    NoArena,
+    /// Its archive may be larger than the chunk an arena would reserve: encode it into
+    /// memory first ([`encode_small`]) to find out.
+    DidNotFit,
+}
+
+/// Put `obj`, whose payload is `size` bytes (an array, `bytes`), into an arena of this
+/// process, encoding its archive straight into a chunk reserved for it (no buffer, one
+/// copy of the payload; the chunk shrinks to the archive's length), and map it.
+pub(crate) fn put_in_place(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    size: u64,
+    dir: Option<PathBuf>,
+) -> PyResult<InPlace> {
+    let slot = overhead_slot(obj);
+    let max_len = size.saturating_add(overhead(slot));
+    if max_len > MAX_OBJECT as u64 || max_len + 64 > capacity() {
+        return Ok(InPlace::DidNotFit);
+    }
+    let Some((path, mut r, arena)) = reserve(py, max_len, dir)? else {
+        return Ok(InPlace::NoArena);
+    };
+    // Encoding runs Python code: no lock of this process is held meanwhile (the reserved
+    // chunk is this call's alone until it is given out).
+    let built = build(obj, r.sink());
+    match built {
+        Ok(len) => {
+            OVERHEAD[slot].fetch_max(len.saturating_sub(size), Ordering::Relaxed);
+            give_out(py, path, r, len, arena).map(InPlace::Put)
+        }
+        Err(e) => {
+            cancel(py, &path, &r);
+            if r.overflowed() {
+                // More than the objects before it needed besides their payload (another
+                // shape, a bytes object after arrays): found out by encoding into memory.
+                return Ok(InPlace::DidNotFit);
+            }
+            Err(e)
+        }
+    }
+}
+
+/// The archive of `obj` took `len` bytes for a payload of `size`: reserve that much more
+/// than the payload for objects like it from now on.
+pub(crate) fn learn_overhead(obj: &Bound<'_, PyAny>, len: u64, size: u64) {
+    OVERHEAD[overhead_slot(obj)].fetch_max(len.saturating_sub(size), Ordering::Relaxed);
+}
+
+/// Which objects share an [`OVERHEAD`]: arrays by their number of dimensions (a shape's
+/// size), everything else together.
+fn overhead_slot(obj: &Bound<'_, PyAny>) -> usize {
+    if obj.is_instance_of::<pyo3::types::PyBytes>() {
+        return OTHER;
+    }
+    obj.getattr(pyo3::intern!(obj.py(), "ndim"))
+        .and_then(|n| n.extract::<usize>())
+        .map_or(OTHER, |n| n.min(OTHER - 1))
+}
+
+/// The most bytes an archive of a known-size object took besides its payload so far in
+/// this process (header, record, metadata, the payload's alignment), for arrays of each
+/// number of dimensions (up to 64) and for other objects ([`OTHER`]); 0 until the first
+/// ([`ARCHIVE_ROOM`] is reserved then). The chunk reserved for the next one is that much
+/// larger than its payload: objects of one type and shape get chunks of one size, which
+/// fit the holes their predecessors leave.
+static OVERHEAD: [AtomicU64; OTHER + 1] = [const { AtomicU64::new(0) }; OTHER + 1];
+const OTHER: usize = 65;
+
+fn overhead(slot: usize) -> u64 {
+    match OVERHEAD[slot].load(Ordering::Relaxed) {
+        0 => ARCHIVE_ROOM as u64,
+        n => n,
+    }
+}
+
+/// Build the object archive of `obj` into `sink`; its length.
+fn build<W: std::io::Write + std::io::Seek + Send>(
+    obj: &Bound<'_, PyAny>,
+    sink: W,
+) -> PyResult<u64> {
+    let archive_err = |err| Error::Archive {
+        at: "obj".into(),
+        err,
+    };
+    let mut builder = Builder::new(sink, Kind::Object, crate::arena::pid()).map_err(archive_err)?;
+    Encoder::new(&mut builder, "obj").write_record(obj, None)?;
+    let (_, len) = builder.finish(now_ms()).map_err(archive_err)?;
+    Ok(len)
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn arena_io(path: &Path, e: std::io::Error) -> PyErr {
+    Error::Arena {
+        at: format!("arena {:?}", path.display().to_string()),
+        err: crate::arena::ArenaError::Segment(segment::SegmentError::io(path, e)),
+    }
+    .into()
+}
+
+/// A chunk for an archive of up to `max_len` bytes in one of this process's arenas in `dir`
+/// (the default directory if `None`), a new arena made when none has room; `None` when it
+/// is too large for an arena or arenas are unavailable (no supervisor, no room).
+fn reserve(py: Python<'_>, max_len: u64, dir: Option<PathBuf>) -> PyResult<Option<Placed>> {
+    if max_len > MAX_OBJECT as u64 || max_len.saturating_add(64) > capacity() {
         return Ok(None);
     }
     fork_handlers();
@@ -225,11 +349,11 @@ pub(crate) fn put_archive(
     // With no room: how many arenas this process has made (the next one's size).
     let placed = py.detach(|| {
         let mut arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
-        let placed = place(&mut arenas, &dir, archive)?;
+        let placed = place(&mut arenas, &dir, max_len)?;
         Ok::<_, Error>(placed.ok_or_else(|| arenas.iter().filter(|a| a.writer.is_ours()).count()))
     })?;
-    let placed = match placed {
-        Ok(p) => p,
+    match placed {
+        Ok(p) => Ok(Some(p)),
         Err(made) => {
             let Some(new) = new_arena(py, dir.clone(), made)? else {
                 return Ok(None);
@@ -244,19 +368,54 @@ pub(crate) fn put_archive(
                 *arenas = ours;
                 arenas.push(new);
                 let n = arenas.len();
-                let placed = place(&mut arenas[n - 1..], &dir, archive);
+                let placed = place(&mut arenas[n - 1..], &dir, max_len);
                 drop(arenas);
                 drop::<Vec<Owned>>(inherited);
                 placed
             })?;
-            match placed {
-                Some(p) => p,
-                None => return Ok(None),
-            }
+            Ok(placed)
         }
-    };
-    let (path, chunk, arena) = placed;
-    let opened = store::open_chunk(py, path.clone(), chunk, Some((arena, archive.len() as u64)));
+    }
+}
+
+/// Give a reserved chunk back (nothing was given out from it).
+fn cancel(py: Python<'_>, path: &Path, r: &Reservation) {
+    py.detach(|| {
+        let mut arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(a) = arenas.iter_mut().find(|a| a.writer.path() == path) {
+            a.writer.cancel(r);
+        }
+    });
+}
+
+/// Give out the chunk of `r`, holding an archive of `len` bytes, and map it for this
+/// process's handle.
+fn give_out(
+    py: Python<'_>,
+    path: PathBuf,
+    r: Reservation,
+    len: u64,
+    arena: Arc<ArenaUse>,
+) -> PyResult<Arc<Store>> {
+    let committed = py.detach(|| {
+        let mut arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
+        match arenas.iter_mut().find(|a| a.writer.path() == path) {
+            Some(a) => a.writer.commit(&r, len).map_err(|err| Error::Arena {
+                at: format!("arena {:?}", path.display().to_string()),
+                err,
+            }),
+            // Let go of meanwhile (`_arena_release` by another thread): never given out.
+            None => Err(Error::Arena {
+                at: format!("arena {:?}", path.display().to_string()),
+                err: crate::arena::ArenaError::Segment(segment::SegmentError::io(
+                    &path,
+                    std::io::Error::other("the arena was let go of while the object was written"),
+                )),
+            }),
+        }
+    })?;
+    let chunk = committed;
+    let opened = store::open_chunk(py, path.clone(), chunk, Some((arena, len)));
     let failed = opened.is_err();
     // Held by its handle now (or failed): the chunk is an ordinary one from here on; if the
     // handle was not made, this process holds no lease on it, so it is a reuse candidate.
@@ -269,7 +428,7 @@ pub(crate) fn put_archive(
             }
         }
     });
-    opened.map(Some)
+    opened
 }
 
 type Held = (

@@ -56,9 +56,23 @@ pub(crate) fn put<'py>(
     // A small object into this process's arena (docs/arena.md), unless `arena=False` or
     // named; too large, or no supervisor: a segment of its own.
     if arena && name.is_none() && arena::may_fit(obj, size_hint) {
-        if let Some(archive) = arena::encode_small(obj, size_hint)? {
-            if let Some(store) = arena::put_archive(py, &archive, dir.clone())? {
-                return new_handle(py, store, true, Ref);
+        // Known size: the archive is built straight into a chunk reserved for it.
+        let in_place = match size_hint {
+            Some(n) => arena::put_in_place(py, obj, n, dir.clone())?,
+            None => arena::InPlace::DidNotFit,
+        };
+        match in_place {
+            arena::InPlace::Put(store) => return new_handle(py, store, true, Ref),
+            arena::InPlace::NoArena => {}
+            arena::InPlace::DidNotFit => {
+                if let Some(archive) = arena::encode_small(obj, size_hint)? {
+                    if let Some(n) = size_hint {
+                        arena::learn_overhead(obj, archive.len() as u64, n);
+                    }
+                    if let Some(store) = arena::put_archive(py, &archive, dir.clone())? {
+                        return new_handle(py, store, true, Ref);
+                    }
+                }
             }
         }
     }
