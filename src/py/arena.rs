@@ -41,12 +41,17 @@ struct Owned {
 
 static ARENAS: Mutex<Vec<Owned>> = Mutex::new(Vec::new());
 
+/// The largest arena's capacity: `SHMSTORE_ARENA_SIZE`, read once per process (at its first
+/// small `put`), or [`DEFAULT_CAPACITY`].
 fn capacity() -> u64 {
-    std::env::var("SHMSTORE_ARENA_SIZE")
-        .ok()
-        .and_then(|s| s.parse::<u64>().ok())
-        .filter(|&n| n >= 4096)
-        .unwrap_or(DEFAULT_CAPACITY)
+    static CAPACITY: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *CAPACITY.get_or_init(|| {
+        std::env::var("SHMSTORE_ARENA_SIZE")
+            .ok()
+            .and_then(|s| s.parse::<u64>().ok())
+            .filter(|&n| n >= 4096)
+            .unwrap_or(DEFAULT_CAPACITY)
+    })
 }
 
 /// A chunk for an archive of up to `max_len` bytes in one of this process's arenas in
@@ -382,7 +387,10 @@ fn reserve(py: Python<'_>, max_len: u64, dir: Option<PathBuf>) -> PyResult<Optio
 fn cancel(py: Python<'_>, path: &Path, r: &Reservation) {
     py.detach(|| {
         let mut arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(a) = arenas.iter_mut().find(|a| a.writer.path() == path) {
+        if let Some(a) = arenas
+            .iter_mut()
+            .find(|a| a.writer.path().as_os_str() == path.as_os_str())
+        {
             a.writer.cancel(r);
         }
     });
@@ -399,7 +407,10 @@ fn give_out(
 ) -> PyResult<Arc<Store>> {
     let committed = py.detach(|| {
         let mut arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
-        match arenas.iter_mut().find(|a| a.writer.path() == path) {
+        match arenas
+            .iter_mut()
+            .find(|a| a.writer.path().as_os_str() == path.as_os_str())
+        {
             Some(a) => a.writer.commit(&r, len).map_err(|err| Error::Arena {
                 at: format!("arena {:?}", path.display().to_string()),
                 err,
@@ -421,7 +432,10 @@ fn give_out(
     // handle was not made, this process holds no lease on it, so it is a reuse candidate.
     py.detach(|| {
         let mut arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(a) = arenas.iter_mut().find(|a| a.writer.path() == path) {
+        if let Some(a) = arenas
+            .iter_mut()
+            .find(|a| a.writer.path().as_os_str() == path.as_os_str())
+        {
             a.writer.settled(chunk.offset);
             if failed {
                 a.pending.insert(chunk.offset);

@@ -476,7 +476,11 @@ pub(crate) fn forget_last_arena() {
 /// "One mapping per arena per process").
 fn arena_use(py: Python<'_>, path: &Path) -> Result<Arc<ArenaUse>, StoreErr> {
     let me = crate::arena::pid();
-    let found = |u: &Arc<ArenaUse>| u.file.pid() == me && u.path() == path;
+    // Byte equality first (the path a handle carries is the one this process opened, and a
+    // `Path` compares component by component); a path spelled otherwise is found in the map.
+    let found = |u: &Arc<ArenaUse>| {
+        u.file.pid() == me && (u.path().as_os_str() == path.as_os_str() || u.path() == path)
+    };
     if let Some(u) = LAST_ARENA
         .lock()
         .unwrap_or_else(|p| p.into_inner())
