@@ -8,6 +8,7 @@ import os
 import pickle
 import re
 import stat
+import sys
 import weakref
 
 import numpy as np
@@ -557,6 +558,34 @@ def test_dropped_views_and_iterators_give_their_store_back():
     del kept
     gc.collect()
     assert mappings_of(path) == [] and mappings_of(dpath) == []
+
+
+def test_made_and_dropped_views_leave_their_types_reference_counts_alone():
+    """A recycled view or iterator keeps its reference to its type while it waits in a free
+    list, and hands it on when reused: whether a dropped one is kept or freed, the types'
+    reference counts must not drift over rounds of making and dropping many of them."""
+    records = [{"l": [i, [i]], "d": {"k": i}, "f": [0.5, 1.5]} for i in range(600)]
+    with make("list", records) as s:
+
+        def round_():
+            # More alive at once than a free list keeps: some are kept, the rest freed.
+            made = [s[i]["l"] for i in range(600)] + [s[i]["d"] for i in range(600)]
+            made += [iter(v) for v in made[:600]] + [iter(v) for v in made[600:]]
+            made += [iter(s) for _ in range(300)]
+            assert sum(v[0] for v in made[:600]) == sum(range(600))
+            types = {type(v) for v in made}
+            del made
+            return types
+
+        types = round_()  # fills the free lists
+        assert len(types) == 5  # ListView, DictView and their iterators, the records' one
+        types = sorted(types, key=lambda t: t.__name__)
+        counts = [sys.getrefcount(t) for t in types]
+        for _ in range(3):
+            round_()
+            for _ in range(300):
+                next(iter(s[7]["l"]))  # made and dropped at once, one at a time
+        assert [sys.getrefcount(t) for t in types] == counts
 
 
 def test_subscript_fast_and_long_ways_agree():

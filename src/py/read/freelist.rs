@@ -15,6 +15,11 @@
 //! call ([`new_view`]), and nothing ever tracks them: a kept object is never in the
 //! collector's lists.
 //!
+//! A kept object keeps its type and its reference to the type, so reusing one is a single
+//! reference-count increment rather than `PyObject_Init` (a call into the interpreter that
+//! sets the type, takes a reference to it and updates tracemalloc's trace of the memory:
+//! with tracemalloc on, a recycled view keeps the trace of its memory's first allocation).
+//!
 //! Making and dropping a view is also done here rather than by pyo3's generic path, which
 //! calls `object.__new__` with an empty argument tuple and enters a trampoline (thread-local
 //! counters, a panic guard) for every dealloc: together about a third of the cost of
@@ -241,12 +246,16 @@ pub(crate) mod imp {
             if nitems == 0 && std::ptr::eq(subtype, ty) {
                 if let Some(obj) = items.pop() {
                     // SAFETY: `obj` is the memory of a dropped instance of exactly this type
-                    // (`free` keeps nothing else), released by a dealloc: its value is
-                    // dropped and it is not tracked by the collector. `PyObject_Init` sets
-                    // its type (taking a reference to the heap type, which the dealloc
-                    // gives back) and a reference count of 1; the caller then writes all of
-                    // the contents, as after a fresh allocation.
-                    return unsafe { ffi::PyObject_Init(obj, subtype) };
+                    // (`keep` holds nothing else), released by a dealloc: its value is
+                    // dropped, it is not tracked by the collector, its type is still set and
+                    // the reference to the type that it held alive stayed with it while it
+                    // was kept (`keep`). Its reference count is 0 since its dealloc; one
+                    // increment makes it the single reference that a fresh object has, which
+                    // with the type is all `PyObject_Init` would set (on an interpreter with
+                    // a GIL; `install` refuses the others). The caller then writes all of the
+                    // contents, as after a fresh allocation.
+                    unsafe { ffi::Py_INCREF(obj) };
+                    return obj;
                 }
             }
             // SAFETY: the generic allocator, as the type had before `install`; the new
@@ -260,6 +269,34 @@ pub(crate) mod imp {
             }
         }
 
+        /// Keep `obj` for a later `alloc` if there is room; the caller frees it otherwise.
+        /// A kept object holds on to a reference to its type, which `alloc` hands to the
+        /// object it becomes: setting up a recycled object is then a reference-count
+        /// increment, with no call into the interpreter.
+        ///
+        /// # Safety
+        /// The GIL is held; `obj` is an instance of this list's type whose dealloc has run
+        /// (the value is dropped) and which holds a reference to its type.
+        #[inline(always)]
+        unsafe fn keep(&self, obj: *mut ffi::PyObject) -> bool {
+            // Not tracked by the collector: born untracked (`alloc`), never tracked since, and
+            // pyo3's dealloc untracks before calling `free` too.
+            // SAFETY: the GIL is held (the caller's contract).
+            let items = unsafe { &mut *self.items.get() };
+            // SAFETY: `Py_TYPE` reads the header of a live allocation.
+            let exact = unsafe { std::ptr::eq(ffi::Py_TYPE(obj), *self.ty.get()) };
+            if !exact || items.len() >= CAP {
+                return false;
+            }
+            if items.capacity() == 0 {
+                items.reserve_exact(CAP);
+            }
+            items.push(obj);
+            true
+        }
+
+        /// `tp_free` (pyo3's dealloc calls it, then releases the type).
+        ///
         /// # Safety
         /// The GIL is held; `obj` is an instance of this list's type whose dealloc has run.
         #[inline(always)]
@@ -268,22 +305,19 @@ pub(crate) mod imp {
             if obj.is_null() {
                 return;
             }
-            // Not tracked by the collector: born untracked (`alloc`), never tracked since, and
-            // pyo3's dealloc untracks before calling here too.
-            // SAFETY: the GIL is held (the caller's contract).
-            let items = unsafe { &mut *self.items.get() };
-            // SAFETY: `Py_TYPE` reads the header; the type is still alive (the dealloc
-            // drops its reference after `tp_free` returns).
-            let exact = unsafe { std::ptr::eq(ffi::Py_TYPE(obj), *self.ty.get()) };
-            if exact && items.len() < CAP {
-                if items.capacity() == 0 {
-                    items.reserve_exact(CAP);
+            // SAFETY: the GIL is held; `obj` is a released instance of this type. A kept
+            // object holds a reference to its type (`keep`); pyo3's dealloc gives back the
+            // object's own after this returns, so the kept one is taken here (the type is
+            // alive: the object's reference to it is not given back yet).
+            unsafe {
+                let ty = ffi::Py_TYPE(obj);
+                if self.keep(obj) {
+                    ffi::Py_INCREF(ty.cast());
+                    return;
                 }
-                items.push(obj);
-                return;
+                // The inverse of `PyType_GenericAlloc` for a GC type.
+                ffi::PyObject_GC_Del(obj.cast());
             }
-            // SAFETY: the inverse of `PyType_GenericAlloc` for a GC type.
-            unsafe { ffi::PyObject_GC_Del(obj.cast()) };
         }
     }
 
@@ -315,9 +349,15 @@ pub(crate) mod imp {
             }
             let value = base.add(layout.value).cast::<T>().read();
             let ty = ffi::Py_TYPE(obj);
-            list.free(obj.cast());
+            // Kept: the object keeps its reference to the type (`keep`).
+            let kept = list.keep(obj);
+            if !kept {
+                ffi::PyObject_GC_Del(obj.cast());
+            }
             value.into_store().release();
-            ffi::Py_DECREF(ty.cast());
+            if !kept {
+                ffi::Py_DECREF(ty.cast());
+            }
         }
     }
 

@@ -676,14 +676,17 @@ pub(crate) fn next_item<'py>(
     cur: &Cursor,
 ) -> PyResult<Option<Bound<'py, PyAny>>> {
     if let Some(at) = src.seq {
+        // Written without closures so that it is all inlined into the slot: an outlined
+        // closure passed the item through memory, in pieces then read whole, which stalled
+        // the processor on every item.
+        let Some(i) = cur.advance(at.len) else {
+            return Ok(None);
+        };
         let store = &src.store;
-        return cur
-            .advance(at.len)
-            .map(|i| {
-                let it = store.reader.seq_get(at, i).map_err(store.archive_err())?;
-                read::value(py, store, it, false)
-            })
-            .transpose();
+        return match store.reader.seq_get(at, i) {
+            Ok(it) => read::value(py, store, it, false).map(Some),
+            Err(e) => Err(store.archive_err()(e).into()),
+        };
     }
     let seq = src.seq();
     let i = cur.advance(seq.len());
