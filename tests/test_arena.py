@@ -462,3 +462,33 @@ def test_a_modified_payload_of_a_chunk_is_found_by_verify() -> None:
         os.chmod(path, 0o400)
     with pytest.raises(shmstore.CorruptStoreError, match=r"modified|checksum"):
         ref.verify()
+
+
+def test_arrays_keep_dtype_and_shape_whatever_came_before() -> None:
+    """The writer remembers the dtypes it met (typestr by dtype object) and takes the shape
+    from the array's buffer export: arrays of a dtype, its byte-swapped twin and others in
+    turn, 0-d, non-contiguous and subclassed arrays all come back exactly."""
+
+    class Sub(np.ndarray):  # type: ignore[type-arg]
+        pass
+
+    base = np.arange(24, dtype="<i4").reshape(2, 3, 4)
+    values = (
+        [
+            base,
+            base.astype(">i4"),
+            base[:, ::2, 1:],  # not contiguous: copied to C order
+            base.astype(">i4").T,
+            np.array(7, dtype="<i4"),  # 0-d
+            np.array(7.5, dtype=">f8"),
+            np.zeros((0, 5), dtype="<f2"),
+            np.eye(3, dtype="<f4")[:2].view(Sub),  # a subclass
+            base,
+        ]
+        * 2
+    )
+    for v in values:
+        with shmstore.put(v) as ref:
+            got = ref.get()
+            assert got.dtype.str == v.dtype.str and got.shape == v.shape, (v.dtype, v.shape)
+            assert np.array_equal(got, v)

@@ -326,37 +326,45 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
     fn array(&mut self, obj: &Bound<'_, PyAny>) -> PyResult<Value> {
         let py = obj.py();
         let dtype = obj.getattr(intern!(py, "dtype"))?;
-        let kind: String = dtype.getattr(intern!(py, "kind"))?.extract()?;
-        if !matches!(kind.as_str(), "b" | "i" | "u" | "f" | "c") {
-            return Err(self.unsupported(
-                obj,
-                &format!(
-                    " with dtype {} (only bool/int/uint/float/complex arrays can be shared; \
-                     convert object/str arrays to lists)",
-                    dtype.repr()?
-                ),
-            ));
-        }
-        // Non-contiguous input (slices, transposes) is copied to C order once, here
-        // (`copy`, not `ascontiguousarray`, which would turn a 0-d array into 1-d).
-        let contiguous: bool = obj
-            .getattr(intern!(py, "flags"))?
-            .getattr(intern!(py, "c_contiguous"))?
-            .extract()?;
-        let arr = if contiguous {
-            obj.clone()
-        } else {
-            obj.call_method1(intern!(py, "copy"), ("C",))?
+        let typestr = match known_dtype(&dtype) {
+            Some(typestr) => typestr,
+            None => {
+                let kind: String = dtype.getattr(intern!(py, "kind"))?.extract()?;
+                if !matches!(kind.as_str(), "b" | "i" | "u" | "f" | "c") {
+                    return Err(self.unsupported(
+                        obj,
+                        &format!(
+                            " with dtype {} (only bool/int/uint/float/complex arrays can be \
+                             shared; convert object/str arrays to lists)",
+                            dtype.repr()?
+                        ),
+                    ));
+                }
+                let typestr: String = dtype.getattr(intern!(py, "str"))?.extract()?;
+                if crate::archive::value::typestr_itemsize(&typestr).is_none() {
+                    return Err(self.unsupported(obj, &format!(" with dtype {typestr}")));
+                }
+                remember_dtype(&dtype, &typestr);
+                typestr
+            }
         };
-        // The copy keeps the dtype: its string is the input's.
-        let typestr: String = dtype.getattr(intern!(py, "str"))?.extract()?;
-        if crate::archive::value::typestr_itemsize(&typestr).is_none() {
-            return Err(self.unsupported(obj, &format!(" with dtype {typestr}")));
-        }
-        let shape: Vec<u64> = arr.getattr(intern!(py, "shape"))?.extract()?;
         // The bytes, through a C-contiguous buffer export of the array itself (no flattened
-        // uint8 view made first: two temporary arrays per put of a small array).
-        let buf = ContiguousBytes::get(&arr)?;
+        // uint8 view made first: two temporary arrays per put of a small array), which also
+        // gives the shape. Refused for non-contiguous input (slices, transposes): copied to
+        // C order once, here (`copy`, not `ascontiguousarray`, which would turn a 0-d array
+        // into 1-d; the copy keeps the dtype, so the typestr is the input's).
+        let (arr, buf) = match ContiguousBytes::get(obj) {
+            Ok(buf) => (obj.clone(), buf),
+            Err(_) => {
+                let arr = obj.call_method1(intern!(py, "copy"), ("C",))?;
+                let buf = ContiguousBytes::get(&arr)?;
+                (arr, buf)
+            }
+        };
+        let shape = match buf.shape() {
+            Some(shape) => shape,
+            None => arr.getattr(intern!(py, "shape"))?.extract()?,
+        };
         let len = buf.len;
         let ptr = buf.ptr as usize;
         let builder = &mut *self.builder;
@@ -379,6 +387,33 @@ impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
             data: ext,
         })))
     }
+}
+
+/// Supported dtypes seen lately, with their typestr: a dtype object met again (most arrays
+/// put share a handful) costs no attribute lookups. Each is held here, so its address cannot
+/// be reused by another object while it is remembered.
+static DTYPES: std::sync::Mutex<Vec<(Py<PyAny>, String)>> = std::sync::Mutex::new(Vec::new());
+/// Most dtypes remembered.
+const DTYPE_CACHE: usize = 16;
+
+fn known_dtype(dtype: &Bound<'_, PyAny>) -> Option<String> {
+    let known = DTYPES.lock().unwrap_or_else(|p| p.into_inner());
+    known
+        .iter()
+        .find(|(d, _)| d.as_ptr() == dtype.as_ptr())
+        .map(|(_, t)| t.clone())
+}
+
+fn remember_dtype(dtype: &Bound<'_, PyAny>, typestr: &str) {
+    let entry = (dtype.clone().unbind(), typestr.to_owned());
+    let old = {
+        let mut known = DTYPES.lock().unwrap_or_else(|p| p.into_inner());
+        let old = (known.len() >= DTYPE_CACHE).then(|| known.remove(0));
+        known.push(entry);
+        old
+    };
+    // Dropped outside the lock (a decref may run arbitrary code).
+    drop(old);
 }
 
 /// A C-contiguous buffer export of an object (`PyObject_GetBuffer` with
@@ -407,6 +442,22 @@ impl ContiguousBytes {
         let len = usize::try_from(view.len).unwrap_or(0);
         let ptr = view.buf as *const u8;
         Ok(ContiguousBytes { view, ptr, len })
+    }
+
+    /// The exported shape (`PyBUF_C_CONTIGUOUS` asks for it), `None` if the exporter gave
+    /// none for a non-scalar.
+    fn shape(&self) -> Option<Vec<u64>> {
+        let ndim = usize::try_from(self.view.ndim).ok()?;
+        if ndim == 0 {
+            return Some(Vec::new());
+        }
+        if self.view.shape.is_null() {
+            return None;
+        }
+        // SAFETY: an exporter that fills `shape` gives `ndim` entries, valid until the
+        // export is released (in Drop, after this borrow of `self`).
+        let dims = unsafe { std::slice::from_raw_parts(self.view.shape, ndim) };
+        dims.iter().map(|&d| u64::try_from(d).ok()).collect()
     }
 }
 
