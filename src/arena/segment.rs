@@ -724,9 +724,10 @@ impl ArenaFile {
     /// Take a lease on `chunk` and check its generation. Returns the lease and the
     /// archive's (offset, length) in the file.
     pub fn lease(self: &Arc<Self>, chunk: Chunk) -> Result<(Lease, u64, u64), ArenaError> {
-        let arena = name_of(&self.path);
+        // The arena's name is made only for an error (not on every lease).
+        let arena = || name_of(&self.path);
         let corrupt = |what: String| ArenaError::Corrupt {
-            arena: arena.clone(),
+            arena: arena(),
             what,
         };
         let end = chunk.offset.checked_add(chunk.size);
@@ -741,7 +742,7 @@ impl ArenaFile {
             )));
         }
         let stale = |have| ArenaError::Stale {
-            arena: arena.clone(),
+            arena: arena(),
             offset: chunk.offset,
             want: chunk.generation,
             have,
