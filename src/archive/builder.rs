@@ -19,8 +19,12 @@ use super::{table, ArchiveError};
 /// A block (the unit of first-touch validation: docs/format.md, "Integrity") closes after
 /// this many records ...
 pub const BLOCK_RECORDS: u64 = 64;
-/// ... or once its records hold this many bytes.
-pub const BLOCK_BYTES: u64 = 1024;
+/// ... or once its records hold this many bytes ...
+pub const BLOCK_BYTES: u64 = 4096;
+/// ... and a record of at least this many bytes is a block of its own, so that the first
+/// read of a large record (a document) hashes that record only, not its neighbours too.
+/// Small records share blocks: fewer, larger blocks cost less per record on a first pass.
+pub const ALONE_BYTES: u64 = 512;
 /// Payloads are hashed and written in pieces of this size (the piece is hashed while it is
 /// in cache, then written).
 const PAYLOAD_PIECE: usize = 1 << 20;
@@ -169,6 +173,9 @@ impl<W: Write + Seek> Builder<W> {
         if len >= LONG_RECORD {
             self.write_raw(&len.to_le_bytes())?;
         }
+        if len >= ALONE_BYTES {
+            self.close_block();
+        }
         let start = self.pos;
         if start >= MAX_RECORD_START {
             return Err(ArchiveError::Invalid("archive larger than 256 TiB".into()));
@@ -179,7 +186,10 @@ impl<W: Write + Seek> Builder<W> {
         self.index
             .extend_from_slice(&(start << 16 | len.min(LONG_RECORD)).to_le_bytes());
         self.count += 1;
-        if self.count - self.block_first >= BLOCK_RECORDS || self.block_bytes >= BLOCK_BYTES {
+        if self.count - self.block_first >= BLOCK_RECORDS
+            || self.block_bytes >= BLOCK_BYTES
+            || len >= ALONE_BYTES
+        {
             self.close_block();
         }
         Ok(())

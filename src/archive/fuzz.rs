@@ -777,6 +777,31 @@ pub fn crafted(name: &str) -> Option<(Kind, Vec<u8>)> {
             header::reseal(&mut b);
             b
         }
+        // Three strings whose bytes overlap: each reference points past the one before
+        // it, but each value runs to the record's end. A record of n bytes would make
+        // ~n^2/4 bytes of Python objects.
+        "overlapping-values" => {
+            let mut rec = vec![T_LIST, 3];
+            for (at, target) in [(2u32, 14u32), (6, 16), (10, 18)] {
+                rec.extend_from_slice(&(target - at).to_le_bytes());
+            }
+            let end = 14 + 100;
+            for k in 0..3u8 {
+                let p = 14 + 2 * k as usize;
+                rec.resize(p, 0);
+                rec.extend_from_slice(&[T_BYTES, (end - p - 2) as u8]);
+            }
+            rec.resize(end, 0);
+            raw(&rec)
+        }
+        // Two values naming one out-of-line payload: bytes copied out twice (or n times).
+        "shared-payload" => {
+            let mut b = Builder::new(Cursor::new(Vec::new()), Kind::Object, 1).expect("in memory");
+            let data = b.write_payload(&[7; 70_000]).expect("in memory");
+            let v = Value::List(vec![Value::BytesExt(data), Value::BytesExt(data)]);
+            b.finish_record(&v).expect("in memory");
+            seal(b)
+        }
         "payload-extent-near-2^64" => object(Value::BytesExt(Extent {
             offset: u64::MAX - 7,
             len: 16,
@@ -810,6 +835,8 @@ pub const CRAFTED: &[&str] = &[
     "span-start-near-2^64",
     "span-length-long",
     "payload-extent-near-2^64",
+    "overlapping-values",
+    "shared-payload",
 ];
 
 #[cfg(test)]

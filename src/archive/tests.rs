@@ -444,9 +444,9 @@ fn blocks_cover_records_in_groups() {
 /// two words of the bitmap: a record of another block must never be taken as checked.
 #[test]
 fn checking_a_block_marks_exactly_its_records() {
-    // Records of ~40 bytes: blocks close at BLOCK_BYTES before BLOCK_RECORDS, so their
+    // Records of ~100 bytes: blocks close at BLOCK_BYTES before BLOCK_RECORDS, so their
     // bounds fall at places other than multiples of 64.
-    let values: Vec<Value> = (0..700).map(|i| s(&format!("{i:038}"))).collect();
+    let values: Vec<Value> = (0..700).map(|i| s(&format!("{i:098}"))).collect();
     let bytes = build(Kind::List, &values);
     let r = Reader::open(&bytes[..]).unwrap();
     let firsts = r.block_first.clone();
@@ -600,4 +600,29 @@ fn interned_keys_write_the_same_bytes_as_str_keys() {
     let r = Reader::open(&bytes[..]).unwrap();
     let got = decode(&r, r.item(r.root(0).unwrap()).unwrap(), 0).unwrap();
     assert_eq!(got, Value::List(vec![s("name"), Value::Int(1)]));
+}
+
+/// A record of `builder::ALONE_BYTES` or more is a block of its own (its first read hashes
+/// it alone); smaller records share blocks.
+#[test]
+fn large_records_are_blocks_of_their_own() {
+    let big = "y".repeat(builder::ALONE_BYTES as usize);
+    let values = vec![
+        s("a"),
+        s("b"),
+        s(&big),
+        s("c"),
+        s("d"),
+        s(&big),
+        s(&big),
+        s("e"),
+    ];
+    let bytes = build(Kind::List, &values);
+    let r = Reader::open(&bytes[..]).unwrap();
+    assert_eq!(r.block_first, vec![0, 2, 3, 5, 6, 7]);
+    r.validate_record(2).unwrap();
+    assert!(r.is_validated(2) && !r.is_validated(1) && !r.is_validated(3));
+    for i in 0..values.len() as u64 {
+        r.validate_record(i).unwrap();
+    }
 }
