@@ -124,8 +124,11 @@ pub struct Reader<B> {
     validated: Vec<AtomicU64>,
     /// One bit per record: the hash indexes of its general dicts checked (`confirm_miss`).
     indexes_checked: Vec<AtomicU64>,
-    /// First record of each block.
+    /// First record of each block; empty when every record is a block of its own
+    /// (`alone`): block `b` is then record `b`, and a store of a million documents does
+    /// not keep 8 MB of this table in every process that reads it.
     pub(crate) block_first: Vec<u64>,
+    alone: bool,
     /// Absolute [start, end) of each symbol's UTF-8 bytes.
     symbols: Vec<(usize, usize)>,
     shapes: Vec<ShapeInfo>,
@@ -236,12 +239,19 @@ impl<B: AsRef<[u8]>> Reader<B> {
         }
         let symbols = parse_symbols(bytes, &header)?;
         let shapes = parse_shapes(bytes, &header, symbols.len())?;
-        let block_first = parse_blocks(bytes, &header)?;
+        let mut block_first = parse_blocks(bytes, &header)?;
+        // Blocks are in order and start at record 0 (checked by `parse_blocks`), so as
+        // many blocks as records means block b = record b.
+        let alone = header.count > 0 && block_first.len() as u64 == header.count;
+        if alone {
+            block_first = Vec::new();
+        }
         let words = header.count.div_ceil(64) as usize;
         Ok(Reader {
             validated: (0..words).map(|_| AtomicU64::new(0)).collect(),
             indexes_checked: (0..words).map(|_| AtomicU64::new(0)).collect(),
             block_first,
+            alone,
             rec_end: header.index_off as usize,
             last_block_end: AtomicUsize::new(0),
             populated_to: AtomicUsize::new(0),
@@ -383,8 +393,8 @@ impl<B: AsRef<[u8]>> Reader<B> {
     #[inline(never)]
     fn validate_block(&self, rec: u64) -> Result<(), ArchiveError> {
         let b = self.block_of(rec);
-        let (first, last) = if self.block_first.len() as u64 == self.header.count {
-            (rec, rec + 1) // a block per record: `block_of`
+        let (first, last) = if self.alone {
+            (rec, rec + 1) // a block per record
         } else {
             let first = self.block_first[b];
             let next = self.block_first.get(b + 1).copied();
@@ -515,7 +525,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
     /// loads per block.
     #[inline]
     fn prefetch_next_block(&self, b: usize, end: usize) {
-        if b + 1 >= self.block_first.len() {
+        if b + 1 >= self.blocks() {
             return;
         }
         let bytes = self.bytes();
@@ -535,15 +545,13 @@ impl<B: AsRef<[u8]>> Reader<B> {
     /// the search starts where `rec` would be if they were all alike and widens from there
     /// (a few cache misses instead of a binary search over a table that may be megabytes).
     pub(crate) fn block_of(&self, rec: u64) -> usize {
-        let f = &self.block_first;
-        let n = f.len();
-        if n as u64 == self.header.count {
-            // Every record is a block of its own (a store of documents): block `rec` holds
-            // record `rec` (the blocks are in order, checked at open), and the table of
-            // first records is not read at all, which in random order is a cache miss less
-            // on a record's first read.
+        if self.alone {
+            // Every record is a block of its own (a store of documents): no table to read,
+            // which in random order is a cache miss less on a record's first read.
             return rec as usize;
         }
+        let f = &self.block_first;
+        let n = f.len();
         let guess = self.block_guess(rec);
         // Widen a window around the guess until it holds the answer, then search it.
         let (mut lo, mut hi) = (guess, guess + 1);
@@ -560,10 +568,20 @@ impl<B: AsRef<[u8]>> Reader<B> {
         lo + f[lo..hi].partition_point(|&x| x <= rec) - 1
     }
 
+    /// The number of blocks.
+    #[inline]
+    fn blocks(&self) -> usize {
+        if self.alone {
+            self.header.count as usize
+        } else {
+            self.block_first.len()
+        }
+    }
+
     /// Where record `rec`'s block would be if every block held as many records (a block
     /// table is never empty when there are records).
     fn block_guess(&self, rec: u64) -> usize {
-        let n = self.block_first.len();
+        let n = self.blocks();
         let guess = (rec as u128 * n as u128) / self.header.count.max(1) as u128;
         (guess as usize).min(n - 1)
     }
@@ -786,12 +804,12 @@ impl<B: AsRef<[u8]>> Reader<B> {
     /// Start loading what checking record `rec`'s block reads first: where the block is
     /// expected in the table of first records ([`Self::block_of`]'s guess) and its checksum.
     pub fn prefetch_block(&self, rec: u64) {
-        if self.block_first.is_empty() || rec >= self.header.count {
+        if self.blocks() == 0 || rec >= self.header.count {
             return;
         }
         let guess = self.block_guess(rec);
         #[cfg(target_arch = "x86_64")]
-        {
+        if !self.alone {
             let p = self.block_first[guess..].as_ptr();
             // SAFETY: as in `prefetch`: a hint that never faults, and `p` points into the
             // vector (`guess < n`).

@@ -626,3 +626,31 @@ fn large_records_are_blocks_of_their_own() {
         r.validate_record(i).unwrap();
     }
 }
+
+/// A store whose every record is a block of its own (documents of 512 bytes or more) keeps
+/// no table of first records; each record is still checked, alone, on first access, and a
+/// corrupted one is found.
+#[test]
+fn a_store_of_documents_checks_each_alone() {
+    let values: Vec<Value> = (0..200).map(|i| s(&format!("{i:0600}"))).collect();
+    let bytes = build(Kind::List, &values);
+    let r = Reader::open(&bytes[..]).unwrap();
+    assert!(r.block_first.is_empty());
+    assert_eq!(r.header().blocks(), 200);
+    r.validate_record(77).unwrap();
+    assert!(r.is_validated(77) && !r.is_validated(76) && !r.is_validated(78));
+    for rec in 0..200 {
+        assert_eq!(r.block_of(rec), rec as usize);
+    }
+    roundtrip(&values);
+    // A flipped byte in record 150: that record's check fails, its neighbours' do not.
+    let mut bad = bytes.clone();
+    let (s150, _) = header::record_span(&bad, u64_at(&bad, 32), 150).unwrap();
+    bad[s150 as usize + 100] ^= 1;
+    let r = Reader::open(&bad[..]).unwrap();
+    assert!(r.validate_record(149).is_ok() && r.validate_record(151).is_ok());
+    assert!(matches!(
+        r.validate_record(150),
+        Err(ArchiveError::Corrupt(_))
+    ));
+}
