@@ -492,3 +492,26 @@ def test_arrays_keep_dtype_and_shape_whatever_came_before() -> None:
             got = ref.get()
             assert got.dtype.str == v.dtype.str and got.shape == v.shape, (v.dtype, v.shape)
             assert np.array_equal(got, v)
+
+
+def test_arenas_let_go_of_while_an_object_is_encoded_into_one() -> None:
+    """An array is encoded straight into a chunk reserved for it; if the process lets go of
+    its arenas meanwhile (here: code the encoding runs, an ndarray subclass's `dtype`), the
+    chunk is never given out and the object goes to a new arena, whole."""
+    released = []
+
+    class Releasing(np.ndarray):  # type: ignore[type-arg]
+        @property
+        def dtype(self) -> np.dtype:  # type: ignore[override,type-arg]
+            if not released:
+                released.append(_native._arena_release())
+            return super().dtype
+
+    first = shmstore.put(b"x" * 100)  # this process's first arena
+    a = np.arange(1000, dtype=np.int32).view(Releasing)
+    ref = shmstore.put(a)
+    assert released and "@" in ref.name
+    assert chunk_of(ref)[0] != chunk_of(first)[0], "a new arena"
+    got = ref.get()
+    assert got.dtype == np.int32 and np.array_equal(got, np.arange(1000, dtype=np.int32))
+    assert first.get() == b"x" * 100

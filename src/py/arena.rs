@@ -227,7 +227,7 @@ pub(crate) fn put_archive(
         cancel(py, &path, &r);
         return Err(arena_io(&path, e));
     }
-    give_out(py, path, r, archive.len() as u64, arena).map(Some)
+    give_out(py, path, r, archive.len() as u64, arena)
 }
 
 /// What became of [`put_in_place`].
@@ -264,7 +264,8 @@ pub(crate) fn put_in_place(
     match built {
         Ok(len) => {
             OVERHEAD[slot].fetch_max(len.saturating_sub(size), Ordering::Relaxed);
-            give_out(py, path, r, len, arena).map(InPlace::Put)
+            // Let go of meanwhile: encoded again, into memory, for a new arena.
+            Ok(give_out(py, path, r, len, arena)?.map_or(InPlace::DidNotFit, InPlace::Put))
         }
         Err(e) => {
             cancel(py, &path, &r);
@@ -397,35 +398,36 @@ fn cancel(py: Python<'_>, path: &Path, r: &Reservation) {
 }
 
 /// Give out the chunk of `r`, holding an archive of `len` bytes, and map it for this
-/// process's handle.
+/// process's handle; `None` if this process let go of the arena meanwhile
+/// (`_arena_release`, by another thread or by code the encoding ran): the chunk was never
+/// given out, the object goes elsewhere.
 fn give_out(
     py: Python<'_>,
     path: PathBuf,
     r: Reservation,
     len: u64,
     arena: Arc<ArenaUse>,
-) -> PyResult<Arc<Store>> {
+) -> PyResult<Option<Arc<Store>>> {
     let committed = py.detach(|| {
         let mut arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
-        match arenas
+        arenas
             .iter_mut()
             .find(|a| a.writer.path().as_os_str() == path.as_os_str())
-        {
-            Some(a) => a.writer.commit(&r, len).map_err(|err| Error::Arena {
-                at: format!("arena {:?}", path.display().to_string()),
-                err,
-            }),
-            // Let go of meanwhile (`_arena_release` by another thread): never given out.
-            None => Err(Error::Arena {
-                at: format!("arena {:?}", path.display().to_string()),
-                err: crate::arena::ArenaError::Segment(segment::SegmentError::io(
-                    &path,
-                    std::io::Error::other("the arena was let go of while the object was written"),
-                )),
-            }),
-        }
+            .map(|a| {
+                a.writer.commit(&r, len).map_err(|err| Error::Arena {
+                    at: format!("arena {:?}", path.display().to_string()),
+                    err,
+                })
+            })
+            .transpose()
     })?;
-    let chunk = committed;
+    let Some(chunk) = committed else {
+        log::debug!(
+            "arena {} let go of while an object was written into it",
+            path.display()
+        );
+        return Ok(None);
+    };
     let opened = store::open_chunk(py, path.clone(), chunk, Some((arena, len)));
     let failed = opened.is_err();
     // Held by its handle now (or failed): the chunk is an ordinary one from here on; if the
@@ -442,7 +444,7 @@ fn give_out(
             }
         }
     });
-    opened
+    opened.map(Some)
 }
 
 type Held = (
