@@ -14,7 +14,7 @@
 //!   [`Reader::verify`] and never on the read path: any bit pattern of a numeric array is a
 //!   valid array, so reading one needs no hash (docs/format.md, "Integrity").
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use xxhash_rust::xxh3::{xxh3_64, Xxh3Default};
 
@@ -134,11 +134,6 @@ pub struct Reader<B> {
     shapes: Vec<ShapeInfo>,
     /// End of the records region (= index_off): every record byte lies before it.
     rec_end: usize,
-    /// A first pass in order: where the last checked block ended, and how far the pages
-    /// ahead of it are mapped already (`populate_ahead`); `usize::MAX` once the kernel
-    /// refused (too old for it).
-    last_block_end: AtomicUsize,
-    populated_to: AtomicUsize,
 }
 
 fn corrupt<T>(msg: impl Into<String>) -> Result<T, ArchiveError> {
@@ -162,43 +157,10 @@ thread_local! {
 
 /// How many bytes of a record `root` asks the cache for ahead of reading them.
 const ROOT_PREFETCH: usize = 512;
-/// Bytes of records mapped at a time ahead of a pass in order (`populate_ahead`).
-const POPULATE_WINDOW: usize = 1 << 20;
-/// The page size `populate_ahead` aligns to (4 KiB is the smallest on Linux; a larger
-/// page size only makes some calls cover part of a page twice).
-const PAGE: usize = 4096;
-
-/// Ask the kernel to map `bytes`' pages now (`MADV_POPULATE_READ`, Linux 5.14+); false if
-/// it cannot (an older kernel, memory that is not a mapping). Nothing else changes: the
-/// pages were readable already, and reading them would have mapped them.
-fn populate_read(bytes: &[u8]) -> bool {
-    #[cfg(target_os = "linux")]
-    {
-        let start = bytes.as_ptr() as usize;
-        let aligned = start & !(PAGE - 1);
-        // SAFETY: madvise only reads the arguments; MADV_POPULATE_READ faults in pages
-        // that are already mapped readable in this process (the pages of `bytes`, from the
-        // page that holds its first byte), as a read of them would. It writes to no
-        // memory, and a range it cannot populate is an error return, not a signal.
-        let rc = unsafe {
-            libc::madvise(
-                aligned as *mut libc::c_void,
-                start - aligned + bytes.len(),
-                libc::MADV_POPULATE_READ,
-            )
-        };
-        rc == 0
-    }
-    #[cfg(not(target_os = "linux"))]
-    {
-        let _ = bytes;
-        false
-    }
-}
-
-/// Bytes of the next block that a block's check asks for ahead (`prefetch_next_block`):
-/// a block closes at 1 KiB of records, so this covers most blocks whole.
-const NEXT_BLOCK_PREFETCH: usize = 1280;
+/// Bytes of the next block that a block's check asks for ahead (`prefetch_next_block`): a
+/// block closes at 4 KiB of records, and a record of 512 bytes or more is alone, so this
+/// covers every block of small records whole.
+const NEXT_BLOCK_PREFETCH: usize = 4096 + 512;
 
 /// Most dimensions an array may have (numpy's limit since numpy 2).
 pub const MAX_NDIM: usize = 64;
@@ -253,8 +215,6 @@ impl<B: AsRef<[u8]>> Reader<B> {
             block_first,
             alone,
             rec_end: header.index_off as usize,
-            last_block_end: AtomicUsize::new(0),
-            populated_to: AtomicUsize::new(0),
             backing,
             header,
             symbols,
@@ -484,37 +444,8 @@ impl<B: AsRef<[u8]>> Reader<B> {
             self.validated[word].fetch_or(mask, Ordering::AcqRel);
             r += hi - lo;
         }
-        if self.last_block_end.swap(end, Ordering::Relaxed) == s0 {
-            // This block follows the one checked last: a pass in order.
-            self.populate_ahead(end);
-        }
         self.prefetch_next_block(b, end);
         Ok(())
-    }
-
-    /// A pass in order has reached `end`: map the next pages of the records now, a window
-    /// of them in one system call, rather than one page fault per 64 KiB as the pass reads
-    /// on (the kernel maps the same pages either way; the faults' entries and exits are
-    /// what this saves, ~15 % of mapping a fresh store's pages here). Only on a pass in
-    /// order (two blocks checked back to back), so that random reads never map pages they
-    /// will not read.
-    fn populate_ahead(&self, end: usize) {
-        let done = self.populated_to.load(Ordering::Relaxed);
-        if done == usize::MAX
-            || done >= self.rec_end
-            || end.saturating_add(POPULATE_WINDOW / 2) <= done
-        {
-            return;
-        }
-        let bytes = self.bytes();
-        let from = done.max(end) & !(PAGE - 1);
-        let to = from.saturating_add(POPULATE_WINDOW).min(self.rec_end);
-        if to <= from || to > bytes.len() {
-            return;
-        }
-        let ok = populate_read(&bytes[from..to]);
-        self.populated_to
-            .store(if ok { to } else { usize::MAX }, Ordering::Relaxed);
     }
 
     /// After block `b` (whose records end at `end`) was checked: start loading the bytes the
