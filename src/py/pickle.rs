@@ -83,7 +83,7 @@ pub(crate) fn _rebuild_view<'py>(
                 new_untracked(py, ListView::new(StoreRef::new(py, store)?, node))?.into_any()
             }
             Item::Dict(node) => {
-                new_untracked(py, DictView::new(StoreRef::new(py, store)?, node))?.into_any()
+                new_untracked(py, DictView::new(py, StoreRef::new(py, store)?, node))?.into_any()
             }
             _ => {
                 return Err(Error::Corrupt {

@@ -3,7 +3,7 @@
 use pyo3::prelude::*;
 use pyo3::pyclass::CompareOp;
 
-use super::protocol::{abc_view, iterator, next_key, AbcView, Map};
+use super::protocol::{abc_view, field_value, iterator, next_key, AbcView, FieldTable, Map};
 use super::{compare_plain, reduce_view, ViewPickleArgs};
 use crate::archive::Node;
 use crate::py::read::StoreRef;
@@ -13,6 +13,8 @@ use crate::py::read::StoreRef;
 pub(crate) struct DictView {
     store: StoreRef,
     node: Node,
+    /// A shaped dict's fields, found when the view is made (empty otherwise).
+    fields: FieldTable,
 }
 
 iterator!(DictIter, "DictViewIterator", next_key);
@@ -24,13 +26,18 @@ impl super::freelist::HoldsStore for DictView {
 }
 
 impl super::slots::FastGet for DictView {
-    /// `view[key]` with an exact str that is present.
+    /// `view[key]` with an exact str that is present: first by the key's identity in the
+    /// view's own field table, else as any mapping does.
     #[inline(always)]
     fn fast_get<'py>(
         slf: &Bound<'py, Self>,
         key: &Bound<'py, PyAny>,
     ) -> Option<PyResult<Bound<'py, PyAny>>> {
-        slf.get().map().get_str_fast(slf.py(), key)
+        let v = slf.get();
+        if let Some(f) = v.fields.find(key) {
+            return Some(field_value(slf.py(), &v.store, v.node, f));
+        }
+        v.map().get_str_fast(slf.py(), key)
     }
 
     super::slots::original_slot!();
@@ -53,8 +60,13 @@ impl super::slots::FastIter for DictView {
 
 impl DictView {
     #[inline(always)]
-    pub(crate) fn new(store: StoreRef, node: Node) -> Self {
-        DictView { store, node }
+    pub(crate) fn new(py: Python<'_>, store: StoreRef, node: Node) -> Self {
+        let fields = FieldTable::of(py, &store, node);
+        DictView {
+            store,
+            node,
+            fields,
+        }
     }
 
     fn map(&self) -> Map<'_> {

@@ -6,7 +6,7 @@ use pyo3::types::PyInt;
 
 use super::protocol::{index_item, iterator, next_item, Seq};
 use super::{compare_plain, reduce_view, ViewPickleArgs};
-use crate::archive::reader::SeqAt;
+use crate::archive::reader::{Form, SeqAt};
 use crate::archive::Node;
 use crate::py::errors::Error;
 use crate::py::read::StoreRef;
@@ -16,8 +16,9 @@ use crate::py::read::StoreRef;
 pub(crate) struct ListView {
     store: StoreRef,
     node: Node,
-    /// The layout, read once when the view is made (None if it is corrupt: then every
-    /// access goes the long way and raises).
+    /// The layout, read once when the view is made; None for a packed field (whose layout
+    /// is in its node: worked out per access, cheaper than storing it) or if it is corrupt
+    /// (then every access goes the long way and raises).
     seq: Option<SeqAt>,
 }
 
@@ -37,7 +38,10 @@ impl super::slots::FastGet for ListView {
         key: &Bound<'py, PyAny>,
     ) -> Option<PyResult<Bound<'py, PyAny>>> {
         let v = slf.get();
-        let seq = v.seq?;
+        let seq = match v.seq {
+            Some(seq) => seq,
+            None => v.store.reader.seq(v.node).ok()?,
+        };
         index_item(slf.py(), &v.store, seq, super::slots::exact_index(key)?)
     }
 
@@ -66,7 +70,12 @@ impl super::slots::FastIter for ListView {
 impl ListView {
     #[inline(always)]
     pub(crate) fn new(store: StoreRef, node: Node) -> Self {
-        let seq = store.reader.seq(node).ok();
+        // A packed field's layout is its node's form: not stored (building it in the view
+        // went through memory in pieces that were read back whole, a stall per view).
+        let seq = match node.form {
+            Form::Pack { .. } => None,
+            _ => store.reader.seq(node).ok(),
+        };
         ListView { store, node, seq }
     }
 

@@ -73,7 +73,7 @@ pub(crate) fn value<'py>(
             }
             Item::Dict(ref node) => {
                 let node = relay(node);
-                return Ok(new_view(py, DictView::new(store.clone_ref(py), node))?.into_any());
+                return Ok(new_view(py, DictView::new(py, store.clone_ref(py), node))?.into_any());
             }
             _ => {}
         }

@@ -304,6 +304,71 @@ pub(crate) fn record_item<'py>(
     Some(record(py, store, j, false))
 }
 
+/// The value of field `f` of the shaped dict at `node`, its slot read directly.
+#[inline(always)]
+pub(crate) fn field_value<'py>(
+    py: Python<'py>,
+    store: &StoreRef,
+    node: Node,
+    f: PyField,
+) -> PyResult<Bound<'py, PyAny>> {
+    match store.reader.struct_slot(node, f.enc, f.off) {
+        Ok(it) => read::value(py, store, it, false),
+        Err(e) => Err(store.archive_err()(e).into()),
+    }
+}
+
+/// A shaped dict's fields (its shape's row of the store's field table,
+/// [`crate::py::store::Store::py_fields`]), kept by its view: `view["field"]` then compares
+/// the key with them at once instead of first reaching the table through the store, a chain
+/// of five dependent loads on every lookup. Empty for a general dict (or if the store's
+/// symbols could not be made), which then takes the long way.
+#[derive(Clone, Copy)]
+pub(crate) struct FieldTable {
+    ptr: *const PyField,
+    len: usize,
+}
+
+// SAFETY: the table is immutable once made and lives in the store (`Store::py_fields`: made
+// once, never moved or freed before the store), and a `FieldTable` is only read through a
+// view that holds a reference to that store; sharing or sending it is sharing a `&[PyField]`
+// that outlives it.
+unsafe impl Send for FieldTable {}
+// SAFETY: as above.
+unsafe impl Sync for FieldTable {}
+
+impl FieldTable {
+    /// The fields of the dict at `node` of `store`.
+    #[inline(always)]
+    pub(crate) fn of(py: Python<'_>, store: &StoreRef, node: Node) -> Self {
+        match store
+            .reader
+            .dict_shape(node)
+            .and_then(|id| store.py_fields(py, id))
+        {
+            Some(f) => FieldTable {
+                ptr: f.as_ptr(),
+                len: f.len(),
+            },
+            None => FieldTable {
+                ptr: std::ptr::NonNull::dangling().as_ptr(),
+                len: 0,
+            },
+        }
+    }
+
+    /// The field whose key is the very object `key` (see [`Map::field_by_identity`]).
+    /// Only to be called by the holder of a reference to the store the table came from.
+    #[inline(always)]
+    pub(crate) fn find(&self, key: &Bound<'_, PyAny>) -> Option<PyField> {
+        let kp = key.as_ptr() as usize;
+        // SAFETY: `ptr`/`len` are a live slice of the store's field table (or dangling with
+        // `len` 0, an empty slice), and the caller holds the store (see the `Sync` impl).
+        let fields = unsafe { std::slice::from_raw_parts(self.ptr, self.len) };
+        fields.iter().find(|f| f.key == kp).copied()
+    }
+}
+
 /// A mapping: the entries of a dict store, or of a stored dict.
 #[derive(Clone, Copy)]
 pub(crate) enum Map<'a> {
@@ -364,13 +429,7 @@ impl<'a> Map<'a> {
             return None;
         };
         let (_, f) = self.field_by_identity(py, key)?;
-        Some(
-            store
-                .reader
-                .struct_slot(node, f.enc, f.off)
-                .map_err(|e| store.archive_err()(e).into())
-                .and_then(|it| read::value(py, store, it, false)),
-        )
+        Some(field_value(py, store, node, f))
     }
 
     /// `self[key]` for an exact `str` key that is present, for the fast paths of
