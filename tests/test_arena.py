@@ -412,6 +412,10 @@ def test_known_size_objects_are_built_in_their_chunk() -> None:
         b"y" * 1000,  # inline
         np.zeros((1,) * 20, dtype=np.int16),  # more metadata than any before it
         np.arange(6, dtype=np.int64)[::2],  # not contiguous: copied first
+        # Large payloads are copied past the cache (non-temporal stores): a source that is
+        # not 16-byte aligned, lengths that are not a multiple of 64.
+        np.frombuffer(bytes(range(256)) * 400, dtype=np.uint8, offset=3, count=100_003),
+        np.arange(20_001, dtype=np.uint8),
     ]
     refs = [shmstore.put(v) for v in values]
     for v, r in zip(values, refs, strict=True):

@@ -25,13 +25,13 @@ const DEFAULT_CAPACITY: u64 = 64 << 20;
 /// [`capacity`]: a process that puts a few small objects reserves 4 MiB, not 64.
 const FIRST_CAPACITY: u64 = 4 << 20;
 
-/// One arena of this process: the writer, this process's use of it (the opened file, whose
-/// releases say which chunks this process no longer holds, and the supervisor
-/// registration), and chunks waiting for their last lease elsewhere.
 /// A chunk reserved in an arena of this process: the arena's path, the reservation, and
 /// this process's use of the arena.
 type Placed = (PathBuf, Reservation, Arc<ArenaUse>);
 
+/// One arena of this process: the writer, this process's use of it (the opened file, whose
+/// releases say which chunks this process no longer holds, and the supervisor
+/// registration), and chunks waiting for their last lease elsewhere.
 struct Owned {
     dir: PathBuf,
     writer: ArenaWriter,
@@ -252,7 +252,7 @@ pub(crate) fn put_in_place(
 ) -> PyResult<InPlace> {
     let slot = overhead_slot(obj);
     let max_len = size.saturating_add(overhead(slot));
-    if max_len > MAX_OBJECT as u64 || max_len + 64 > capacity() {
+    if max_len > MAX_OBJECT as u64 || max_len.saturating_add(64) > capacity() {
         return Ok(InPlace::DidNotFit);
     }
     let Some((path, mut r, arena)) = reserve(py, max_len, dir)? else {
