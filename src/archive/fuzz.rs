@@ -802,6 +802,19 @@ pub fn crafted(name: &str) -> Option<(Kind, Vec<u8>)> {
             b.finish_record(&v).expect("in memory");
             seal(b)
         }
+        // A list of 2^40 dicts whose every field is None: rows of 0 bytes, so the count
+        // fits in any record, and reading it whole would never end.
+        "zero-size-rows" => {
+            let row = || Value::Dict(vec![(Value::Str("a".into()), Value::None)]);
+            let v = Value::List(vec![
+                Value::List(vec![row(), row()]),
+                Value::Str("x".repeat(20)),
+            ]);
+            // [T_LIST, 2, ref -> 10, ref -> 13, T_LIST_STRUCT, shape, 2, T_STR, 20, x...]:
+            // the count becomes 2^40 (6 bytes), the second reference a None after it.
+            let b = edit(object(v), 12, &[0x80, 0x80, 0x80, 0x80, 0x80, 0x20, T_NONE]);
+            edit(b, 6, &12u32.to_le_bytes())
+        }
         "payload-extent-near-2^64" => object(Value::BytesExt(Extent {
             offset: u64::MAX - 7,
             len: 16,
@@ -837,6 +850,7 @@ pub const CRAFTED: &[&str] = &[
     "payload-extent-near-2^64",
     "overlapping-values",
     "shared-payload",
+    "zero-size-rows",
 ];
 
 #[cfg(test)]

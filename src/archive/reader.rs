@@ -580,6 +580,15 @@ impl<B: AsRef<[u8]>> Reader<B> {
                     let sh = self.shape(id)?;
                     let size = sh.shape.size as usize;
                     let (n, after) = self.count(after, size)?;
+                    if size == 0 && n > end.saturating_sub(after) {
+                        // Rows of no bytes: writers never make more of them than there are
+                        // bytes left (they write such lists as references), and reading a
+                        // crafted count of 2^60 whole would never end.
+                        return corrupt(format!(
+                            "a list of {n} rows of no bytes in a record of {} bytes",
+                            end - pos
+                        ));
+                    }
                     if sh.refs.is_empty() {
                         // Rows of plain slots (numbers, packed fields): nothing to follow.
                         w.depth(depth + 2)?;

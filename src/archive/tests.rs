@@ -654,3 +654,20 @@ fn a_store_of_documents_checks_each_alone() {
         Err(ArchiveError::Corrupt(_))
     ));
 }
+
+/// A list of dicts whose rows would take no bytes (every field always None) is written as a
+/// list of references, not as struct rows (a reader refuses more rows of no bytes than its
+/// record has bytes left, `zero-size-rows` in fuzz.rs), and reads back as written.
+#[test]
+fn rows_of_no_bytes_are_written_as_references() {
+    let row = || dict(vec![("a", Value::None), ("b", Value::None)]);
+    let v = Value::List((0..1000).map(|_| row()).collect());
+    let bytes = build(Kind::Object, std::slice::from_ref(&v));
+    let (st, _) = header::record_span(&bytes, u64_at(&bytes, 32), 0).unwrap();
+    assert_eq!(
+        bytes[st as usize],
+        format::T_LIST,
+        "written as a list of references"
+    );
+    roundtrip(&[v]);
+}
