@@ -125,10 +125,9 @@ pub struct Reader<B> {
     /// One bit per record: the hash indexes of its general dicts checked (`confirm_miss`).
     indexes_checked: Vec<AtomicU64>,
     /// First record of each block; empty when every record is a block of its own
-    /// (`alone`): block `b` is then record `b`, and a store of a million documents does
-    /// not keep 8 MB of this table in every process that reads it.
+    /// ([`Self::alone`]): block `b` is then record `b`, and a store of a million documents
+    /// does not keep 8 MB of this table in every process that reads it.
     pub(crate) block_first: Vec<u64>,
-    alone: bool,
     /// Absolute [start, end) of each symbol's UTF-8 bytes.
     symbols: Vec<(usize, usize)>,
     shapes: Vec<ShapeInfo>,
@@ -203,9 +202,8 @@ impl<B: AsRef<[u8]>> Reader<B> {
         let shapes = parse_shapes(bytes, &header, symbols.len())?;
         let mut block_first = parse_blocks(bytes, &header)?;
         // Blocks are in order and start at record 0 (checked by `parse_blocks`), so as
-        // many blocks as records means block b = record b.
-        let alone = header.count > 0 && block_first.len() as u64 == header.count;
-        if alone {
+        // many blocks as records means block b = record b: the table says nothing.
+        if block_first.len() as u64 == header.count {
             block_first = Vec::new();
         }
         let words = header.count.div_ceil(64) as usize;
@@ -213,7 +211,6 @@ impl<B: AsRef<[u8]>> Reader<B> {
             validated: (0..words).map(|_| AtomicU64::new(0)).collect(),
             indexes_checked: (0..words).map(|_| AtomicU64::new(0)).collect(),
             block_first,
-            alone,
             rec_end: header.index_off as usize,
             backing,
             header,
@@ -353,7 +350,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
     #[inline(never)]
     fn validate_block(&self, rec: u64) -> Result<(), ArchiveError> {
         let b = self.block_of(rec);
-        let (first, last) = if self.alone {
+        let (first, last) = if self.alone() {
             (rec, rec + 1) // a block per record
         } else {
             let first = self.block_first[b];
@@ -476,7 +473,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
     /// the search starts where `rec` would be if they were all alike and widens from there
     /// (a few cache misses instead of a binary search over a table that may be megabytes).
     pub(crate) fn block_of(&self, rec: u64) -> usize {
-        if self.alone {
+        if self.alone() {
             // Every record is a block of its own (a store of documents): no table to read,
             // which in random order is a cache miss less on a record's first read.
             return rec as usize;
@@ -499,10 +496,17 @@ impl<B: AsRef<[u8]>> Reader<B> {
         lo + f[lo..hi].partition_point(|&x| x <= rec) - 1
     }
 
+    /// Whether every record is a block of its own (no table of blocks is kept then; an
+    /// archive without records has neither blocks nor a table).
+    #[inline]
+    fn alone(&self) -> bool {
+        self.block_first.is_empty()
+    }
+
     /// The number of blocks.
     #[inline]
     fn blocks(&self) -> usize {
-        if self.alone {
+        if self.alone() {
             self.header.count as usize
         } else {
             self.block_first.len()
@@ -518,8 +522,9 @@ impl<B: AsRef<[u8]>> Reader<B> {
     }
 
     /// Walk the record at [start, end) breadth first, as it was written: every reference
-    /// must point forward of the one before it and inside the record (so the record is a
-    /// tree and the walk ends), containers nest at most `MAX_VALUE_DEPTH` deep. `visit` sees
+    /// must point forward of the one before it and inside the record, no value may overlap
+    /// the one written after it (so the record is a tree of disjoint values and the walk
+    /// ends), containers nest at most `MAX_VALUE_DEPTH` deep. `visit` sees
     /// every tagged value (its position and tag).
     fn walk(
         &self,
@@ -621,11 +626,8 @@ impl<B: AsRef<[u8]>> Reader<B> {
                     }
                     stop
                 }
-                t => match self.leaf_end(t, body)? {
-                    // Only the root can be a leaf here (it is not: see the top).
-                    Some(stop) => stop,
-                    None => return corrupt(format!("unknown tag {t}")),
-                },
+                // Leaves are never queued (a leaf root is checked at the top).
+                t => return corrupt(format!("unknown tag {t}")),
             };
             // Where the value written after this one starts (the record's end for the last).
             let limit = w.queue[next - 1].2;
@@ -638,6 +640,18 @@ impl<B: AsRef<[u8]>> Reader<B> {
             }
         }
         w.finish()
+    }
+
+    /// The out-of-line extent of a big bytes value or an array (`tag`) whose in-record part
+    /// ends at `stop` ([`Self::leaf_end`]): the extent is its last 24 bytes. `None` for
+    /// any other value.
+    #[inline]
+    fn out_of_line(&self, tag: u8, stop: usize) -> Result<Option<Extent>, ArchiveError> {
+        if tag == T_BYTES_EXT || tag == T_ARRAY {
+            Ok(Some(self.ext_at(stop - 24)?))
+        } else {
+            Ok(None)
+        }
     }
 
     /// Where a value without references ends (`tag` at `body - 1`), its bounds checked
@@ -690,11 +704,8 @@ impl<B: AsRef<[u8]>> Reader<B> {
             let (s, e) = self.span(r)?;
             let mut found = Vec::new();
             self.walk(s, e, |pos, tag| {
-                if tag == T_BYTES_EXT {
-                    found.push(self.ext_at(pos + 1)?);
-                } else if tag == T_ARRAY {
-                    let m = self.array_meta_end(pos + 1)?;
-                    found.push(self.ext_at(m - 24)?);
+                if let Some(stop) = self.leaf_end(tag, pos + 1)? {
+                    found.extend(self.out_of_line(tag, stop)?);
                 }
                 Ok(())
             })?;
@@ -749,7 +760,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
         }
         let guess = self.block_guess(rec);
         #[cfg(target_arch = "x86_64")]
-        if !self.alone {
+        if !self.alone() {
             let p = self.block_first[guess..].as_ptr();
             // SAFETY: as in `prefetch`: a hint that never faults, and `p` points into the
             // vector (`guess < n`).
@@ -1479,8 +1490,8 @@ impl<B: AsRef<[u8]>> Reader<B> {
     }
 }
 
-/// The state of a tree walk: the values still to visit (position, tagged or a str body,
-/// depth) and the last reference target seen.
+/// The state of a tree walk: the containers still to visit, the last reference target seen,
+/// where the value found last ends, and the record's out-of-line extents.
 struct Walk<'q> {
     /// The containers still to walk, in the order they were written: (position, depth,
     /// where the value written after it starts, or the record's end).
@@ -1536,8 +1547,7 @@ impl Walk<'_> {
             match r.leaf_end(tag, t + 1)? {
                 Some(stop) => {
                     visit(t, tag)?;
-                    if tag == T_BYTES_EXT || tag == T_ARRAY {
-                        let ext = r.ext_at(stop - 24)?;
+                    if let Some(ext) = r.out_of_line(tag, stop)? {
                         self.payloads.push((ext.offset, ext.len));
                     }
                     stop

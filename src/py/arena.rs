@@ -65,10 +65,7 @@ fn place(arenas: &mut [Owned], dir: &Path, max_len: u64) -> Result<Option<Placed
         let released = a.arena.file.take_released();
         a.pending.extend(released);
         let path = a.writer.path().to_owned();
-        let arena_err = |err| Error::Arena {
-            at: format!("arena {:?}", path.display().to_string()),
-            err,
-        };
+        let arena_err = |err| arena_error(&path, err);
         a.writer.reclaim(&mut a.pending).map_err(arena_err)?;
         if let Some(r) = a.writer.reserve(max_len).map_err(arena_err)? {
             return Ok(Some((path, r, a.arena.clone())));
@@ -252,7 +249,7 @@ pub(crate) fn put_in_place(
 ) -> PyResult<InPlace> {
     let slot = overhead_slot(obj);
     let max_len = size.saturating_add(overhead(slot));
-    if max_len > MAX_OBJECT as u64 || max_len.saturating_add(64) > capacity() {
+    if !fits(max_len) {
         return Ok(InPlace::DidNotFit);
     }
     let Some((path, mut r, arena)) = reserve(py, max_len, dir)? else {
@@ -263,7 +260,7 @@ pub(crate) fn put_in_place(
     let built = build(obj, r.sink());
     match built {
         Ok(len) => {
-            OVERHEAD[slot].fetch_max(len.saturating_sub(size), Ordering::Relaxed);
+            note_overhead(slot, len, size);
             // Let go of meanwhile: encoded again, into memory, for a new arena.
             Ok(give_out(py, path, r, len, arena)?.map_or(InPlace::DidNotFit, InPlace::Put))
         }
@@ -282,7 +279,11 @@ pub(crate) fn put_in_place(
 /// The archive of `obj` took `len` bytes for a payload of `size`: reserve that much more
 /// than the payload for objects like it from now on.
 pub(crate) fn learn_overhead(obj: &Bound<'_, PyAny>, len: u64, size: u64) {
-    OVERHEAD[overhead_slot(obj)].fetch_max(len.saturating_sub(size), Ordering::Relaxed);
+    note_overhead(overhead_slot(obj), len, size);
+}
+
+fn note_overhead(slot: usize, len: u64, size: u64) {
+    OVERHEAD[slot].fetch_max(len.saturating_sub(size), Ordering::Relaxed);
 }
 
 /// Which objects share an [`OVERHEAD`]: arrays by their number of dimensions (a shape's
@@ -335,18 +336,44 @@ fn now_ms() -> u64 {
 }
 
 fn arena_io(path: &Path, e: std::io::Error) -> PyErr {
+    let err = crate::arena::ArenaError::Segment(segment::SegmentError::io(path, e));
+    arena_error(path, err).into()
+}
+
+/// An arena error, said of the arena at `path`.
+fn arena_error(path: &Path, err: crate::arena::ArenaError) -> Error {
     Error::Arena {
         at: format!("arena {:?}", path.display().to_string()),
-        err: crate::arena::ArenaError::Segment(segment::SegmentError::io(path, e)),
+        err,
     }
-    .into()
+}
+
+/// Whether an archive of up to `max_len` bytes may go into an arena at all.
+fn fits(max_len: u64) -> bool {
+    max_len <= MAX_OBJECT as u64 && max_len.saturating_add(64) <= capacity()
+}
+
+/// Run `f` on this process's arena at `path` under the arenas' lock, without the GIL;
+/// `None` if the process let go of it.
+fn with_owned<R: Send>(
+    py: Python<'_>,
+    path: &Path,
+    f: impl FnOnce(&mut Owned) -> R + Send,
+) -> Option<R> {
+    py.detach(|| {
+        let mut arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
+        arenas
+            .iter_mut()
+            .find(|a| a.writer.path().as_os_str() == path.as_os_str())
+            .map(f)
+    })
 }
 
 /// A chunk for an archive of up to `max_len` bytes in one of this process's arenas in `dir`
 /// (the default directory if `None`), a new arena made when none has room; `None` when it
 /// is too large for an arena or arenas are unavailable (no supervisor, no room).
 fn reserve(py: Python<'_>, max_len: u64, dir: Option<PathBuf>) -> PyResult<Option<Placed>> {
-    if max_len > MAX_OBJECT as u64 || max_len.saturating_add(64) > capacity() {
+    if !fits(max_len) {
         return Ok(None);
     }
     fork_handlers();
@@ -386,15 +413,7 @@ fn reserve(py: Python<'_>, max_len: u64, dir: Option<PathBuf>) -> PyResult<Optio
 
 /// Give a reserved chunk back (nothing was given out from it).
 fn cancel(py: Python<'_>, path: &Path, r: &Reservation) {
-    py.detach(|| {
-        let mut arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(a) = arenas
-            .iter_mut()
-            .find(|a| a.writer.path().as_os_str() == path.as_os_str())
-        {
-            a.writer.cancel(r);
-        }
-    });
+    with_owned(py, path, |a| a.writer.cancel(r));
 }
 
 /// Give out the chunk of `r`, holding an archive of `len` bytes, and map it for this
@@ -408,19 +427,12 @@ fn give_out(
     len: u64,
     arena: Arc<ArenaUse>,
 ) -> PyResult<Option<Arc<Store>>> {
-    let committed = py.detach(|| {
-        let mut arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
-        arenas
-            .iter_mut()
-            .find(|a| a.writer.path().as_os_str() == path.as_os_str())
-            .map(|a| {
-                a.writer.commit(&r, len).map_err(|err| Error::Arena {
-                    at: format!("arena {:?}", path.display().to_string()),
-                    err,
-                })
-            })
-            .transpose()
-    })?;
+    let committed = with_owned(py, &path, |a| {
+        a.writer
+            .commit(&r, len)
+            .map_err(|err| arena_error(&path, err))
+    })
+    .transpose()?;
     let Some(chunk) = committed else {
         log::debug!(
             "arena {} let go of while an object was written into it",
@@ -432,16 +444,10 @@ fn give_out(
     let failed = opened.is_err();
     // Held by its handle now (or failed): the chunk is an ordinary one from here on; if the
     // handle was not made, this process holds no lease on it, so it is a reuse candidate.
-    py.detach(|| {
-        let mut arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(a) = arenas
-            .iter_mut()
-            .find(|a| a.writer.path().as_os_str() == path.as_os_str())
-        {
-            a.writer.settled(chunk.offset);
-            if failed {
-                a.pending.insert(chunk.offset);
-            }
+    with_owned(py, &path, |a| {
+        a.writer.settled(chunk.offset);
+        if failed {
+            a.pending.insert(chunk.offset);
         }
     });
     opened.map(Some)
@@ -557,10 +563,7 @@ pub(crate) fn _arena_simulate<'py>(
 pub(crate) fn _arena_info<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, PyDict>> {
     let survey = py
         .detach(|| crate::arena::survey(&path))
-        .map_err(|err| Error::Arena {
-            at: format!("arena {:?}", path.display().to_string()),
-            err,
-        })?;
+        .map_err(|err| arena_error(&path, err))?;
     let d = PyDict::new(py);
     d.set_item("capacity", survey.capacity)?;
     d.set_item("creator_pid", survey.creator_pid)?;
