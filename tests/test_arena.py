@@ -257,6 +257,48 @@ def test_one_mapping_per_arena_per_process() -> None:
     assert [int(a[1]) for a in arrays] == list(range(50))
 
 
+def _arena_rss(arena: str) -> int:
+    """KiB of this process's mapping of `arena` (by its name) that are mapped in."""
+    rss, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+                inside = line.rstrip().endswith("/" + arena)
+            elif inside and line.startswith("Rss:"):
+                rss += int(head[1])
+    return rss
+
+
+def test_the_creator_reads_its_chunks_through_the_mapping_it_wrote_them_with() -> None:
+    """The creator's own handles read the pages its writer mapped in already: its mapping
+    of the arena by name takes no page (no page faults, nothing to take down later) until
+    it attaches a chunk by name like any other process."""
+    refs = [shmstore.put(np.full(20_000, i, dtype=np.uint8), arena=True) for i in range(20)]
+    arena = chunk_of(refs[0])[0]
+    assert _arena_mappings(arena) == 1
+    arrays = [r.get() for r in refs]
+    assert [int(a[0]) + int(a[-1]) for a in arrays] == [2 * i for i in range(20)]
+    refs[3].verify()
+    assert _arena_rss(arena) == 0
+    # Attached by name (as another process would): read through the arena's mapping.
+    again = pickle.loads(pickle.dumps(refs[5]))
+    assert int(again.get()[-1]) == 5
+    assert _arena_rss(arena) > 0
+    # The chunk of a dropped handle is reused; the new object reads its own bytes.
+    del arrays, again
+    gc.collect()
+    stale = refs.pop(0)
+    stale_name = stale.name
+    stale.close()
+    gc.collect()
+    new = shmstore.put(np.full(20_000, 99, dtype=np.uint8), arena=True)
+    assert int(new.get()[-1]) == 99
+    assert new.name.split(":")[0] == stale_name.split(":")[0]  # same arena, same offset
+    with pytest.raises(shmstore.StoreClosedError):
+        shmstore.Ref.attach(stale_name)
+
+
 CREATOR = r"""
 import sys, shmstore
 held = []

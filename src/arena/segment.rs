@@ -459,6 +459,12 @@ impl Reservation {
         self.size - CHUNK_HEADER
     }
 
+    /// The writer's mapping of the whole arena (for the creator's handle of the chunk once
+    /// committed: `Mapping::written_window`).
+    pub fn map(&self) -> &Arc<memmap2::MmapRaw> {
+        &self.map
+    }
+
     /// Whether a write past [`Self::room`] was refused (the archive did not fit).
     pub fn overflowed(&self) -> bool {
         self.over

@@ -440,7 +440,8 @@ fn give_out(
         );
         return Ok(None);
     };
-    let opened = store::open_chunk(py, path.clone(), chunk, Some((arena, len)));
+    let written = r.map().clone();
+    let opened = store::open_chunk(py, path.clone(), chunk, Some((arena, len, written)));
     let failed = opened.is_err();
     // Held by its handle now (or failed): the chunk is an ordinary one from here on; if the
     // handle was not made, this process holds no lease on it, so it is a reuse candidate.

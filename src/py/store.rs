@@ -528,22 +528,33 @@ pub(crate) fn open_chunk(
     py: Python<'_>,
     path: PathBuf,
     chunk: Chunk,
-    own: Option<(Arc<ArenaUse>, u64)>,
+    own: Option<(Arc<ArenaUse>, u64, Arc<memmap2::MmapRaw>)>,
 ) -> PyResult<Arc<Store>> {
     super::arena::fork_handlers();
     let source = Source::Arena { path, chunk };
     let failed = |e: StoreErr| e.into_error(&format!("store {:?}", source.name()));
-    let (arena, own_len) = match own {
-        Some((u, len)) => (u, Some(len)),
+    let (arena, own) = match own {
+        Some((u, len, written)) => (u, Some((len, written))),
         None => (arena_use(py, source.path()).map_err(failed)?, None),
     };
     let opened = py.detach(|| {
-        let (lease, at, len) = match own_len {
-            Some(len) => arena.file.lease_own(chunk, len),
-            None => arena.file.lease(chunk).map_err(StoreErr::Arena)?,
+        let mapping = match own {
+            // The creator reads its chunk through the mapping it wrote it with (its pages
+            // are in: no page fault, and no pages of a second mapping to take down later).
+            Some((len, written)) => {
+                let (lease, at, len) = arena.file.lease_own(chunk, len);
+                let window = Mapping::written_window(&written, source.path(), at, len);
+                (lease, window)
+            }
+            None => {
+                let (lease, at, len) = arena.file.lease(chunk).map_err(StoreErr::Arena)?;
+                (
+                    lease,
+                    Mapping::window(arena.file.map(), source.path(), at, len),
+                )
+            }
         };
-        let mapping =
-            Mapping::window(arena.file.map(), source.path(), at, len).map_err(StoreErr::Segment)?;
+        let (lease, mapping) = (mapping.0, mapping.1.map_err(StoreErr::Segment)?);
         let reader = Reader::open(mapping).map_err(StoreErr::Archive)?;
         Ok::<_, StoreErr>((reader, lease))
     });

@@ -6,7 +6,7 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, Once};
 
-use memmap2::Mmap;
+use memmap2::{Mmap, MmapRaw};
 
 use super::SegmentError;
 
@@ -95,6 +95,32 @@ enum Mapped {
         start: usize,
         len: usize,
     },
+    /// The same, through the arena creator's own writable mapping (its handles of the
+    /// chunks it wrote): its pages are in already, so reading them takes no page fault.
+    Written {
+        arena: Arc<MmapRaw>,
+        start: usize,
+        len: usize,
+    },
+}
+
+/// `(offset, len)` as a non-empty window inside a mapping of `total` bytes of `path`.
+fn window_bounds(
+    total: usize,
+    path: &Path,
+    offset: u64,
+    len: u64,
+) -> Result<(usize, usize), SegmentError> {
+    let empty = || SegmentError::Empty {
+        path: path.to_owned(),
+    };
+    let (Ok(start), Ok(len)) = (usize::try_from(offset), usize::try_from(len)) else {
+        return Err(empty());
+    };
+    if len == 0 || start.checked_add(len).is_none_or(|end| end > total) {
+        return Err(empty());
+    }
+    Ok((start, len))
 }
 
 /// "a FIFO (named pipe) owned by uid 1001" and so on, for error messages.
@@ -325,18 +351,31 @@ impl Mapping {
         offset: u64,
         len: u64,
     ) -> Result<Self, SegmentError> {
-        let (Ok(start), Ok(len)) = (usize::try_from(offset), usize::try_from(len)) else {
-            return Err(SegmentError::Empty {
-                path: path.to_owned(),
-            });
-        };
-        if len == 0 || start.checked_add(len).is_none_or(|end| end > arena.len()) {
-            return Err(SegmentError::Empty {
-                path: path.to_owned(),
-            });
-        }
+        let (start, len) = window_bounds(arena.len(), path, offset, len)?;
         Ok(Mapping {
             mmap: Mapped::Window {
+                arena: arena.clone(),
+                start,
+                len,
+            },
+            path: path.to_owned(),
+            owner: Mutex::new(None),
+            private_copy: false,
+        })
+    }
+
+    /// The `len` bytes at `offset` of `arena`, the arena creator's writable mapping (a chunk
+    /// it wrote and holds), read-only through this window: as [`Mapping::window`], without
+    /// the page faults of a second mapping of pages the creator has in already.
+    pub fn written_window(
+        arena: &Arc<MmapRaw>,
+        path: &Path,
+        offset: u64,
+        len: u64,
+    ) -> Result<Self, SegmentError> {
+        let (start, len) = window_bounds(arena.len(), path, offset, len)?;
+        Ok(Mapping {
+            mmap: Mapped::Written {
                 arena: arena.clone(),
                 start,
                 len,
@@ -372,7 +411,7 @@ impl Mapping {
     /// Remove the name now (live mappings, here and elsewhere, keep working). Returns
     /// whether a file was removed.
     pub fn unlink(&self) -> Result<bool, SegmentError> {
-        if matches!(self.mmap, Mapped::Window { .. }) {
+        if matches!(self.mmap, Mapped::Window { .. } | Mapped::Written { .. }) {
             // A chunk of an arena has no name of its own; the arena is removed once no
             // process uses it (docs/arena.md).
             return Ok(false);
@@ -402,6 +441,14 @@ impl AsRef<[u8]> for Mapping {
             // which the arena's creator never writes, and nobody else can write the file
             // (ours, mode 0400, checked by `ArenaFile::open`; docs/arena.md).
             Mapped::Window { arena, start, len } => unsafe {
+                std::slice::from_raw_parts(arena.as_ptr().add(*start), *len)
+            },
+            // SAFETY: as for `Window`: inside the mapping (checked in `written_window`), kept
+            // alive by the `Arc`. The creator writes other chunks through this mapping (raw
+            // pointers, never references), never this one while this process holds it: it
+            // reuses a chunk only once the last handle to it here is gone (the lease count,
+            // `ArenaFile::lease_own`), and nobody else can write the file.
+            Mapped::Written { arena, start, len } => unsafe {
                 std::slice::from_raw_parts(arena.as_ptr().add(*start), *len)
             },
         }
