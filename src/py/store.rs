@@ -538,13 +538,15 @@ pub(crate) fn open_chunk(
         None => (arena_use(py, source.path()).map_err(failed)?, None),
     };
     let opened = py.detach(|| {
-        let mapping = match own {
+        let (lease, window) = match own {
             // The creator reads its chunk through the mapping it wrote it with (its pages
             // are in: no page fault, and no pages of a second mapping to take down later).
             Some((len, written)) => {
                 let (lease, at, len) = arena.file.lease_own(chunk, len);
-                let window = Mapping::written_window(&written, source.path(), at, len);
-                (lease, window)
+                (
+                    lease,
+                    Mapping::written_window(&written, source.path(), at, len),
+                )
             }
             None => {
                 let (lease, at, len) = arena.file.lease(chunk).map_err(StoreErr::Arena)?;
@@ -554,7 +556,7 @@ pub(crate) fn open_chunk(
                 )
             }
         };
-        let (lease, mapping) = (mapping.0, mapping.1.map_err(StoreErr::Segment)?);
+        let mapping = window.map_err(StoreErr::Segment)?;
         let reader = Reader::open(mapping).map_err(StoreErr::Archive)?;
         Ok::<_, StoreErr>((reader, lease))
     });

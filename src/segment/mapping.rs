@@ -87,40 +87,39 @@ pub struct Mapping {
 enum Mapped {
     /// A mapping of its own (a segment or saved file), all of it readable.
     Own(Mmap),
-    /// `len` bytes at `start` of an arena's one mapping in this process (a chunk's archive),
+    /// `len` bytes at `start` of an arena's mapping in this process (a chunk's archive),
     /// shared with every other chunk of that arena read here: it stays mapped as long as
     /// any window into it exists.
     Window {
-        arena: Arc<Mmap>,
-        start: usize,
-        len: usize,
-    },
-    /// The same, through the arena creator's own writable mapping (its handles of the
-    /// chunks it wrote): its pages are in already, so reading them takes no page fault.
-    Written {
-        arena: Arc<MmapRaw>,
+        arena: ArenaMap,
         start: usize,
         len: usize,
     },
 }
 
-/// `(offset, len)` as a non-empty window inside a mapping of `total` bytes of `path`.
-fn window_bounds(
-    total: usize,
-    path: &Path,
-    offset: u64,
-    len: u64,
-) -> Result<(usize, usize), SegmentError> {
-    let empty = || SegmentError::Empty {
-        path: path.to_owned(),
-    };
-    let (Ok(start), Ok(len)) = (usize::try_from(offset), usize::try_from(len)) else {
-        return Err(empty());
-    };
-    if len == 0 || start.checked_add(len).is_none_or(|end| end > total) {
-        return Err(empty());
+/// The arena mapping a window reads through.
+enum ArenaMap {
+    /// The arena's one read-only mapping in this process.
+    Read(Arc<Mmap>),
+    /// The arena creator's own writable mapping (its handles of the chunks it wrote): its
+    /// pages are in already, so reading them takes no page fault.
+    Written(Arc<MmapRaw>),
+}
+
+impl ArenaMap {
+    fn as_ptr(&self) -> *const u8 {
+        match self {
+            ArenaMap::Read(m) => m.as_ptr(),
+            ArenaMap::Written(m) => m.as_ptr(),
+        }
     }
-    Ok((start, len))
+
+    fn len(&self) -> usize {
+        match self {
+            ArenaMap::Read(m) => m.len(),
+            ArenaMap::Written(m) => m.len(),
+        }
+    }
 }
 
 /// "a FIFO (named pipe) owned by uid 1001" and so on, for error messages.
@@ -351,35 +350,36 @@ impl Mapping {
         offset: u64,
         len: u64,
     ) -> Result<Self, SegmentError> {
-        let (start, len) = window_bounds(arena.len(), path, offset, len)?;
-        Ok(Mapping {
-            mmap: Mapped::Window {
-                arena: arena.clone(),
-                start,
-                len,
-            },
-            path: path.to_owned(),
-            owner: Mutex::new(None),
-            private_copy: false,
-        })
+        Self::chunk(ArenaMap::Read(arena.clone()), path, offset, len)
     }
 
-    /// The `len` bytes at `offset` of `arena`, the arena creator's writable mapping (a chunk
-    /// it wrote and holds), read-only through this window: as [`Mapping::window`], without
-    /// the page faults of a second mapping of pages the creator has in already.
+    /// The same through `arena`, the arena creator's writable mapping (a chunk it wrote and
+    /// holds), read-only through this window: without the page faults of a second mapping
+    /// of pages the creator has in already.
     pub fn written_window(
         arena: &Arc<MmapRaw>,
         path: &Path,
         offset: u64,
         len: u64,
     ) -> Result<Self, SegmentError> {
-        let (start, len) = window_bounds(arena.len(), path, offset, len)?;
+        Self::chunk(ArenaMap::Written(arena.clone()), path, offset, len)
+    }
+
+    /// A window of `len` bytes at `offset` of `arena`, checked to be non-empty and inside it.
+    fn chunk(arena: ArenaMap, path: &Path, offset: u64, len: u64) -> Result<Self, SegmentError> {
+        let inside = usize::try_from(offset)
+            .ok()
+            .zip(usize::try_from(len).ok())
+            .filter(|&(start, len)| {
+                len > 0 && start.checked_add(len).is_some_and(|end| end <= arena.len())
+            });
+        let Some((start, len)) = inside else {
+            return Err(SegmentError::Empty {
+                path: path.to_owned(),
+            });
+        };
         Ok(Mapping {
-            mmap: Mapped::Written {
-                arena: arena.clone(),
-                start,
-                len,
-            },
+            mmap: Mapped::Window { arena, start, len },
             path: path.to_owned(),
             owner: Mutex::new(None),
             private_copy: false,
@@ -411,7 +411,7 @@ impl Mapping {
     /// Remove the name now (live mappings, here and elsewhere, keep working). Returns
     /// whether a file was removed.
     pub fn unlink(&self) -> Result<bool, SegmentError> {
-        if matches!(self.mmap, Mapped::Window { .. } | Mapped::Written { .. }) {
+        if matches!(self.mmap, Mapped::Window { .. }) {
             // A chunk of an arena has no name of its own; the arena is removed once no
             // process uses it (docs/arena.md).
             return Ok(false);
@@ -434,21 +434,15 @@ impl AsRef<[u8]> for Mapping {
     fn as_ref(&self) -> &[u8] {
         match &self.mmap {
             Mapped::Own(m) => m,
-            // SAFETY: the window lies inside the arena's mapping (checked in `window`), which
+            // SAFETY: the window lies inside the arena's mapping (checked in `chunk`), which
             // lives as long as `self` holds its `Arc`. `as_ptr` makes no reference to the
             // bytes outside the window (other chunks, which may change). The window's bytes
-            // do not change while it exists: it is a chunk this process holds a lease on,
-            // which the arena's creator never writes, and nobody else can write the file
-            // (ours, mode 0400, checked by `ArenaFile::open`; docs/arena.md).
+            // do not change while it exists: it is a chunk this process holds (a lease, or
+            // for the creator its own handle count, `ArenaFile::lease_own`), which the
+            // creator never writes or reuses while held (it writes other chunks through its
+            // writable mapping with raw pointers, never references), and nobody else can
+            // write the file (ours, checked by `ArenaFile::open`; docs/arena.md).
             Mapped::Window { arena, start, len } => unsafe {
-                std::slice::from_raw_parts(arena.as_ptr().add(*start), *len)
-            },
-            // SAFETY: as for `Window`: inside the mapping (checked in `written_window`), kept
-            // alive by the `Arc`. The creator writes other chunks through this mapping (raw
-            // pointers, never references), never this one while this process holds it: it
-            // reuses a chunk only once the last handle to it here is gone (the lease count,
-            // `ArenaFile::lease_own`), and nobody else can write the file.
-            Mapped::Written { arena, start, len } => unsafe {
                 std::slice::from_raw_parts(arena.as_ptr().add(*start), *len)
             },
         }
