@@ -29,8 +29,22 @@ pub const ALONE_BYTES: u64 = 512;
 /// in cache, then written).
 const PAYLOAD_PIECE: usize = 1 << 20;
 
+/// What a [`Builder`] writes into.
+pub trait Sink: Write + Seek {
+    /// Write `bytes` at the current position and return their checksum
+    /// (`hash::xxh3_64`). By default the hash, then the write; an arena chunk computes it
+    /// while copying.
+    fn write_hashed(&mut self, bytes: &[u8]) -> io::Result<u64> {
+        let sum = super::hash::xxh3_64(bytes);
+        self.write_all(bytes)?;
+        Ok(sum)
+    }
+}
+
+impl Sink for io::Cursor<Vec<u8>> {}
+
 /// Builds one archive into `W`.
-pub struct Builder<W: Write + Seek> {
+pub struct Builder<W: Sink> {
     out: W,
     pos: u64,
     kind: Kind,
@@ -49,7 +63,7 @@ pub struct Builder<W: Write + Seek> {
     creator_pid: u32,
 }
 
-impl<W: Write + Seek> Builder<W> {
+impl<W: Sink> Builder<W> {
     /// Start an archive; writes an *unsealed* header that readers refuse.
     pub fn new(mut out: W, kind: Kind, creator_pid: u32) -> Result<Self, ArchiveError> {
         let mut placeholder = [0u8; HEADER_LEN];
@@ -86,19 +100,29 @@ impl<W: Write + Seek> Builder<W> {
     }
 
     /// Write an out-of-line payload (64-byte aligned) for the record being built; the
-    /// record refers to it by the returned extent. Hashed piece by piece as it is written.
+    /// record refers to it by the returned extent. Hashed as it is written: in one call up
+    /// to `PAYLOAD_PIECE` bytes, piece by piece beyond.
     pub fn write_payload(&mut self, bytes: &[u8]) -> Result<Extent, ArchiveError> {
         self.pad_to(PAYLOAD_ALIGN)?;
         let offset = self.pos;
-        let mut h = Xxh3Default::new();
-        for piece in bytes.chunks(PAYLOAD_PIECE) {
-            h.update(piece);
-            self.write_raw(piece)?;
-        }
+        let checksum = if bytes.len() <= PAYLOAD_PIECE {
+            // One piece: hashed in one call (`hash::xxh3_64`'s vector loop), as the sink
+            // copies it or before.
+            let sum = self.out.write_hashed(bytes)?;
+            self.pos += bytes.len() as u64;
+            sum
+        } else {
+            let mut h = Xxh3Default::new();
+            for piece in bytes.chunks(PAYLOAD_PIECE) {
+                h.update(piece);
+                self.write_raw(piece)?;
+            }
+            h.digest()
+        };
         Ok(Extent {
             offset,
             len: bytes.len() as u64,
-            checksum: h.digest(),
+            checksum,
         })
     }
 

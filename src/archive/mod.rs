@@ -9,6 +9,7 @@ pub mod format;
 // `cargo test` builds they are not dead code to remove.
 #[cfg_attr(not(test), allow(dead_code))]
 pub mod fuzz;
+pub mod hash;
 pub mod header;
 pub mod key;
 pub mod reader;

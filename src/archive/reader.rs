@@ -16,7 +16,9 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use xxhash_rust::xxh3::{xxh3_64, Xxh3Default};
+use xxhash_rust::xxh3::Xxh3Default;
+
+use super::hash::xxh3_64;
 
 use super::builder::BLOCK_RECORDS;
 use super::format::*;

@@ -37,6 +37,7 @@ use std::sync::{Arc, Mutex, Once, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use super::alloc::{Bfc, ALIGN};
+use crate::archive::hash;
 use crate::segment::{self, SegmentError};
 
 /// Bytes before the chunk region.
@@ -473,12 +474,30 @@ impl Reservation {
     /// Copy `bytes` to the archive's position `at` (after the chunk header); an error
     /// past [`Self::room`].
     pub fn write_at(&mut self, at: u64, bytes: &[u8]) -> io::Result<()> {
-        match at.checked_add(bytes.len() as u64) {
-            Some(end) if end <= self.room() => {
-                // SAFETY: inside the chunk (checked just above).
-                unsafe { self.write_raw(CHUNK_HEADER + at, bytes) };
-                Ok(())
-            }
+        let at = self.inside(at, bytes.len())?;
+        // SAFETY: `at + bytes.len() <= size` (`inside`).
+        unsafe { self.write_raw(at, bytes) };
+        Ok(())
+    }
+
+    /// [`Self::write_at`], returning the checksum of `bytes` (`hash::xxh3_64`): a large
+    /// payload is hashed as it is copied, reading the source once.
+    pub fn write_hashed_at(&mut self, at: u64, bytes: &[u8]) -> io::Result<u64> {
+        if bytes.len() < STREAM_COPY {
+            self.write_at(at, bytes)?;
+            return Ok(hash::xxh3_64(bytes));
+        }
+        let at = self.inside(at, bytes.len())?;
+        // SAFETY: `at + bytes.len() <= size` (`inside`), so `ptr(at)` is writable for the
+        // bytes (see `ptr`), and they are not part of the mapping.
+        Ok(unsafe { hash::copy_hashed(bytes, self.ptr(at)) })
+    }
+
+    /// The chunk offset of the archive's position `at` if `len` bytes from there fit the
+    /// chunk; else an error, and the reservation is marked over.
+    fn inside(&mut self, at: u64, len: usize) -> io::Result<u64> {
+        match at.checked_add(len as u64) {
+            Some(end) if end <= self.room() => Ok(CHUNK_HEADER + at),
             _ => {
                 self.over = true;
                 Err(io::Error::new(
@@ -489,25 +508,33 @@ impl Reservation {
         }
     }
 
+    /// Where offset `at` of the chunk is in the writer's mapping. Writing `n` bytes there
+    /// with `at + n <= size` is sound: the chunk `[offset, offset + size)` lies inside the
+    /// mapping (checked by `reserve`), which `self.map` keeps alive. The chunk is free
+    /// space: locked exclusively through the writer's descriptor since it was freed (or
+    /// since creation), so no other process holds a lease on it and none reads it (a lease
+    /// is taken before any read, and refused here); in this process it is allocated to this
+    /// reservation alone and never reclaimed before it is given out (`fresh`), and no
+    /// reference to its bytes exists (the creator's own handles read only their chunks,
+    /// through another mapping). Only raw copies of bytes that are never part of the
+    /// mapping (from the encoder or the caller's memory) go there.
+    fn ptr(&self, at: u64) -> *mut u8 {
+        self.map
+            .as_mut_ptr()
+            .wrapping_add((self.offset + at) as usize)
+    }
+
     /// Copy `bytes` to offset `at` of the chunk.
     ///
     /// # Safety
     /// `at + bytes.len() <= self.size`.
     unsafe fn write_raw(&self, at: u64, bytes: &[u8]) {
-        // SAFETY: the chunk `[offset, offset + size)` lies inside the mapping (checked by
-        // `reserve`), which `self.map` keeps alive, and `at + len <= size` (the caller's
-        // promise). The chunk is free space: locked exclusively through the writer's
-        // descriptor since it was freed (or since creation), so no other process holds a
-        // lease on it and none reads it (a lease is taken before any read, and refused
-        // here); in this process it is allocated to this reservation alone and never
-        // reclaimed before it is given out (`fresh`), and no reference to its bytes exists
-        // (the creator's own handles read only their chunks, through another mapping).
-        // `bytes` is never part of the mapping (it comes from the encoder or the caller's
-        // memory): no overlap. Raw copies, no reference into shared memory is made.
+        // SAFETY: `ptr(at)` is writable for `bytes.len()` bytes (the caller's promise, see
+        // `ptr`), and `bytes` does not overlap it.
         unsafe {
-            let dst = self.map.as_mut_ptr().add((self.offset + at) as usize);
+            let dst = self.ptr(at);
             if bytes.len() >= STREAM_COPY {
-                stream_copy(bytes.as_ptr(), dst, bytes.len());
+                hash::stream_copy(bytes.as_ptr(), dst, bytes.len());
             } else {
                 std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, bytes.len());
             }
@@ -527,48 +554,6 @@ impl Reservation {
 /// sums the whole array, 35 µs both ways; docs/arena.md, "Costs per object").
 const STREAM_COPY: usize = 16 << 10;
 
-/// Copy `len` bytes from `src` to `dst` with non-temporal stores where the platform has
-/// them (x86-64: SSE2, always present), then a store fence, so the bytes are in memory, in
-/// order with every store after the copy (the chunk header, the unlock); elsewhere a plain
-/// copy.
-///
-/// # Safety
-/// As for `copy_nonoverlapping`: `src` readable and `dst` writable for `len` bytes, the
-/// two ranges not overlapping.
-unsafe fn stream_copy(src: *const u8, dst: *mut u8, len: usize) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: SSE2 is part of x86-64. Every load reads `src[i..i + 16]` and every store
-    // writes `dst[i..i + 16]` with `i + 64 <= len` (the loop bound), inside the ranges the
-    // caller vouches for; the stores are 16-byte aligned (after the `head` bytes copied
-    // plainly), as `_mm_stream_si128` requires, the loads unaligned (`loadu`). The rest
-    // (< 64 bytes) is copied plainly, and `_mm_sfence` orders the streaming stores before
-    // any later store.
-    unsafe {
-        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
-        let head = ((16 - (dst as usize) % 16) % 16).min(len);
-        std::ptr::copy_nonoverlapping(src, dst, head);
-        let mut i = head;
-        while i + 64 <= len {
-            let a = _mm_loadu_si128(src.add(i).cast::<__m128i>());
-            let b = _mm_loadu_si128(src.add(i + 16).cast::<__m128i>());
-            let c = _mm_loadu_si128(src.add(i + 32).cast::<__m128i>());
-            let d = _mm_loadu_si128(src.add(i + 48).cast::<__m128i>());
-            _mm_stream_si128(dst.add(i).cast::<__m128i>(), a);
-            _mm_stream_si128(dst.add(i + 16).cast::<__m128i>(), b);
-            _mm_stream_si128(dst.add(i + 32).cast::<__m128i>(), c);
-            _mm_stream_si128(dst.add(i + 48).cast::<__m128i>(), d);
-            i += 64;
-        }
-        std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i);
-        _mm_sfence();
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    // SAFETY: the caller's promise.
-    unsafe {
-        std::ptr::copy_nonoverlapping(src, dst, len);
-    }
-}
-
 /// Writes an archive straight into a [`Reservation`]: writing past its room is an error
 /// (`ErrorKind::WriteZero`), nothing is written there.
 pub struct ChunkSink<'a> {
@@ -585,6 +570,14 @@ impl io::Write for ChunkSink<'_> {
 
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
+    }
+}
+
+impl crate::archive::builder::Sink for ChunkSink<'_> {
+    fn write_hashed(&mut self, bytes: &[u8]) -> io::Result<u64> {
+        let sum = self.r.write_hashed_at(self.pos, bytes)?;
+        self.pos += bytes.len() as u64;
+        Ok(sum)
     }
 }
 
@@ -1259,6 +1252,40 @@ mod tests {
     /// An archive written in place: the chunk is reserved larger, shrunk to what was
     /// written at the commit; the tail is free space again (locked: no lease on it); a
     /// write past the room is refused and a cancelled chunk is free (and locked) again.
+    #[test]
+    fn a_payload_is_hashed_as_it_is_written_into_a_chunk() {
+        use crate::archive::builder::Sink;
+        use std::io::Write;
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = arena(dir.path());
+        let f = ArenaFile::open(w.path()).unwrap();
+        // Below and above the size from which the copy streams (and hashes on the way),
+        // after an odd-sized write so that the payload starts unaligned too.
+        for (n, pad) in [(1000, 0), (STREAM_COPY, 0), (65_536 + 7, 0), (65_536, 3)] {
+            let payload: Vec<u8> = (0..n).map(|i| (i * 7 + i / 251) as u8).collect();
+            let mut r = w.reserve(n as u64 + 64).unwrap().unwrap();
+            let sum = {
+                let mut sink = r.sink();
+                sink.write_all(&[9u8; 3][..pad]).unwrap();
+                sink.write_hashed(&payload).unwrap()
+            };
+            assert_eq!(sum, xxhash_rust::xxh3::xxh3_64(&payload), "{n} bytes");
+            let c = w.commit(&r, (pad + n) as u64).unwrap();
+            w.settled(c.offset);
+            let (lease, at, len) = f.lease(c).unwrap();
+            let mut got = vec![0u8; len as usize];
+            f.file().read_exact_at(&mut got, at).unwrap();
+            assert_eq!(&got[pad..], &payload[..], "{n} bytes");
+            drop(lease);
+            // Past the room: refused, nothing written.
+            let mut r = w.reserve(100).unwrap().unwrap();
+            let big = vec![1u8; r.room() as usize + 1];
+            assert!(r.sink().write_hashed(&big).is_err());
+            assert!(r.overflowed());
+            w.cancel(&r);
+        }
+    }
+
     #[test]
     fn a_reserved_chunk_is_written_in_place_then_shrunk_or_cancelled() {
         use std::io::{Seek, SeekFrom, Write};

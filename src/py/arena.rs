@@ -13,6 +13,7 @@ use pyo3::types::PyDict;
 use super::errors::Error;
 use super::store::{self, ArenaUse, Registration, Store};
 use super::write::Encoder;
+use crate::archive::builder::Sink;
 use crate::archive::{Builder, Kind};
 use crate::arena::{alloc, ArenaFile, ArenaWriter, PartState, Reservation};
 use crate::segment;
@@ -169,6 +170,8 @@ impl std::io::Write for Bounded<'_> {
     }
 }
 
+impl Sink for Bounded<'_> {}
+
 impl std::io::Seek for Bounded<'_> {
     fn seek(&mut self, pos: std::io::SeekFrom) -> std::io::Result<u64> {
         self.out.seek(pos)
@@ -314,10 +317,7 @@ fn overhead(slot: usize) -> u64 {
 }
 
 /// Build the object archive of `obj` into `sink`; its length.
-fn build<W: std::io::Write + std::io::Seek + Send>(
-    obj: &Bound<'_, PyAny>,
-    sink: W,
-) -> PyResult<u64> {
+fn build<W: Sink + Send>(obj: &Bound<'_, PyAny>, sink: W) -> PyResult<u64> {
     let archive_err = |err| Error::Archive {
         at: "obj".into(),
         err,

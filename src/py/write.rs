@@ -4,7 +4,6 @@
 //! (a full /dev/shm is OutOfSharedMemoryError whatever the value being written).
 
 use std::borrow::Cow;
-use std::io::{Seek, Write};
 
 use pyo3::exceptions::PyUnicodeEncodeError;
 use pyo3::intern;
@@ -17,6 +16,7 @@ use pyo3::types::{
 use super::errors::Error;
 use super::keys::{bigint_bytes, numpy, py_key};
 use super::read::is_view;
+use crate::archive::builder::Sink;
 use crate::archive::{ArchiveError, ArrayMeta, Builder, Key, Value};
 
 /// Containers nested deeper than this are refused: readers enforce the same limit.
@@ -38,7 +38,7 @@ enum Seg<'py> {
 }
 
 /// Encodes the records of one store.
-pub(crate) struct Encoder<'b, 'py, W: Write + Seek> {
+pub(crate) struct Encoder<'b, 'py, W: Sink> {
     builder: &'b mut Builder<W>,
     root: String,
     path: Vec<Seg<'py>>,
@@ -59,7 +59,7 @@ fn key_repr(key: &Bound<'_, PyAny>) -> String {
         .unwrap_or_else(|_| "<key>".into())
 }
 
-impl<'b, 'py, W: Write + Seek + Send> Encoder<'b, 'py, W> {
+impl<'b, 'py, W: Sink + Send> Encoder<'b, 'py, W> {
     /// `root` names the input in error paths (`records`, `mapping`, `obj`).
     pub(crate) fn new(builder: &'b mut Builder<W>, root: &str) -> Self {
         Encoder {

@@ -297,6 +297,8 @@ impl Write for SegmentWriter {
     }
 }
 
+impl crate::archive::builder::Sink for SegmentWriter {}
+
 impl Seek for SegmentWriter {
     fn seek(&mut self, pos: SeekFrom) -> io::Result<u64> {
         self.flush_buf()?;
