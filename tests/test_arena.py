@@ -368,6 +368,65 @@ def test_a_process_s_arenas_start_small_and_grow() -> None:
         r.close()
 
 
+IDLE_ARENAS = """
+import os, sys, time
+import numpy as np, shmstore
+from shmstore import _native
+
+mib = 1 << 20
+def arenas():
+    return [os.path.basename(p) for p, _, _ in _native._arena_usage()]
+def sweep():  # every 64th small put looks at the older arenas (docs/arena.md, "Layout")
+    for _ in range(64):
+        shmstore.put(b"x").close()
+
+held = [shmstore.put(np.zeros(mib - 4096, dtype=np.uint8)) for _ in range(14)]
+usage = _native._arena_usage()
+assert [c for _, _, c in usage] == [4 * mib, 8 * mib, 16 * mib], usage
+first, second, newest = arenas()
+keep = next(r for r in held if r.name.split("@")[0] == second)
+for r in held:
+    if r is not keep:
+        r.close()
+sweep()
+if sys.argv[1] == "kept":  # idle, but not for SHMSTORE_ARENA_IDLE seconds yet
+    assert arenas() == [first, second, newest], arenas()
+    print("ok")
+    sys.exit()
+# The first is handed back; the second holds an object; the newest takes the next ones.
+assert arenas() == [second, newest], arenas()
+assert keep.get()[0] == 0
+keep.close()
+sweep()
+assert arenas() == [newest], arenas()
+path = os.path.join(os.path.dirname(_native._arena_usage()[0][0]), first)
+deadline = time.monotonic() + 60
+while os.path.exists(path) and time.monotonic() < deadline:
+    time.sleep(0.02)  # the supervisor's unlink: no event to wait on
+assert not os.path.exists(path), "an arena handed back was not removed"
+print("ok")
+"""
+
+
+@pytest.mark.parametrize(("idle", "expect"), [("0", "released"), ("3600", "kept")])
+def test_older_arenas_no_object_uses_are_handed_back(idle: str, expect: str) -> None:
+    """A burst of small objects grows a process's arenas (4, 8, 16 MiB); an older arena that
+    no object has used for `SHMSTORE_ARENA_IDLE` seconds is handed back at a later put and
+    removed once no process maps it, while one that still holds an object, and the newest,
+    stay (docs/arena.md, "Layout"). Before, a process kept every arena it ever made."""
+    import os
+
+    env = {**os.environ, "SHMSTORE_ARENA_IDLE": idle}
+    out = subprocess.run(
+        [sys.executable, "-c", IDLE_ARENAS, expect],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
 def test_an_arena_whose_creator_died_mid_write_is_still_removed() -> None:
     """An arena's modification time can move after its creator set the seal mark (a page of
     its writable mapping faulted in again for a write; formerly every chunk written

@@ -6,6 +6,7 @@ use std::io::Cursor;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -38,9 +39,21 @@ struct Owned {
     writer: ArenaWriter,
     arena: Arc<ArenaUse>,
     pending: HashSet<u64>,
+    /// Since when no object has used it (seen by [`take_idle`]; reset when a chunk is placed
+    /// in it).
+    idle_since: Option<Instant>,
 }
 
 static ARENAS: Mutex<Vec<Owned>> = Mutex::new(Vec::new());
+
+/// Every this many small `put`s, the process looks for older arenas of its own that no
+/// object has used for [`idle_limit`] and hands them back ([`take_idle`]).
+const IDLE_SWEEP_EVERY: u64 = 64;
+/// How long an older arena stays reserved with no object in it, unless
+/// `SHMSTORE_ARENA_IDLE` (seconds) says otherwise.
+const DEFAULT_IDLE: Duration = Duration::from_secs(10);
+/// Small `put`s so far (for [`IDLE_SWEEP_EVERY`]).
+static PUTS: AtomicU64 = AtomicU64::new(0);
 
 /// The largest arena's capacity: `SHMSTORE_ARENA_SIZE`, read once per process (at its first
 /// small `put`), or [`DEFAULT_CAPACITY`].
@@ -52,6 +65,19 @@ fn capacity() -> u64 {
             .and_then(|s| s.parse::<u64>().ok())
             .filter(|&n| n >= 4096)
             .unwrap_or(DEFAULT_CAPACITY)
+    })
+}
+
+/// How long an older arena may go unused before it is handed back: `SHMSTORE_ARENA_IDLE`
+/// (seconds, read once per process), or [`DEFAULT_IDLE`].
+fn idle_limit() -> Duration {
+    static IDLE: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *IDLE.get_or_init(|| {
+        std::env::var("SHMSTORE_ARENA_IDLE")
+            .ok()
+            .and_then(|s| s.parse::<f64>().ok())
+            .and_then(|s| Duration::try_from_secs_f64(s).ok())
+            .unwrap_or(DEFAULT_IDLE)
     })
 }
 
@@ -69,10 +95,54 @@ fn place(arenas: &mut [Owned], dir: &Path, max_len: u64) -> Result<Option<Placed
         let arena_err = |err| arena_error(&path, err);
         a.writer.reclaim(&mut a.pending).map_err(arena_err)?;
         if let Some(r) = a.writer.reserve(max_len).map_err(arena_err)? {
+            a.idle_since = None;
             return Ok(Some((path, r, a.arena.clone())));
         }
     }
     Ok(None)
+}
+
+/// This process's arenas that no object has used for [`idle_limit`] (every chunk free once
+/// the chunks no process holds are reclaimed, at this sweep and at the ones since it was
+/// first seen so, and nothing placed in it meanwhile), except the newest in each directory,
+/// where the next objects go: taken out of `arenas`, to be dropped (outside the lock), which
+/// hands their shared memory back once no process maps them. A burst of small objects grows
+/// a process's arenas (4, 8, 16 MiB...); without this they would stay reserved while it
+/// lives. The delay keeps a stream of objects that cycles through its arenas from handing
+/// one back and making it again (a 64 MiB arena takes ~10 ms to make).
+fn take_idle(arenas: &mut Vec<Owned>, now: Instant) -> Vec<Owned> {
+    let mut newest: HashSet<PathBuf> = HashSet::new();
+    let mut idle = vec![false; arenas.len()];
+    for (i, a) in arenas.iter_mut().enumerate().rev() {
+        if !a.writer.is_ours() || newest.insert(a.dir.clone()) {
+            continue;
+        }
+        let released = a.arena.file.take_released();
+        a.pending.extend(released);
+        if a.writer.reclaim(&mut a.pending).is_ok() && a.writer.usage().0 == 0 {
+            let since = *a.idle_since.get_or_insert(now);
+            idle[i] = now.saturating_duration_since(since) >= idle_limit();
+        } else {
+            a.idle_since = None;
+        }
+    }
+    let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(arenas)
+        .into_iter()
+        .zip(idle)
+        .partition(|(_, idle)| *idle);
+    *arenas = kept.into_iter().map(|(a, _)| a).collect();
+    gone.into_iter().map(|(a, _)| a).collect()
+}
+
+/// Let go of `idle` arenas ([`take_idle`]), with the process's last-used arena if it is one
+/// of them (call without the arenas' lock: a drop queues a DROP, taking the client's lock).
+fn let_go(idle: Vec<Owned>) {
+    if idle.is_empty() {
+        return;
+    }
+    log::debug!("handing back {} arenas no object uses", idle.len());
+    store::forget_last_arena_if(|u| idle.iter().any(|a| Arc::ptr_eq(u, &a.arena)));
+    drop(idle);
 }
 
 /// The size of this process's next arena when it has `made` arenas already.
@@ -129,6 +199,7 @@ fn new_arena(py: Python<'_>, dir: PathBuf, made: usize) -> PyResult<Option<Owned
         writer,
         arena: ArenaUse::created(file, registration),
         pending: HashSet::new(),
+        idle_since: None,
     }))
 }
 
@@ -380,10 +451,19 @@ fn reserve(py: Python<'_>, max_len: u64, dir: Option<PathBuf>) -> PyResult<Optio
     // Arena work needs no Python: done without the GIL (never wait for the lock with it).
     let dir = dir.unwrap_or_else(segment::default_dir);
     // With no room: how many arenas this process has made (the next one's size).
+    let sweep = PUTS.fetch_add(1, Ordering::Relaxed) % IDLE_SWEEP_EVERY == IDLE_SWEEP_EVERY - 1;
     let placed = py.detach(|| {
         let mut arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
-        let placed = place(&mut arenas, &dir, max_len)?;
-        Ok::<_, Error>(placed.ok_or_else(|| arenas.iter().filter(|a| a.writer.is_ours()).count()))
+        let placed = place(&mut arenas, &dir, max_len);
+        let idle = if sweep {
+            take_idle(&mut arenas, Instant::now())
+        } else {
+            Vec::new()
+        };
+        let made = arenas.iter().filter(|a| a.writer.is_ours()).count();
+        drop(arenas);
+        let_go(idle);
+        Ok::<_, Error>(placed?.ok_or(made))
     })?;
     match placed {
         Ok(p) => Ok(Some(p)),

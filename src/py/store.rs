@@ -463,7 +463,19 @@ pub(crate) static LAST_ARENA: Mutex<LastArena> = Mutex::new(None);
 
 /// Let go of the arena kept by [`LAST_ARENA`].
 pub(crate) fn forget_last_arena() {
-    let old = LAST_ARENA.lock().unwrap_or_else(|p| p.into_inner()).take();
+    forget_last_arena_if(|_| true);
+}
+
+/// Let go of the arena kept by [`LAST_ARENA`] if `which` says so of it.
+pub(crate) fn forget_last_arena_if(which: impl Fn(&Arc<ArenaUse>) -> bool) {
+    let old = {
+        let mut last = LAST_ARENA.lock().unwrap_or_else(|p| p.into_inner());
+        if last.as_ref().is_some_and(which) {
+            last.take()
+        } else {
+            None
+        }
+    };
     drop(old); // outside the lock: queues a DROP (never blocks)
 }
 
