@@ -450,7 +450,6 @@ fn reserve(py: Python<'_>, max_len: u64, dir: Option<PathBuf>) -> PyResult<Optio
     fork_handlers();
     // Arena work needs no Python: done without the GIL (never wait for the lock with it).
     let dir = dir.unwrap_or_else(segment::default_dir);
-    // With no room: how many arenas this process has made (the next one's size).
     let sweep = PUTS.fetch_add(1, Ordering::Relaxed) % IDLE_SWEEP_EVERY == IDLE_SWEEP_EVERY - 1;
     let placed = py.detach(|| {
         let mut arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
@@ -460,6 +459,7 @@ fn reserve(py: Python<'_>, max_len: u64, dir: Option<PathBuf>) -> PyResult<Optio
         } else {
             Vec::new()
         };
+        // With no room: how many arenas this process holds (the next one's size).
         let made = arenas.iter().filter(|a| a.writer.is_ours()).count();
         drop(arenas);
         let_go(idle);
