@@ -904,8 +904,8 @@ def render(results: dict[str, Any], targets: list[Target], args: argparse.Namesp
             ),
             "",
             f"The first {k:,} lookups of a fresh process pay for first touches (page faults; "
-            "shmstore checks a record's block, or in format 3 the record, on first access); "
-            "the later ones find more of the documents' pages and blocks already touched.",
+            "shmstore checks a record's block on first access, a document being a block of its "
+            "own); the later ones find more of the documents' pages and blocks already touched.",
             "",
         ]
         if not r["consistent"]:
