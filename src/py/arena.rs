@@ -109,7 +109,7 @@ fn place(arenas: &mut [Owned], dir: &Path, max_len: u64) -> Result<Option<Placed
 /// hands their shared memory back once no process maps them. A burst of small objects grows
 /// a process's arenas (4, 8, 16 MiB...); without this they would stay reserved while it
 /// lives. The delay keeps a stream of objects that cycles through its arenas from handing
-/// one back and making it again (a 64 MiB arena takes ~10 ms to make).
+/// one back and making it again (a 64 MiB arena takes tens of milliseconds to make).
 fn take_idle(arenas: &mut Vec<Owned>, now: Instant) -> Vec<Owned> {
     let mut newest: HashSet<PathBuf> = HashSet::new();
     let mut idle = vec![false; arenas.len()];
