@@ -1249,9 +1249,9 @@ mod tests {
         assert_eq!(s.parts.iter().map(|p| p.size).sum::<u64>(), s.capacity);
     }
 
-    /// An archive written in place: the chunk is reserved larger, shrunk to what was
-    /// written at the commit; the tail is free space again (locked: no lease on it); a
-    /// write past the room is refused and a cancelled chunk is free (and locked) again.
+    /// A payload written through a chunk's sink comes back with the xxh3 of its bytes,
+    /// whether the copy streams and hashes on the way or not, aligned or not; past the room
+    /// it is refused.
     #[test]
     fn a_payload_is_hashed_as_it_is_written_into_a_chunk() {
         use crate::archive::builder::Sink;
@@ -1286,6 +1286,9 @@ mod tests {
         }
     }
 
+    /// An archive written in place: the chunk is reserved larger, shrunk to what was
+    /// written at the commit; the tail is free space again (locked: no lease on it); a
+    /// write past the room is refused and a cancelled chunk is free (and locked) again.
     #[test]
     fn a_reserved_chunk_is_written_in_place_then_shrunk_or_cancelled() {
         use std::io::{Seek, SeekFrom, Write};
