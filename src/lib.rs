@@ -11,6 +11,7 @@
 
 mod archive;
 mod arena;
+mod channel;
 mod graph;
 mod segment;
 mod supervisor;

@@ -18,6 +18,7 @@ import collections.abc as _abc
 
 from shmstore import _native, leaks, memory
 from shmstore._native import (
+    Channel,
     CorruptStoreError,
     DictView,
     InvalidInputError,
@@ -49,6 +50,7 @@ _abc.Mapping.register(SharedDict)
 atexit.register(_native._cleanup_at_exit)
 
 __all__ = [
+    "Channel",
     "CorruptStoreError",
     "DictView",
     "InvalidInputError",

@@ -13,6 +13,7 @@ from typing_extensions import disjoint_base
 __all__ = [
     "_SEGMENT_PREFIX",
     "ArrayOwner",
+    "Channel",
     "CorruptStoreError",
     "DictView",
     "DictViewIterator",
@@ -46,6 +47,7 @@ __all__ = [
     "_fuzz_case",
     "_import_archive",
     "_rebuild",
+    "_rebuild_channel",
     "_rebuild_chunk",
     "_rebuild_view",
     "_remove_segment",
@@ -266,6 +268,67 @@ class Ref(StoreHandle):
     def get(self) -> Any:
         """The shared object: a read-only view, a read-only numpy array, or a scalar."""
 
+@final
+class Channel:
+    """A bounded queue of objects between processes, like ``multiprocessing.Queue``, whose
+    objects are written once into shared memory instead of pickled through a pipe
+    (docs/channel.md).
+
+    ``put`` writes an object into a chunk of this process's arena (a segment of its own
+    when larger than 1 MiB) and its handle into a ring that every process using the channel
+    maps; ``get`` maps the object where it is and returns what ``Ref.get()`` would: a
+    read-only numpy array, a read-only view of a list or dict, or a scalar. Any number of
+    processes may put and get. A channel pickles by name: pass it to a
+    ``multiprocessing.Process``, a pool's initializer or a DataLoader worker. An object
+    stays readable until a get takes it, even after the process that put it exits.
+
+    >>> import numpy as np
+    >>> ch = Channel(capacity=8)
+    >>> ch.put(np.arange(4))
+    >>> ch.put({"id": 1, "tags": ["a", "b"]})
+    >>> ch.qsize()
+    2
+    >>> ch.get().tolist()
+    [0, 1, 2, 3]
+    >>> rec = ch.get()
+    >>> rec["id"], list(rec["tags"])
+    (1, ['a', 'b'])
+    >>> ch.get(timeout=0.01)
+    Traceback (most recent call last):
+    ...
+    _queue.Empty
+    """
+
+    def __new__(cls, capacity: int = 1024, *, dir: _Path | None = None) -> Channel:
+        """A new channel with room for ``capacity`` waiting objects (a power of two, 2 to
+        2**20), in ``dir`` (default: ``$SHMSTORE_DIR`` or /dev/shm)."""
+    def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
+        """Put ``obj``; while the channel is full, wait up to ``timeout`` seconds (``None``:
+        as long as it takes), then raise ``queue.Full`` (at once when ``block`` is false)."""
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        """Take the oldest object; while the channel is empty, wait up to ``timeout``
+        seconds (``None``: as long as it takes), then raise ``queue.Empty`` (at once when
+        ``block`` is false)."""
+    def put_nowait(self, obj: Any) -> None:
+        """``put(obj, block=False)``."""
+    def get_nowait(self) -> Any:
+        """``get(block=False)``."""
+    def qsize(self) -> int:
+        """How many objects wait (approximate while other processes put and get)."""
+    def empty(self) -> bool: ...
+    def full(self) -> bool: ...
+    @property
+    def capacity(self) -> int:
+        """How many objects may wait at once."""
+    @property
+    def name(self) -> str:
+        """The channel's file name."""
+    @property
+    def path(self) -> Path:
+        """The channel's file."""
+    def _in_flight(self) -> int: ...
+    def __reduce__(self) -> tuple[Any, ...]: ...
+
 def put(obj: Any, *, name: str | None = None, dir: _Path | None = None, arena: bool = True) -> Ref:
     """Share one object (e.g. a numpy array) by name.
 
@@ -348,6 +411,7 @@ class SharedDictIterator(Iterator[Any]):
     def __next__(self) -> Any: ...
 
 def _rebuild(cls: str, path: str, kind_flag: str) -> StoreHandle: ...
+def _rebuild_channel(path: _Path) -> Channel: ...
 def _rebuild_chunk(path: str, offset: int, size: int, generation: int) -> Ref: ...
 def _rebuild_view(
     path: str, kind_flag: str, rec: int, pos: int, form: int = 0, aux: int = 0

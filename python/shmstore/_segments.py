@@ -12,6 +12,7 @@ from shmstore import _native
 __all__ = [
     "PREFIX",
     "arena_creator",
+    "channel_creator",
     "remove",
     "search_dirs",
     "segment_dir",
@@ -71,6 +72,16 @@ def remove(name: str) -> Path | None:
 def arena_creator(path: Path) -> int | None:
     """The creator's pid if ``path`` is an arena segment (docs/arena.md), else None (also
     for a symlink, a FIFO or a file that cannot be read)."""
+    return _creator_if(path, b"SHMARENA")
+
+
+def channel_creator(path: Path) -> int | None:
+    """The creator's pid if ``path`` is a channel (docs/channel.md), else None."""
+    return _creator_if(path, b"SHMCHANL")
+
+
+def _creator_if(path: Path, magic: bytes) -> int | None:
+    """The pid at bytes 24..28 of ``path`` if its header starts with ``magic``."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -81,6 +92,6 @@ def arena_creator(path: Path) -> int | None:
         return None
     finally:
         os.close(fd)
-    if len(head) < 32 or head[:8] != b"SHMARENA":
+    if len(head) < 32 or head[:8] != magic:
         return None
     return int.from_bytes(head[24:28], "little")

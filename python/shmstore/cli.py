@@ -44,6 +44,7 @@ from shmstore._native import (
 )
 from shmstore._segments import (
     arena_creator,
+    channel_creator,
     remove,
     search_dirs,
     segment_name,
@@ -159,12 +160,18 @@ def _rows() -> list[dict[str, Any]]:
                 )
                 row["creator_alive"] = pid_alive(info["creator_pid"])
             except (ShmStoreError, OSError) as e:  # a corrupt or foreign file: still list it
-                creator = arena_creator(path)
-                if creator is None:
+                # Many small objects' chunks (docs/arena.md), or a channel's ring of
+                # handles (docs/channel.md): no records of their own.
+                for kind, creator in (
+                    ("arena", arena_creator(path)),
+                    ("channel", channel_creator(path)),
+                ):
+                    if creator is not None:
+                        row.update(kind=kind, creator_pid=creator)
+                        row["creator_alive"] = pid_alive(creator)
+                        break
+                else:
                     row["kind"] = f"unreadable ({type(e).__name__})"
-                else:  # many small objects' chunks (docs/arena.md): no records of its own
-                    row.update(kind="arena", creator_pid=creator)
-                    row["creator_alive"] = pid_alive(creator)
         row["state"] = _state(row)
         rows.append(row)
     return rows

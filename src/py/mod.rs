@@ -18,6 +18,7 @@
 
 mod admin;
 mod arena;
+mod channel;
 mod errors;
 mod fetch;
 mod graph;
@@ -43,6 +44,8 @@ mod _native {
     };
     #[pymodule_export]
     use super::arena::{_arena_info, _arena_release, _arena_simulate, _arena_usage};
+    #[pymodule_export]
+    use super::channel::{_rebuild_channel, Channel};
     #[pymodule_export]
     use super::fetch::{_cluster_identity, _import_archive};
     #[pymodule_export]

@@ -78,6 +78,12 @@ impl Registration {
         Registration::new(py, path, true)
     }
 
+    /// This process is about to map the existing file at `path` (a round trip: the
+    /// supervisor knows before the file is mapped).
+    pub(crate) fn used(py: Python<'_>, path: PathBuf) -> Self {
+        Registration::new(py, path, false)
+    }
+
     /// Whether the supervisor knows.
     pub(crate) fn is_active(&self) -> bool {
         self.active

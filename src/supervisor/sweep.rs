@@ -94,16 +94,21 @@ pub fn is_segment(path: &Path, st: &rustix::fs::Stat) -> bool {
     }
     let mode = st.st_mode & 0o7777;
     let marked = i128::from(st.st_mtime_nsec) == i128::from(SEALED_MTIME_NSEC);
-    let sealed = matches!(mode, 0o400 | 0o500) && (marked || (mode == 0o400 && is_arena(path, st)));
-    sealed || (mode == 0o600 && name.contains(".part-"))
+    let sealed = matches!(mode, 0o400 | 0o500)
+        && (marked || (mode == 0o400 && has_magic(path, st, crate::arena::MAGIC)));
+    sealed
+        || (mode == 0o600
+            && (name.contains(".part-") || has_magic(path, st, crate::channel::MAGIC)))
 }
 
-/// Whether the file at `path` (the one `st` describes) is an arena (docs/arena.md): its
-/// header says `SHMARENA`. An arena's creator writes chunks after sealing it, through a
-/// mapping faulted in before the mark was set; a page faulted in again for a write (after
-/// the kernel took it away) moves the modification time until the creator next checks: a
-/// creator killed in between leaves an arena without the mark, recognised by its header.
-fn is_arena(path: &Path, st: &rustix::fs::Stat) -> bool {
+/// Whether the file at `path` (the one `st` describes) starts with `magic`: an arena
+/// (docs/arena.md) or a channel (docs/channel.md). An arena's creator writes chunks after
+/// sealing it, through a mapping faulted in before the mark was set; a page faulted in
+/// again for a write (after the kernel took it away) moves the modification time until the
+/// creator next checks: a creator killed in between leaves an arena without the mark,
+/// recognised by its header. A channel is written by every process using it (mode 0600,
+/// never sealed): recognised by its header only.
+fn has_magic(path: &Path, st: &rustix::fs::Stat, magic: &[u8; 8]) -> bool {
     use rustix::fs::{Mode, OFlags};
     let Ok(fd) = rustix::fs::open(
         path,
@@ -115,7 +120,7 @@ fn is_arena(path: &Path, st: &rustix::fs::Stat) -> bool {
     let same =
         rustix::fs::fstat(&fd).is_ok_and(|now| (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino));
     let mut head = [0u8; 8];
-    same && rustix::io::pread(&fd, &mut head, 0) == Ok(8) && &head == crate::arena::MAGIC
+    same && rustix::io::pread(&fd, &mut head, 0) == Ok(8) && &head == magic
 }
 
 /// [`file_id`] of the name itself (a symlink is not followed).

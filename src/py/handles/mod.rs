@@ -7,7 +7,7 @@ mod object_ref;
 mod shared_dict;
 mod shared_list;
 
-pub(crate) use object_ref::{put, Ref};
+pub(crate) use object_ref::{put, put_store, Ref};
 pub(crate) use shared_dict::{KeyIter, SharedDict};
 pub(crate) use shared_list::{RecordIter, SharedList};
 

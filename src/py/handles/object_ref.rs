@@ -1,6 +1,7 @@
 //! `Ref` and `put`: one object shared by name.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -8,6 +9,7 @@ use pyo3::types::PyBytes;
 use super::{new_handle, open_of, repr, StoreHandle};
 use crate::archive::Kind;
 use crate::py::read::protocol::Seq;
+use crate::py::store::Store;
 use crate::py::write::Encoder;
 use crate::py::{arena, store};
 
@@ -43,6 +45,19 @@ pub(crate) fn put<'py>(
     dir: Option<PathBuf>,
     arena: bool,
 ) -> PyResult<Bound<'py, Ref>> {
+    let store = put_store(py, obj, name, dir, arena)?;
+    new_handle(py, store, true, Ref)
+}
+
+/// What `put` does before it makes the `Ref`: the object's archive written into a chunk of
+/// an arena (small objects, unless `arena` is false or it is named) or a segment, mapped.
+pub(crate) fn put_store(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    name: Option<&str>,
+    dir: Option<PathBuf>,
+    arena: bool,
+) -> PyResult<Arc<Store>> {
     // Known-size input (an array, bytes): check the room before writing anything.
     let size_hint = obj
         .getattr("nbytes")
@@ -62,7 +77,7 @@ pub(crate) fn put<'py>(
             None => arena::InPlace::DidNotFit,
         };
         match in_place {
-            arena::InPlace::Put(store) => return new_handle(py, store, true, Ref),
+            arena::InPlace::Put(store) => return Ok(store),
             arena::InPlace::NoArena => {}
             arena::InPlace::DidNotFit => {
                 if let Some(archive) = arena::encode_small(obj, size_hint)? {
@@ -70,14 +85,13 @@ pub(crate) fn put<'py>(
                         arena::learn_overhead(obj, archive.len() as u64, n);
                     }
                     if let Some(store) = arena::put_archive(py, &archive, dir.clone())? {
-                        return new_handle(py, store, true, Ref);
+                        return Ok(store);
                     }
                 }
             }
         }
     }
-    let store = store::build(py, Kind::Object, name, dir, size_hint, |builder| {
+    store::build(py, Kind::Object, name, dir, size_hint, |builder| {
         Encoder::new(builder, "obj").write_record(obj, None)
-    })?;
-    new_handle(py, store, true, Ref)
+    })
 }

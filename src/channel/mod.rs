@@ -1,0 +1,579 @@
+//! Pure-Rust channel layer (no pyo3): a bounded queue of object handles in a shared-memory
+//! file that every process using it maps writable (docs/channel.md).
+//!
+//! The file is a header and a ring of fixed-size cells. Any number of processes put and
+//! get: each cell carries a sequence number that says whose turn it is (the classic
+//! bounded multi-producer multi-consumer ring: a put claims position `p` by advancing the
+//! tail when cell `p % capacity` has sequence `p`, writes the cell, and publishes it with
+//! sequence `p + 1`; a get claims it by advancing the head, reads it, and hands the cell
+//! back with sequence `p + capacity`). A put therefore also learns when its handle has
+//! been taken: its cell's sequence has moved to `p + capacity` or beyond.
+//!
+//! Every byte of the file may be written by another process at any moment, by a bug or on
+//! purpose: all of it is read and written through atomics (no data race, whatever the
+//! other side does), every value read is checked before use, and every wait is bounded by a
+//! deadline, so a corrupt or hostile ring gives an error or a timeout, never a crash or an
+//! endless loop. Waiting sleeps on a futex in the shared mapping: no system call is made
+//! while both sides keep up, and one wake-up only when the other side sleeps.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::segment::{self, SegmentError};
+
+/// The first bytes of a channel file.
+pub const MAGIC: &[u8; 8] = b"SHMCHANL";
+const VERSION: u32 = 1;
+/// Bytes before the first cell.
+const HEADER: u64 = 512;
+/// Bytes of a cell: 32 words.
+const CELL: u64 = 256;
+const CELL_WORDS: usize = (CELL / 8) as usize;
+/// Words of a cell before its path.
+const PATH_AT: usize = 5;
+/// The longest path a cell carries.
+pub const MAX_PATH: usize = (CELL_WORDS - PATH_AT) * 8;
+/// The most cells a channel may have.
+pub const MAX_CAPACITY: u64 = 1 << 20;
+
+// Header offsets (bytes). Each hot word has a cache line of its own.
+const AT_CAPACITY: usize = 16;
+const AT_CREATOR: usize = 24;
+const AT_TAIL: usize = 64;
+const AT_HEAD: usize = 128;
+const AT_RECV_EPOCH: usize = 192;
+const AT_RECV_WAITERS: usize = 196;
+const AT_SEND_EPOCH: usize = 256;
+const AT_SEND_WAITERS: usize = 260;
+
+/// Errors of the channel layer.
+#[derive(Debug, thiserror::Error)]
+pub enum ChannelError {
+    /// Bytes of the channel that make no sense.
+    #[error("channel {channel}: corrupt: {what}")]
+    Corrupt { channel: String, what: String },
+    #[error(transparent)]
+    Segment(#[from] SegmentError),
+}
+
+fn io_err(path: &Path, e: impl Into<io::Error>) -> ChannelError {
+    ChannelError::Segment(SegmentError::io(path, e.into()))
+}
+
+fn name_of(path: &Path) -> String {
+    path.file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default()
+}
+
+/// What a cell carries: where an object is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Handle {
+    /// 1: a chunk of the arena at `path` (`offset`, `size`, `generation`); 2: the segment at
+    /// `path`.
+    pub kind: u8,
+    pub path: PathBuf,
+    pub offset: u64,
+    pub size: u64,
+    pub generation: u64,
+}
+
+pub const CHUNK: u8 = 1;
+pub const SEGMENT: u8 = 2;
+
+/// A claimed cell: its position, and its handle or what is wrong with the cell.
+pub type Claimed = (u64, Result<Handle, String>);
+
+/// How a wait ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Waited {
+    /// Something changed (or may have): look again.
+    Again,
+    /// The deadline passed.
+    TimedOut,
+}
+
+/// One process's mapping of a channel file.
+pub struct Ring {
+    map: memmap2::MmapRaw,
+    _file: File,
+    path: PathBuf,
+    capacity: u64,
+}
+
+impl Ring {
+    /// Create the channel `dir/name` with `capacity` cells (a power of two, 2 to
+    /// [`MAX_CAPACITY`]): written as `<name>.part-<random>` and linked under its name when
+    /// complete, so no process ever opens a half-made channel.
+    pub fn create(dir: &Path, name: &str, capacity: u64) -> Result<Ring, ChannelError> {
+        if !capacity.is_power_of_two() || !(2..=MAX_CAPACITY).contains(&capacity) {
+            return Err(io_err(
+                dir,
+                io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("a channel's capacity is a power of two from 2 to {MAX_CAPACITY}, not {capacity}"),
+                ),
+            ));
+        }
+        let total = HEADER + capacity * CELL;
+        segment::preflight(dir, total)?;
+        let suffix = &segment::random_name()[segment::PREFIX.len()..][..12];
+        let tmp = dir.join(format!("{name}.part-{suffix}"));
+        let path = dir.join(name);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .custom_flags(
+                (rustix::fs::OFlags::CLOEXEC | rustix::fs::OFlags::NOFOLLOW).bits() as i32,
+            )
+            .open(&tmp)
+            .map_err(|e| io_err(&tmp, e))?;
+        let made = (|| {
+            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, total)
+                .map_err(|e| io_err(&tmp, e))?;
+            // Exactly 0600 whatever the umask: both sides write it, nobody else may.
+            file.set_permissions(std::fs::Permissions::from_mode(0o600))
+                .map_err(|e| io_err(&tmp, e))?;
+            let ring = Ring::map(file, tmp.clone(), capacity, total)?;
+            for (i, b) in MAGIC.iter().enumerate() {
+                ring.byte(i).store(*b, Ordering::Relaxed);
+            }
+            ring.u32_at(8).store(VERSION, Ordering::Relaxed);
+            ring.u32_at(12).store(CELL as u32, Ordering::Relaxed);
+            ring.u64_at(AT_CAPACITY).store(capacity, Ordering::Relaxed);
+            ring.u32_at(AT_CREATOR)
+                .store(crate::arena::pid(), Ordering::Relaxed);
+            for i in 0..capacity {
+                ring.word(i, 0).store(i, Ordering::Relaxed);
+            }
+            std::sync::atomic::fence(Ordering::SeqCst);
+            std::fs::hard_link(&tmp, &path).map_err(|e| io_err(&path, e))?;
+            Ok::<_, ChannelError>(ring)
+        })();
+        let _ = std::fs::remove_file(&tmp);
+        let mut ring = made?;
+        ring.path = path;
+        Ok(ring)
+    }
+
+    /// Open the channel at `path`: ours, a regular file of mode 0600 (no symlink followed),
+    /// a channel header, and exactly the size its capacity says.
+    pub fn open(path: &Path) -> Result<Ring, ChannelError> {
+        let name = name_of(path);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(
+                (rustix::fs::OFlags::CLOEXEC
+                    | rustix::fs::OFlags::NOFOLLOW
+                    | rustix::fs::OFlags::NONBLOCK)
+                    .bits() as i32,
+            )
+            .open(path)
+            .map_err(|e| match e.kind() {
+                io::ErrorKind::NotFound => ChannelError::Segment(SegmentError::NotFound {
+                    name: name.clone(),
+                    path: path.to_owned(),
+                }),
+                _ => io_err(path, e),
+            })?;
+        let meta = file.metadata().map_err(|e| io_err(path, e))?;
+        let me = rustix::process::geteuid().as_raw();
+        if meta.uid() != me {
+            return Err(SegmentError::WrongOwner {
+                path: path.to_owned(),
+                owner: meta.uid(),
+                me,
+            }
+            .into());
+        }
+        let corrupt = |what: String| ChannelError::Corrupt {
+            channel: name.clone(),
+            what,
+        };
+        if !meta.is_file() || meta.mode() & 0o7777 != 0o600 {
+            return Err(corrupt(format!(
+                "not a channel file (mode {:o})",
+                meta.mode() & 0o7777
+            )));
+        }
+        let mut head = [0u8; 32];
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut head, 0)
+            .map_err(|_| corrupt("shorter than its header".into()))?;
+        let word = |at: usize| u64::from_le_bytes(head[at..at + 8].try_into().unwrap_or_default());
+        let capacity = word(AT_CAPACITY);
+        let version = u32::from_le_bytes(head[8..12].try_into().unwrap_or_default());
+        let cell = u32::from_le_bytes(head[12..16].try_into().unwrap_or_default());
+        let size = capacity
+            .checked_mul(CELL)
+            .and_then(|n| n.checked_add(HEADER));
+        if &head[..8] != MAGIC
+            || version != VERSION
+            || u64::from(cell) != CELL
+            || !capacity.is_power_of_two()
+            || !(2..=MAX_CAPACITY).contains(&capacity)
+            || size != Some(meta.len())
+        {
+            return Err(corrupt(format!(
+                "bad header (magic, version {version}, cell size {cell}, capacity {capacity} \
+                 or size {})",
+                meta.len()
+            )));
+        }
+        Ring::map(file, path.to_owned(), capacity, meta.len())
+    }
+
+    fn map(file: File, path: PathBuf, capacity: u64, len: u64) -> Result<Ring, ChannelError> {
+        let map = memmap2::MmapOptions::new()
+            .len(len as usize)
+            .map_raw(&file)
+            .map_err(|e| io_err(&path, e))?;
+        Ok(Ring {
+            map,
+            _file: file,
+            path,
+            capacity,
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    // --- the shared words -------------------------------------------------------------------
+
+    fn byte(&self, at: usize) -> &std::sync::atomic::AtomicU8 {
+        assert!(at < HEADER as usize);
+        // SAFETY: `at` is inside the mapping (checked, and the mapping is at least HEADER
+        // bytes), which lives as long as `self`. Every access to the shared bytes is atomic,
+        // so writes by other processes are never a data race.
+        unsafe { &*(self.map.as_ptr().add(at) as *const std::sync::atomic::AtomicU8) }
+    }
+
+    fn u32_at(&self, at: usize) -> &AtomicU32 {
+        assert!(at % 4 == 0 && at + 4 <= HEADER as usize);
+        // SAFETY: as in `byte`; 4-byte aligned (the mapping is page aligned, `at` a multiple
+        // of 4).
+        unsafe { &*(self.map.as_ptr().add(at) as *const AtomicU32) }
+    }
+
+    fn u64_at(&self, at: usize) -> &AtomicU64 {
+        assert!(at % 8 == 0 && at + 8 <= HEADER as usize);
+        // SAFETY: as in `u32_at`, 8-byte aligned.
+        unsafe { &*(self.map.as_ptr().add(at) as *const AtomicU64) }
+    }
+
+    /// Word `w` of the cell for position `pos`.
+    fn word(&self, pos: u64, w: usize) -> &AtomicU64 {
+        let cell = pos & (self.capacity - 1);
+        let at = HEADER as usize + cell as usize * CELL as usize + (w % CELL_WORDS) * 8;
+        // SAFETY: `cell < capacity` and `w % CELL_WORDS < CELL_WORDS`, so the word lies inside
+        // the mapping, whose length is HEADER + capacity * CELL (checked at open); 8-byte
+        // aligned. Atomic, as every access to the shared bytes.
+        unsafe { &*(self.map.as_ptr().add(at) as *const AtomicU64) }
+    }
+
+    fn tail(&self) -> &AtomicU64 {
+        self.u64_at(AT_TAIL)
+    }
+
+    fn head(&self) -> &AtomicU64 {
+        self.u64_at(AT_HEAD)
+    }
+
+    /// How many handles wait in the channel (approximate while others put and get).
+    pub fn len(&self) -> u64 {
+        let (t, h) = (
+            self.tail().load(Ordering::Acquire),
+            self.head().load(Ordering::Acquire),
+        );
+        t.wrapping_sub(h).min(self.capacity)
+    }
+
+    // --- put --------------------------------------------------------------------------------
+
+    /// Put `h` into the next free cell; `Ok(None)` when the channel is full (nothing was
+    /// written), else the position it took. The caller keeps the object alive until
+    /// [`Ring::taken`] says so.
+    pub fn try_push(&self, h: &Handle) -> Result<Option<u64>, ChannelError> {
+        let path = h.path.as_os_str().as_encoded_bytes();
+        if path.len() > MAX_PATH || h.kind == 0 {
+            return Err(ChannelError::Corrupt {
+                channel: name_of(&self.path),
+                what: format!("a path of {} bytes does not fit a cell", path.len()),
+            });
+        }
+        let mut last_tail = None;
+        for _ in 0..SPIN_LIMIT {
+            let pos = self.tail().load(Ordering::Relaxed);
+            let seq = self.word(pos, 0).load(Ordering::Acquire);
+            let diff = seq.wrapping_sub(pos) as i64;
+            if diff == 0 {
+                if self
+                    .tail()
+                    .compare_exchange_weak(
+                        pos,
+                        pos.wrapping_add(1),
+                        Ordering::Relaxed,
+                        Ordering::Relaxed,
+                    )
+                    .is_ok()
+                {
+                    self.write_cell(pos, h, path);
+                    self.word(pos, 0)
+                        .store(pos.wrapping_add(1), Ordering::Release);
+                    self.wake(AT_RECV_EPOCH, AT_RECV_WAITERS);
+                    return Ok(Some(pos));
+                }
+            } else if diff < 0 {
+                return Ok(None);
+            } else if last_tail == Some(pos) {
+                // The tail is behind a cell already published ahead of it, and nobody moves
+                // it: only a corrupt ring does that (a racing put moves the tail at once).
+                std::hint::spin_loop();
+            }
+            last_tail = Some(pos);
+        }
+        Err(self.stuck("put"))
+    }
+
+    fn write_cell(&self, pos: u64, h: &Handle, path: &[u8]) {
+        let meta =
+            u64::from(h.kind) | (path.len() as u64) << 8 | u64::from(crate::arena::pid()) << 32;
+        self.word(pos, 1).store(meta, Ordering::Relaxed);
+        self.word(pos, 2).store(h.offset, Ordering::Relaxed);
+        self.word(pos, 3).store(h.size, Ordering::Relaxed);
+        self.word(pos, 4).store(h.generation, Ordering::Relaxed);
+        for (i, part) in path.chunks(8).enumerate() {
+            let mut w = [0u8; 8];
+            w[..part.len()].copy_from_slice(part);
+            self.word(pos, PATH_AT + i)
+                .store(u64::from_le_bytes(w), Ordering::Relaxed);
+        }
+    }
+
+    /// Whether the handle put at `pos` has been taken by a get (its cell handed back).
+    pub fn taken(&self, pos: u64) -> bool {
+        let seq = self.word(pos, 0).load(Ordering::Acquire);
+        seq.wrapping_sub(pos.wrapping_add(self.capacity)) as i64 >= 0
+    }
+
+    // --- get --------------------------------------------------------------------------------
+
+    /// Claim the oldest handle; `Ok(None)` when the channel is empty. The cell stays claimed
+    /// until [`Ring::release`] (the caller first takes its own hold on the object, so the
+    /// putter never lets go of an object nobody holds).
+    pub fn try_pop(&self) -> Result<Option<Claimed>, ChannelError> {
+        let mut last_head = None;
+        for _ in 0..SPIN_LIMIT {
+            let pos = self.head().load(Ordering::Relaxed);
+            let seq = self.word(pos, 0).load(Ordering::Acquire);
+            let diff = seq.wrapping_sub(pos.wrapping_add(1)) as i64;
+            if diff == 0 {
+                if self
+                    .head()
+                    .compare_exchange_weak(
+                        pos,
+                        pos.wrapping_add(1),
+                        Ordering::Relaxed,
+                        Ordering::Relaxed,
+                    )
+                    .is_ok()
+                {
+                    return Ok(Some((pos, self.read_cell(pos))));
+                }
+            } else if diff < 0 {
+                return Ok(None);
+            } else if last_head == Some(pos) {
+                std::hint::spin_loop();
+            }
+            last_head = Some(pos);
+        }
+        Err(self.stuck("get"))
+    }
+
+    /// The handle in the cell at `pos`, checked; what is wrong with it otherwise.
+    fn read_cell(&self, pos: u64) -> Result<Handle, String> {
+        let meta = self.word(pos, 1).load(Ordering::Relaxed);
+        let kind = (meta & 0xff) as u8;
+        let len = ((meta >> 8) & 0xffff) as usize;
+        if kind != CHUNK && kind != SEGMENT {
+            return Err(format!("cell {pos}: unknown kind {kind}"));
+        }
+        if len == 0 || len > MAX_PATH {
+            return Err(format!("cell {pos}: path of {len} bytes"));
+        }
+        let mut bytes = Vec::with_capacity(len.next_multiple_of(8));
+        for i in 0..len.div_ceil(8) {
+            bytes.extend_from_slice(
+                &self
+                    .word(pos, PATH_AT + i)
+                    .load(Ordering::Relaxed)
+                    .to_le_bytes(),
+            );
+        }
+        bytes.truncate(len);
+        let path = match String::from_utf8(bytes) {
+            Ok(s) if s.starts_with('/') && !s.contains('\0') => PathBuf::from(s),
+            _ => return Err(format!("cell {pos}: not an absolute path")),
+        };
+        Ok(Handle {
+            kind,
+            path,
+            offset: self.word(pos, 2).load(Ordering::Relaxed),
+            size: self.word(pos, 3).load(Ordering::Relaxed),
+            generation: self.word(pos, 4).load(Ordering::Relaxed),
+        })
+    }
+
+    /// Hand the cell at `pos` (claimed by [`Ring::try_pop`]) back to the putters.
+    pub fn release(&self, pos: u64) {
+        self.word(pos, 0)
+            .store(pos.wrapping_add(self.capacity), Ordering::Release);
+        self.wake(AT_SEND_EPOCH, AT_SEND_WAITERS);
+    }
+
+    // --- waiting ----------------------------------------------------------------------------
+
+    /// Wait until a handle may be there to get, or `deadline`.
+    pub fn wait_to_get(&self, deadline: Instant) -> Waited {
+        self.wait(AT_RECV_EPOCH, AT_RECV_WAITERS, deadline, || {
+            let pos = self.head().load(Ordering::Relaxed);
+            let seq = self.word(pos, 0).load(Ordering::Acquire);
+            seq.wrapping_sub(pos.wrapping_add(1)) as i64 >= 0
+        })
+    }
+
+    /// Wait until a cell may be free to put into, or `deadline`.
+    pub fn wait_to_put(&self, deadline: Instant) -> Waited {
+        self.wait(AT_SEND_EPOCH, AT_SEND_WAITERS, deadline, || {
+            let pos = self.tail().load(Ordering::Relaxed);
+            let seq = self.word(pos, 0).load(Ordering::Acquire);
+            seq.wrapping_sub(pos) as i64 >= 0
+        })
+    }
+
+    /// Spin a little (the other side is usually a few microseconds away), then sleep on the
+    /// futex word at `epoch`, having said so in `waiters`: the other side bumps the word
+    /// after each change and wakes sleepers only when `waiters` says there are some. The
+    /// word is read before `ready` is looked at, so a change after that look makes the
+    /// futex wait return at once: no wake-up is lost.
+    fn wait(
+        &self,
+        epoch: usize,
+        waiters: usize,
+        deadline: Instant,
+        ready: impl Fn() -> bool,
+    ) -> Waited {
+        for i in 0..SPINS {
+            if ready() {
+                return Waited::Again;
+            }
+            if i % 16 == 15 {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        let word = self.u32_at(epoch);
+        let count = self.u32_at(waiters);
+        let seen = word.load(Ordering::SeqCst);
+        count.fetch_add(1, Ordering::SeqCst);
+        let outcome = if ready() {
+            Waited::Again
+        } else {
+            let now = Instant::now();
+            if now >= deadline {
+                Waited::TimedOut
+            } else {
+                futex_wait(word, seen, (deadline - now).min(MAX_SLEEP));
+                if Instant::now() >= deadline && !ready() {
+                    Waited::TimedOut
+                } else {
+                    Waited::Again
+                }
+            }
+        };
+        count.fetch_sub(1, Ordering::SeqCst);
+        outcome
+    }
+
+    fn wake(&self, epoch: usize, waiters: usize) {
+        let word = self.u32_at(epoch);
+        word.fetch_add(1, Ordering::SeqCst);
+        if self.u32_at(waiters).load(Ordering::SeqCst) != 0 {
+            futex_wake(word);
+        }
+    }
+
+    fn stuck(&self, what: &str) -> ChannelError {
+        ChannelError::Corrupt {
+            channel: name_of(&self.path),
+            what: format!(
+                "a {what} found the ring's positions inconsistent {SPIN_LIMIT} times in a row"
+            ),
+        }
+    }
+}
+
+/// Tries of one put or get before the ring is called corrupt: a racing process moves the
+/// position it contends for within a few tries; only a corrupt ring keeps a position behind
+/// cells that are already past it.
+const SPIN_LIMIT: u32 = 1 << 16;
+/// Looks before a wait sleeps.
+const SPINS: u32 = 64;
+/// The longest sleep of one wait: a caller waiting longer waits again (and meanwhile
+/// notices a signal, or a peer that went away).
+pub const MAX_SLEEP: Duration = Duration::from_millis(100);
+
+/// Sleep until `word` is woken or no longer holds `seen`, at most `timeout`.
+fn futex_wait(word: &AtomicU32, seen: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: FUTEX_WAIT (shared: the word is in a file mapping other processes use) reads
+    // the aligned 4-byte word, which lives as long as the borrow, and the timespec on our
+    // stack. Its result needs no handling: every outcome (woken, changed, timed out,
+    // interrupted) makes the caller look again.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            seen,
+            &ts as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+/// Wake every process sleeping on `word`.
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE only uses the word's address as a key; it is aligned and mapped.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0u32,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,235 @@
+use super::*;
+
+fn dir() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
+
+fn chunk(i: u64) -> Handle {
+    Handle {
+        kind: CHUNK,
+        path: PathBuf::from(format!("/dev/shm/shmstore-arena-{i}")),
+        offset: 4096 + i * 64,
+        size: 64 * (i + 1),
+        generation: i + 7,
+    }
+}
+
+fn soon() -> Instant {
+    Instant::now() + Duration::from_millis(20)
+}
+
+#[test]
+fn handles_come_out_in_order_and_a_put_learns_when_its_handle_is_taken() {
+    let d = dir();
+    let a = Ring::create(d.path(), "shmstore-ch", 4).unwrap();
+    let b = Ring::open(&d.path().join("shmstore-ch")).unwrap();
+    assert_eq!(b.capacity(), 4);
+    let mut at = vec![];
+    for i in 0..4 {
+        at.push(a.try_push(&chunk(i)).unwrap().unwrap());
+    }
+    assert_eq!(a.try_push(&chunk(9)).unwrap(), None, "full");
+    assert_eq!(a.wait_to_put(soon()), Waited::TimedOut);
+    assert_eq!(b.len(), 4);
+    for (i, &pos) in at.iter().enumerate() {
+        assert!(!a.taken(pos));
+        let (p, h) = b.try_pop().unwrap().unwrap();
+        assert_eq!(p, pos);
+        assert_eq!(h.unwrap(), chunk(i as u64));
+        assert!(!a.taken(pos), "claimed, not yet released");
+        b.release(p);
+        assert!(a.taken(pos));
+    }
+    assert!(b.try_pop().unwrap().is_none());
+    assert_eq!(b.wait_to_get(soon()), Waited::TimedOut);
+    // Around the ring several times: positions keep counting, `taken` stays true.
+    for i in 0..10 {
+        let pos = a.try_push(&chunk(i)).unwrap().unwrap();
+        let (p, h) = b.try_pop().unwrap().unwrap();
+        assert_eq!((p, h.unwrap()), (pos, chunk(i)));
+        b.release(p);
+    }
+    assert!(at.iter().all(|&p| a.taken(p)));
+}
+
+#[test]
+fn many_putters_and_getters_on_threads_lose_and_repeat_nothing() {
+    let d = dir();
+    let path = d.path().join("shmstore-ch");
+    drop(Ring::create(d.path(), "shmstore-ch", 8).unwrap());
+    let per = 2000u64;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let push = |r: &Ring, h: &Handle| loop {
+        if r.try_push(h).unwrap().is_some() {
+            return;
+        }
+        assert_eq!(r.wait_to_put(deadline), Waited::Again, "bounded");
+    };
+    let mut all: Vec<u64> = std::thread::scope(|s| {
+        let getters: Vec<_> = (0..2)
+            .map(|_| {
+                let path = path.clone();
+                s.spawn(move || {
+                    let r = Ring::open(&path).unwrap();
+                    let mut got = vec![];
+                    loop {
+                        match r.try_pop().unwrap() {
+                            Some((p, h)) => {
+                                let h = h.unwrap();
+                                r.release(p);
+                                if h.generation == u64::MAX {
+                                    return got; // the end marker
+                                }
+                                got.push(h.offset);
+                            }
+                            None => {
+                                assert_eq!(r.wait_to_get(deadline), Waited::Again, "bounded");
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        let putters: Vec<_> = (0..3u64)
+            .map(|t| {
+                let path = path.clone();
+                s.spawn(move || {
+                    let r = Ring::open(&path).unwrap();
+                    for i in 0..per {
+                        push(&r, &chunk(t * per + i));
+                    }
+                })
+            })
+            .collect();
+        for p in putters {
+            p.join().unwrap();
+        }
+        let r = Ring::open(&path).unwrap();
+        for _ in 0..2 {
+            push(
+                &r,
+                &Handle {
+                    generation: u64::MAX,
+                    ..chunk(0)
+                },
+            );
+        }
+        getters
+            .into_iter()
+            .flat_map(|g| g.join().unwrap())
+            .collect()
+    });
+    all.sort_unstable();
+    let want: Vec<u64> = (0..3 * per).map(|i| chunk(i).offset).collect();
+    assert_eq!(all, want);
+}
+
+#[test]
+fn a_ring_that_is_not_a_channel_is_refused() {
+    let d = dir();
+    drop(Ring::create(d.path(), "shmstore-ch", 4).unwrap());
+    let path = d.path().join("shmstore-ch");
+    let good = std::fs::read(&path).unwrap();
+    type Spoil = Box<dyn Fn(&mut Vec<u8>)>;
+    let cases: Vec<(&str, Spoil)> = vec![
+        ("magic", Box::new(|b| b[0] ^= 1)),
+        ("version", Box::new(|b| b[8] = 9)),
+        ("cell size", Box::new(|b| b[12] = 8)),
+        ("capacity not a power of two", Box::new(|b| b[16] = 3)),
+        (
+            "capacity larger than the file",
+            Box::new(|b| b[16..24].copy_from_slice(&(1u64 << 40).to_le_bytes())),
+        ),
+        ("shorter", Box::new(|b| b.truncate(600))),
+        ("header only", Box::new(|b| b.truncate(20))),
+    ];
+    for (what, spoil) in cases {
+        let mut bytes = good.clone();
+        spoil(&mut bytes);
+        let p = d.path().join("shmstore-bad");
+        let _ = std::fs::remove_file(&p);
+        std::fs::write(&p, &bytes).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(
+            matches!(Ring::open(&p), Err(ChannelError::Corrupt { .. })),
+            "{what}"
+        );
+    }
+    // Readable by others, or a symlink to a channel: refused.
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    assert!(Ring::open(&path).is_err());
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let link = d.path().join("shmstore-link");
+    std::os::unix::fs::symlink(&path, &link).unwrap();
+    assert!(Ring::open(&link).is_err());
+    assert!(Ring::open(&path).is_ok());
+    // Bad capacities are refused at creation.
+    for cap in [0, 1, 3, MAX_CAPACITY * 2] {
+        assert!(Ring::create(d.path(), &format!("shmstore-c{cap}"), cap).is_err());
+    }
+}
+
+#[test]
+fn hostile_cells_and_positions_give_errors_or_timeouts_never_a_hang() {
+    let d = dir();
+    let a = Ring::create(d.path(), "shmstore-ch", 4).unwrap();
+    let b = Ring::open(&d.path().join("shmstore-ch")).unwrap();
+    // A published cell whose contents are garbage: an error for that cell, the ring goes on.
+    let pos = a.try_push(&chunk(1)).unwrap().unwrap();
+    a.word(pos, 1).store(0xff, Ordering::Relaxed); // unknown kind
+    let (p, h) = b.try_pop().unwrap().unwrap();
+    assert!(h.is_err());
+    b.release(p);
+    let pos = a.try_push(&chunk(2)).unwrap().unwrap();
+    a.word(pos, 1)
+        .store(u64::from(CHUNK) | 4000 << 8, Ordering::Relaxed); // path too long
+    let (p, h) = b.try_pop().unwrap().unwrap();
+    assert!(h.is_err());
+    b.release(p);
+    let pos = a.try_push(&chunk(3)).unwrap().unwrap();
+    a.word(pos, PATH_AT)
+        .store(u64::from_le_bytes(*b"relative"), Ordering::Relaxed);
+    let (p, h) = b.try_pop().unwrap().unwrap();
+    assert!(h.is_err());
+    b.release(p);
+    // Positions moved to nonsense: every call returns (an error, "empty" or "full").
+    for (tail, head) in [(u64::MAX, 0), (5, 1 << 60), (1 << 63, 1 << 63), (0, 3)] {
+        a.tail().store(tail, Ordering::Relaxed);
+        a.head().store(head, Ordering::Relaxed);
+        let _ = a.try_push(&chunk(0));
+        let _ = b.try_pop();
+        let _ = b.wait_to_get(soon());
+        let _ = a.wait_to_put(soon());
+        let _ = b.len();
+    }
+    // Sequence words of every cell set to garbage too.
+    for i in 0..4 {
+        a.word(i, 0)
+            .store(0xdead_beef_0000 + i * 977, Ordering::Relaxed);
+    }
+    let _ = a.try_push(&chunk(0));
+    let _ = b.try_pop();
+    assert!(b.len() <= 4);
+}
+
+#[test]
+fn a_waiting_getter_is_woken_by_a_put_from_another_mapping() {
+    let d = dir();
+    let a = Ring::create(d.path(), "shmstore-ch", 4).unwrap();
+    let path = d.path().join("shmstore-ch");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    std::thread::scope(|s| {
+        let getter = s.spawn(|| {
+            let b = Ring::open(&path).unwrap();
+            loop {
+                if let Some((p, h)) = b.try_pop().unwrap() {
+                    b.release(p);
+                    return h.unwrap();
+                }
+                assert_eq!(b.wait_to_get(deadline), Waited::Again);
+            }
+        });
+        a.try_push(&chunk(5)).unwrap().unwrap();
+        assert_eq!(getter.join().unwrap(), chunk(5));
+    });
+}

@@ -1,0 +1,279 @@
+"""`shmstore.Channel`: a queue of objects between processes whose objects travel as handles
+through a ring in shared memory (docs/channel.md). The ring's own invariants (order, many
+putters and getters, hostile positions) are Rust tests (src/channel/tests.rs)."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import shmstore
+from conftest import segment_dir
+from shmstore import _native
+
+
+@pytest.fixture(autouse=True)
+def _release_arenas(no_leftover_segments: None) -> Iterator[None]:
+    """This process's arenas are let go after each test, so that the leftover check sees
+    them (and the test's channels) removed."""
+    yield
+    gc.collect()
+    _native._arena_release()
+
+
+LARGE = b"L" * (3 << 20)  # larger than an arena object: a segment of its own
+
+
+def values(i: int) -> list[Any]:
+    return [
+        np.full(1024, i % 251, dtype=np.uint8),
+        {"id": i, "tags": ["a", "b"], "box": (1.5, -0.0)},
+        f"text {i}",
+        i,
+    ]
+
+
+def same(got: Any, want: Any) -> bool:
+    if isinstance(want, np.ndarray):
+        return bool(np.array_equal(got, want)) and got.dtype == want.dtype
+    if isinstance(want, dict):
+        return set(got.keys()) == set(want) and all(same(got[k], v) for k, v in want.items())
+    if isinstance(want, (list, tuple)):
+        return len(got) == len(want) and all(same(g, w) for g, w in zip(got, want))
+    return bool(got == want) and type(got) is type(want)
+
+
+def test_objects_come_out_in_order_as_put() -> None:
+    ch = shmstore.Channel(capacity=16)
+    want = [v for i in range(3) for v in values(i)] + [LARGE]
+    for v in want:
+        ch.put(v)
+    assert ch.qsize() == len(want)
+    got = [ch.get() for _ in want]
+    assert all(same(g, w) for g, w in zip(got, want))
+    assert isinstance(got[0], np.ndarray) and not got[0].flags.writeable
+    assert ch.empty() and ch._in_flight() == 0
+
+
+def test_full_and_empty_say_so_like_a_queue() -> None:
+    ch = shmstore.Channel(capacity=2)
+    assert ch.capacity == 2 and ch.empty() and not ch.full()
+    ch.put(1)
+    ch.put_nowait(2)
+    assert ch.full()
+    with pytest.raises(queue.Full):
+        ch.put_nowait(3)
+    with pytest.raises(queue.Full):
+        ch.put(3, timeout=0.01)
+    assert [ch.get(), ch.get_nowait()] == [1, 2]
+    with pytest.raises(queue.Empty):
+        ch.get_nowait()
+    with pytest.raises(queue.Empty):
+        ch.get(timeout=0.01)
+    with pytest.raises(queue.Empty):
+        ch.get(block=False)
+
+
+@pytest.mark.parametrize("capacity", [0, 1, 3, 1000, 1 << 30])
+def test_a_capacity_that_is_not_a_power_of_two_in_range_is_refused(capacity: int) -> None:
+    with pytest.raises(shmstore.ShmStoreError, match="power of two"):
+        shmstore.Channel(capacity=capacity)
+
+
+def test_a_negative_timeout_is_refused() -> None:
+    ch = shmstore.Channel(capacity=2)
+    with pytest.raises(shmstore.InvalidInputError, match="timeout"):
+        ch.get(timeout=-1)
+
+
+def test_an_object_that_cannot_be_stored_raises_and_puts_nothing() -> None:
+    ch = shmstore.Channel(capacity=2)
+    with pytest.raises(shmstore.UnsupportedTypeError):
+        ch.put({"f": object()})
+    assert ch.empty()
+
+
+def test_a_getter_waits_without_the_gil() -> None:
+    """A get blocked on an empty channel lets other threads run: the put below happens
+    while it waits (with the GIL held, the put could only run after the get timed out,
+    and the get would raise queue.Empty)."""
+    ch = shmstore.Channel(capacity=2)
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(ch.get(timeout=600)))
+    t.start()
+    ch.put("hello")
+    t.join()
+    assert got == ["hello"]
+
+
+def _produce(ch: shmstore.Channel, start: int, n: int, large: bool) -> None:
+    for i in range(start, start + n):
+        for v in values(i):
+            ch.put(v)
+    if large:
+        ch.put(LARGE)
+
+
+def _consume(ch: shmstore.Channel, n: int, out: Any) -> None:
+    got = [ch.get(timeout=600) for _ in range(n)]
+    out.put([(int(a[-1]), r["id"]) for a, r in zip(got[0::4], got[1::4])])
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_a_channel_passed_to_another_process_delivers_everything(method: str) -> None:
+    ctx = mp.get_context(method)
+    ch = shmstore.Channel(capacity=8)  # smaller than what goes through: the putter waits
+    p = ctx.Process(target=_produce, args=(ch, 0, 50, True))
+    p.start()
+    got = [ch.get(timeout=600) for _ in range(50 * 4 + 1)]
+    p.join(600)
+    assert p.exitcode == 0
+    want = [v for i in range(50) for v in values(i)] + [LARGE]
+    assert all(same(g, w) for g, w in zip(got, want))
+
+
+def test_many_putters_and_getters_in_processes_lose_and_repeat_nothing() -> None:
+    ctx = mp.get_context("forkserver")
+    ch = shmstore.Channel(capacity=16)
+    out = ctx.Queue()
+    per, putters, getters = 60, 3, 2
+    ps = [ctx.Process(target=_produce, args=(ch, k * per, per, False)) for k in range(putters)]
+    # Each getter takes whole records of four values only if puts do not interleave, so
+    # the getters here take single values and the check is on the multiset of arrays.
+    gs = [ctx.Process(target=_take_all, args=(ch, putters * per * 4 // getters, out))
+          for _ in range(getters)]
+    for p in ps + gs:
+        p.start()
+    got: list[Any] = []
+    for _ in gs:
+        got += out.get(timeout=600)
+    for p in ps + gs:
+        p.join(600)
+        assert p.exitcode == 0
+    ints = sorted(v for kind, v in got if kind == "int")
+    arrays = sorted(v for kind, v in got if kind == "array")
+    assert ints == list(range(putters * per))
+    assert arrays == sorted(i % 251 for i in range(putters * per))
+
+
+def _take_all(ch: shmstore.Channel, n: int, out: Any) -> None:
+    got = []
+    for _ in range(n):
+        v = ch.get(timeout=600)
+        if isinstance(v, np.ndarray):
+            got.append(("array", int(v[-1])))
+        elif isinstance(v, int):
+            got.append(("int", v))
+    out.put(got)
+
+
+def _put_then_exit(ch: shmstore.Channel, how: str) -> None:
+    _produce(ch, 0, 3, True)
+    if how == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.parametrize("how", ["exit", "sigkill"])
+def test_objects_outlive_the_process_that_put_them(how: str) -> None:
+    """The putter is gone (its arena no longer mapped by any process) before anything is
+    taken: the supervisor keeps its arena and segment while the channel is in use."""
+    ctx = mp.get_context("forkserver")
+    ch = shmstore.Channel(capacity=16)
+    p = ctx.Process(target=_put_then_exit, args=(ch, how))
+    p.start()
+    p.join(600)
+    assert p.exitcode == (-signal.SIGKILL if how == "sigkill" else 0)
+    _native._flush_drops()
+    got = [ch.get(timeout=600) for _ in range(3 * 4 + 1)]
+    want = [v for i in range(3) for v in values(i)] + [LARGE]
+    assert all(same(g, w) for g, w in zip(got, want))
+
+
+def _hold_then_die(ch: shmstore.Channel, ready: Any) -> None:
+    held = [ch.get(timeout=600) for _ in range(4)]
+    ready.put(sum(int(a[-1]) for a in held))
+    signal.pause()
+
+
+def test_objects_taken_by_a_killed_getter_are_let_go_of() -> None:
+    """A getter holding objects is SIGKILLed: the putter's hold ended when they were
+    taken, the getter's with its death, so their chunks are free again."""
+    ctx = mp.get_context("forkserver")
+    ch = shmstore.Channel(capacity=8)
+    for i in range(4):
+        ch.put(np.full(4096, i, dtype=np.uint8))
+    ready = ctx.Queue()
+    p = ctx.Process(target=_hold_then_die, args=(ch, ready))
+    p.start()
+    assert ready.get(timeout=600) == 0 + 1 + 2 + 3
+    assert ch._in_flight() == 0  # taken: the putter holds none of them any more
+    p.kill()
+    p.join(600)
+    used_before = _native._arena_usage()
+    # The next puts reuse the freed chunks instead of growing the arena.
+    for i in range(4):
+        ch.put(np.full(4096, i, dtype=np.uint8))
+    assert _native._arena_usage() == used_before
+    assert [int(ch.get()[-1]) for _ in range(4)] == [0, 1, 2, 3]
+
+
+def test_a_channel_pickles_by_name() -> None:
+    ch = shmstore.Channel(capacity=4)
+    data = pickle.dumps(ch)
+    assert len(data) < 200
+    again = pickle.loads(data)
+    assert again.name == ch.name and again.path == ch.path
+    ch.put("x")
+    assert again.get() == "x"
+
+
+def test_only_a_channel_file_of_ours_is_opened(tmp_path: Path) -> None:
+    ch = shmstore.Channel(capacity=4)
+    path = Path(ch.path)
+    rebuild = _native._rebuild_channel
+    with pytest.raises(shmstore.ShmStoreError):
+        rebuild(Path("relative-name"))
+    with pytest.raises(shmstore.ShmStoreError):
+        rebuild(path.parent / "../etc")
+    # A symlink named like a channel: not followed.
+    link = segment_dir() / "shmstore-link"
+    link.symlink_to(path)
+    try:
+        with pytest.raises(shmstore.ShmStoreError):
+            rebuild(link)
+    finally:
+        link.unlink()
+    # A file of the right name that is not a channel: refused as corrupt.
+    other = segment_dir() / "shmstore-notachannel"
+    other.write_bytes(b"\0" * 4096)
+    other.chmod(0o600)
+    try:
+        with pytest.raises(shmstore.CorruptStoreError):
+            rebuild(other)
+    finally:
+        other.unlink()
+
+
+def test_a_crafted_cell_gives_corrupt_store_error_and_the_channel_goes_on() -> None:
+    ch = shmstore.Channel(capacity=4)
+    ch.put(np.arange(3))
+    # Cell 0's path (bytes 512 + 40 on) pointed elsewhere by a neighbour writing the file.
+    with open(ch.path, "r+b") as f:
+        f.seek(512 + 40)
+        f.write(b"/etc/passwd\0")
+        f.seek(512 + 8 + 1)
+        f.write(bytes([11, 0]))
+    with pytest.raises(shmstore.ShmStoreError):
+        ch.get(timeout=600)
+    ch.put("next")
+    assert ch.get(timeout=600) == "next"
