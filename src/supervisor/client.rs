@@ -281,18 +281,27 @@ impl Conn {
     /// Send `reqs` (at most [`BATCH`] at once), then read one `OK` each, by `deadline`
     /// (after the replies still pending).
     fn requests(&mut self, reqs: &[Request], deadline: Instant) -> io::Result<()> {
+        for reply in self.exchange(reqs, deadline)? {
+            if !reply.starts_with("OK") {
+                return Err(io::Error::other(format!("the supervisor said {reply:?}")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Send `reqs` (at most [`BATCH`] at once) and read one reply each, whatever it says,
+    /// by `deadline` (after the replies still pending).
+    fn exchange(&mut self, reqs: &[Request], deadline: Instant) -> io::Result<Vec<String>> {
         self.settle(deadline)?;
+        let mut replies = Vec::with_capacity(reqs.len());
         for chunk in reqs.chunks(BATCH) {
             let text: String = chunk.iter().map(Request::encode).collect();
             self.send_all(text.as_bytes(), deadline)?;
             for _ in chunk {
-                let reply = self.reply(deadline)?;
-                if !reply.starts_with("OK") {
-                    return Err(io::Error::other(format!("the supervisor said {reply:?}")));
-                }
+                replies.push(self.reply(deadline)?);
             }
         }
-        Ok(())
+        Ok(replies)
     }
 
     /// Read every pending reply (waiting as [`Conn::reply`] does).
@@ -568,6 +577,10 @@ struct State {
     /// Why the supervisor is not covering a segment this process attached without waiting,
     /// learnt after the attach returned: said once by the next attach (see [`take_late`]).
     late: Option<String>,
+    /// (holder, path) pins the supervisor accepted ([`pin_segment`]): each sent once, and
+    /// again on every new connection. Never forgotten (a pin outlives this process's use of
+    /// its holder: another process may still use it).
+    pins: HashSet<(PathBuf, PathBuf)>,
 }
 
 static IO: Mutex<Io> = Mutex::new(Io { conn: None, pid: 0 });
@@ -678,6 +691,30 @@ fn ensure(mut io: IoGuard, may_spawn: bool) -> (IoGuard, Result<bool, Unavailabl
     for chunk in uses[uses.len().min(BATCH)..].chunks(BATCH) {
         if let Err(e) = c.requests(chunk, Instant::now() + timeout()) {
             return (io, Err(fail(&c, e)));
+        }
+    }
+    // Then every pin, after the registrations (a supervisor that started since knows none).
+    // One it refuses (say its directory is not a segment directory to this supervisor yet)
+    // is forgotten, not a reason to give up the connection.
+    let pins: Vec<(PathBuf, PathBuf)> = lock(state()).pins.iter().cloned().collect();
+    for chunk in pins.chunks(BATCH) {
+        let reqs: Vec<Request> = chunk
+            .iter()
+            .map(|(holder, path)| Request::Pin {
+                holder: holder.clone(),
+                path: path.clone(),
+            })
+            .collect();
+        match c.exchange(&reqs, Instant::now() + timeout()) {
+            Ok(replies) => {
+                let mut st = lock(state());
+                for (pin, reply) in chunk.iter().zip(replies) {
+                    if !reply.starts_with("OK") {
+                        st.pins.remove(pin);
+                    }
+                }
+            }
+            Err(e) => return (io, Err(fail(&c, e))),
         }
     }
     io.conn = Some(c);
@@ -843,6 +880,74 @@ pub fn use_segment(path: &Path, created: bool) -> Result<(), Unavailable> {
                 st.uses.remove(path);
             }
         }
+    }
+    res
+}
+
+/// Keep the segment at `path` while the segment `holder` is in use (`PIN`, see
+/// docs/lifecycle.md, "Pins"): e.g. an arena holding objects whose handles wait in a
+/// channel, kept after this process exits until the channel itself is removed. Both must
+/// be in the same segment directory. Sent once per (holder, path) in this process (later
+/// calls return at once) and again on every new connection, so a supervisor started since
+/// learns it too. A round trip with the usual deadline; `Unavailable::Other` if the
+/// supervisor refuses the pin (it says why), the other errors as [`use_segment`].
+pub fn pin_segment(holder: &Path, path: &Path) -> Result<(), Unavailable> {
+    if !enabled() {
+        return Err(Unavailable::Disabled);
+    }
+    install_fork_handlers();
+    let pin = (holder.to_owned(), path.to_owned());
+    if lock(state()).pins.contains(&pin) {
+        return Ok(());
+    }
+    let mut io = lock(&IO);
+    if lock(state()).pins.contains(&pin) {
+        return Ok(()); // another thread pinned it meanwhile
+    }
+    let req = Request::Pin {
+        holder: pin.0.clone(),
+        path: pin.1.clone(),
+    };
+    let mut res = Err(Unavailable::Other("not sent".into()));
+    for attempt in 0..2 {
+        let (back, fresh) = ensure(io, true);
+        io = back;
+        if let Err(e) = fresh {
+            res = Err(e);
+            break;
+        }
+        let c = io.conn.as_mut().expect("ensured");
+        c.prepared = None;
+        let sent = c.exchange(std::slice::from_ref(&req), Instant::now() + timeout());
+        match sent.map(|replies| replies.into_iter().next().unwrap_or_default()) {
+            Ok(reply) if reply.starts_with("OK") => {
+                // Recorded with `IO` still held: a reconnection by another thread after this
+                // point sends it again.
+                lock(state()).pins.insert(pin);
+                return Ok(());
+            }
+            Ok(reply) => {
+                return Err(Unavailable::Other(format!(
+                    "the supervisor refused to keep {} while {} is in use (it said {reply:?})",
+                    path.display(),
+                    holder.display(),
+                )));
+            }
+            Err(e) => {
+                let err = fail(c, e);
+                lose(&mut io);
+                let last = matches!(err, Unavailable::NoAnswer(_)) || attempt == 1;
+                res = Err(err);
+                if last {
+                    break;
+                }
+                // It died (e.g. was killed): reconnect, re-register, and pin, once.
+            }
+        }
+    }
+    drop(io);
+    if let Err(e) = &res {
+        give_up(e);
     }
     res
 }

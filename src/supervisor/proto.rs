@@ -10,6 +10,9 @@
 //! DROP <path>            -> OK           ... no longer
 //! DROP <path>\0<path>... -> OK           ... none of these (one line, one settling: a path
 //!                                        never contains NUL)
+//! PIN <holder>\0<path>   -> OK           keep <path> while the segment <holder> is in use
+//!                                        (both in the same segment directory; see the
+//!                                        supervisor's `handle`); `ERR <why>` if refused
 //! LIST                   -> SEG <path> <pid>,<pid>...  (one per segment)  then END <count>
 //! ```
 //!
@@ -27,6 +30,11 @@ pub enum Request {
     Drop(PathBuf),
     /// Many DROPs in one line (settled together by the supervisor).
     DropMany(Vec<PathBuf>),
+    /// Keep `path` while the segment `holder` is in use (docs/lifecycle.md, "Pins").
+    Pin {
+        holder: PathBuf,
+        path: PathBuf,
+    },
     List,
 }
 
@@ -46,6 +54,14 @@ impl Request {
                     .then_some(Request::DropMany(paths))
             }
             "DROP" => path().map(Request::Drop),
+            "PIN" => {
+                let (holder, path) = arg.split_once('\0')?;
+                let ok = |p: &str| p.starts_with('/') && !p.contains('\0');
+                (ok(holder) && ok(path)).then(|| Request::Pin {
+                    holder: PathBuf::from(holder),
+                    path: PathBuf::from(path),
+                })
+            }
             "LIST" => Some(Request::List),
             _ => None,
         }
@@ -60,6 +76,9 @@ impl Request {
             Request::DropMany(ps) => {
                 let ps: Vec<String> = ps.iter().map(|p| p.display().to_string()).collect();
                 format!("DROP {}\n", ps.join("\0"))
+            }
+            Request::Pin { holder, path } => {
+                format!("PIN {}\0{}\n", holder.display(), path.display())
             }
             Request::List => "LIST\n".into(),
         }
@@ -118,11 +137,27 @@ mod tests {
             Request::Use("/dev/shm/shmstore-a".into()),
             Request::Drop("/dev/shm/shmstore-b".into()),
             Request::DropMany(vec!["/dev/shm/shmstore-c".into(), "/x/shmstore-d".into()]),
+            Request::Pin {
+                holder: "/dev/shm/shmstore-chan".into(),
+                path: "/dev/shm/shmstore-arena".into(),
+            },
             Request::List,
         ] {
             assert_eq!(Request::parse(r.encode().trim_end()), Some(r));
         }
         assert_eq!(Request::parse("USE relative"), None);
+        // PIN takes exactly two absolute paths.
+        for bad in [
+            "PIN",
+            "PIN /dev/shm/shmstore-a",
+            "PIN /dev/shm/shmstore-a\0",
+            "PIN \0/dev/shm/shmstore-a",
+            "PIN rel\0/dev/shm/shmstore-a",
+            "PIN /dev/shm/shmstore-a\0rel",
+            "PIN /a\0/b\0/c",
+        ] {
+            assert_eq!(Request::parse(bad), None, "{bad:?}");
+        }
         assert_eq!(Request::parse("NOPE"), None);
         let s = encode_seg(Path::new("/dev/shm/shmstore-x"), &[1, 2]);
         assert_eq!(

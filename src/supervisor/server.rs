@@ -318,6 +318,16 @@ impl Client {
 struct Segment {
     clients: HashSet<u64>,
     adopted: HashSet<u32>,
+    /// Segments that keep this one while they have users of their own (`PIN`, see
+    /// [`State::pinned`]). Each is tracked; `State::pins` is the reverse index.
+    pinned_by: HashSet<PathBuf>,
+}
+
+impl Segment {
+    /// A client registered it, or a process that maps or holds it was adopted.
+    fn has_users(&self) -> bool {
+        !self.clients.is_empty() || !self.adopted.is_empty()
+    }
 }
 
 struct State {
@@ -326,6 +336,9 @@ struct State {
     clients: HashMap<u64, Client>,
     next_id: u64,
     segments: HashMap<PathBuf, Segment>,
+    /// Holder -> the segments it pins (the reverse of `Segment::pinned_by`; both ends
+    /// tracked, see [`State::forget`]).
+    pins: HashMap<PathBuf, HashSet<PathBuf>>,
     pidfds: HashMap<u32, OwnedFd>,
     /// Segment directories: only segments in these are ever removed.
     dirs: HashSet<PathBuf>,
@@ -353,6 +366,7 @@ pub fn serve(bound: Bound, cfg: ServerConfig) -> io::Result<()> {
         clients: HashMap::new(),
         next_id: 0,
         segments: HashMap::new(),
+        pins: HashMap::new(),
         pidfds: HashMap::new(),
         pending: HashSet::new(),
         sweep_needed: true, // start-up: take over what a previous supervisor left
@@ -634,6 +648,13 @@ impl State {
                 }
                 "OK\n".into()
             }
+            Some(Request::Pin { holder, path }) => match self.pin(holder, path) {
+                Ok(()) => "OK\n".into(),
+                Err(why) => {
+                    self.note(Kind::Other, &format!("refused a PIN: {why}"));
+                    format!("ERR {why}\n")
+                }
+            },
             Some(Request::List) => {
                 let mut out = String::new();
                 let mut paths: Vec<&PathBuf> = self.segments.keys().collect();
@@ -655,6 +676,88 @@ impl State {
             }
             None => "ERR unknown request\n".into(),
         }
+    }
+
+    /// `PIN holder path`: keep `path` while `holder` has users of its own. Both must be
+    /// `shmstore-…` names (no `..`) in one segment directory, so that a client cannot make
+    /// the supervisor keep, or later remove, a file anywhere else (what it removes is further
+    /// checked by `sweep::remove_if_ours`). A path not tracked yet (either one) is tracked
+    /// from now on, without a client (a PIN makes nobody a user), and settled this round
+    /// like any segment.
+    fn pin(&mut self, holder: PathBuf, path: PathBuf) -> Result<(), String> {
+        use std::path::Component;
+        for p in [&holder, &path] {
+            let named = p
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(crate::segment::PREFIX));
+            let plain = p
+                .components()
+                .all(|c| matches!(c, Component::RootDir | Component::Normal(_)));
+            if !named || !plain {
+                return Err(format!("{} is not a segment's name", p.display()));
+            }
+        }
+        if holder == path {
+            return Err(format!("{} cannot pin itself", path.display()));
+        }
+        if holder.parent() != path.parent() {
+            return Err(format!(
+                "{} and {} are not in the same directory",
+                holder.display(),
+                path.display()
+            ));
+        }
+        if !self.in_segment_dir(&path) {
+            return Err(format!("{} is not in a segment directory", path.display()));
+        }
+        for p in [&holder, &path] {
+            if !self.segments.contains_key(p) {
+                self.locked.remove(p);
+                self.segments.insert(p.clone(), Segment::default());
+                self.pending.insert(p.clone());
+            }
+        }
+        let seg = self.segments.get_mut(&path).expect("tracked above");
+        if seg.pinned_by.insert(holder.clone()) {
+            self.pins.entry(holder).or_default().insert(path.clone());
+            // Settled again: it may have no user of its own (and its holder none either).
+            self.pending.insert(path);
+        }
+        Ok(())
+    }
+
+    /// Whether `path` is kept by a pin: one of its holders has users of its own (clients or
+    /// adopted processes). Chains are not followed: a holder that is itself only pinned
+    /// keeps nothing, so a cycle of pins keeps nothing once none of them has a user.
+    fn pinned(&self, path: &Path) -> bool {
+        self.segments.get(path).is_some_and(|seg| {
+            seg.pinned_by
+                .iter()
+                .any(|h| self.segments.get(h).is_some_and(Segment::has_users))
+        })
+    }
+
+    /// Stop tracking `path` (every way a segment leaves `segments` goes through here): what
+    /// it pinned loses it as a holder and is settled again (this round: see [`State::flush`]),
+    /// and its own holders forget it.
+    fn forget(&mut self, path: &Path) -> Option<Segment> {
+        let seg = self.segments.remove(path)?;
+        for p in self.pins.remove(path).unwrap_or_default() {
+            if let Some(s) = self.segments.get_mut(&p) {
+                s.pinned_by.remove(path);
+            }
+            self.pending.insert(p);
+        }
+        for h in &seg.pinned_by {
+            if let Some(pinned) = self.pins.get_mut(h) {
+                pinned.remove(path);
+                if pinned.is_empty() {
+                    self.pins.remove(h);
+                }
+            }
+        }
+        Some(seg)
     }
 
     fn drop_use(&mut self, id: u64, path: PathBuf) {
@@ -700,21 +803,47 @@ impl State {
     /// no client uses and no live process maps or holds open; adopt the processes that
     /// still do (not clients: e.g. forked children, or processes with the supervisor off);
     /// remove orphaned files (including `.part-` files of dead writers).
+    ///
+    /// A segment kept only by a pin ([`State::pinned`]) is not removed; when its holder is
+    /// removed (or loses its last user) it is settled again, in the same call: removing a
+    /// holder puts what it pinned back into `pending`, and this goes on until nothing is
+    /// pending. That ends: each further pass follows the removal of a holder, and nothing
+    /// removed here is tracked again before this returns (only paths of the pass's own scan
+    /// can be adopted).
     fn flush(&mut self) {
+        loop {
+            self.flush_once();
+            if self.pending.is_empty() {
+                break;
+            }
+        }
+    }
+
+    fn flush_once(&mut self) {
+        let mut settle = std::mem::take(&mut self.pending);
+        // A holder that lost its last user no longer keeps what it pins: look at those too.
+        let released: Vec<PathBuf> = settle
+            .iter()
+            .filter(|p| self.segments.get(*p).is_some_and(|s| !s.has_users()))
+            .filter_map(|p| self.pins.get(p))
+            .flatten()
+            .cloned()
+            .collect();
+        settle.extend(released);
         let mut idle: HashSet<PathBuf> = HashSet::new();
-        for p in std::mem::take(&mut self.pending) {
+        for p in settle {
             let Some(seg) = self.segments.get(&p) else {
                 continue;
             };
-            if !(seg.clients.is_empty() && seg.adopted.is_empty()) {
+            if seg.has_users() {
                 continue;
             }
-            if self.in_segment_dir(&p) && p.symlink_metadata().is_ok() {
-                idle.insert(p);
-            } else {
+            if !(self.in_segment_dir(&p) && p.symlink_metadata().is_ok()) {
                 // Already unlinked (e.g. by `unlink()`), or a file that is not ours to
                 // remove (a saved file attached by name, a file of another user).
-                self.segments.remove(&p);
+                self.forget(&p);
+            } else if !self.pinned(&p) {
+                idle.insert(p);
             }
         }
         let orphans: HashSet<PathBuf> = if std::mem::take(&mut self.sweep_needed) {
@@ -738,7 +867,7 @@ impl State {
                     ids.insert(p.clone(), id);
                 }
                 None => {
-                    self.segments.remove(p); // gone already
+                    self.forget(p); // gone already
                 }
             }
         }
@@ -746,6 +875,7 @@ impl State {
         let users = holders(&all);
         let mut paths: Vec<PathBuf> = all.into_iter().collect();
         paths.sort();
+        let mut unused = Vec::new();
         for path in paths {
             let pids = users.get(&path).map(Vec::as_slice).unwrap_or(&[]);
             let adopted = pids.iter().filter(|&&pid| self.adopt(&path, pid)).count();
@@ -756,6 +886,12 @@ impl State {
                 );
                 self.note(Kind::Waiting, &msg);
             } else {
+                unused.push(path);
+            }
+        }
+        // Every adoption first: a holder adopted by this scan keeps what it pins.
+        for path in unused {
+            if !self.pinned(&path) {
                 self.remove(&path, ids[&path]);
             }
         }
@@ -799,7 +935,7 @@ impl State {
         if reused {
             return;
         }
-        let tracked = self.segments.remove(path).is_some();
+        let tracked = self.forget(path).is_some();
         match remove_if_ours(path, id) {
             Ok(Removal::Removed) if tracked => self.note(
                 Kind::Unlinked,

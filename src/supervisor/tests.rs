@@ -427,3 +427,383 @@ fn list_answered_at_once_is_asked_once() {
     let segs = list_against(&w, &[OnList::Answer("END 0\n")]).unwrap();
     assert_eq!(segs, Some(vec![]));
 }
+
+/// Wait until everything the supervisor received before this call is settled: the first
+/// round trip is answered in the round that reads it (with anything that came before it,
+/// e.g. a closed connection or an exited process), the second only after that round's
+/// settling (`flush`) is done.
+fn settled(conn: &mut TestConn) {
+    for _ in 0..2 {
+        let reply = conn.request(&Request::Hello(1)).unwrap();
+        assert!(reply.starts_with("OK "), "{reply}");
+    }
+}
+
+fn ok(reply: io::Result<String>) {
+    assert_eq!(reply.unwrap(), "OK");
+}
+
+fn pin(holder: &Path, path: &Path) -> Request {
+    Request::Pin {
+        holder: holder.to_owned(),
+        path: path.to_owned(),
+    }
+}
+
+/// Segments `names` registered (`NEW`) by `conn`, then made (as a creator does).
+fn made(w: &World, conn: &mut TestConn, names: &[&str]) -> Vec<PathBuf> {
+    names
+        .iter()
+        .map(|n| {
+            ok(conn.request(&Request::New(w.dir().join(format!("shmstore-{n}")))));
+            seg(w.dir(), n)
+        })
+        .collect()
+}
+
+#[test]
+fn pin_keeps_a_file_while_its_holder_is_used() {
+    let w = World::new();
+    let server = w.start(300);
+    let mut a = w.conn(); // the sender
+    let mut b = w.conn(); // the receiver
+    let [chan, arena] = &made(&w, &mut a, &["chan", "arena"])[..] else {
+        unreachable!()
+    };
+    ok(b.request(&Request::Use(chan.clone())));
+    ok(a.request(&pin(chan, arena)));
+    ok(a.request(&pin(chan, arena))); // again: nothing changes
+    drop(a); // the sender exits: the arena's only user is gone
+    settled(&mut b);
+    assert!(arena.exists(), "a pinned arena was removed: {}", w.log());
+    // Tracked, with no user of its own.
+    let list = b.list().unwrap();
+    assert!(
+        list.contains(&format!("SEG {}", arena.display())),
+        "{list:?}"
+    );
+    ok(b.request(&Request::Drop(chan.clone())));
+    wait_gone(chan, &mut b, "the holder was not removed");
+    wait_gone(arena, &mut b, "the pinned file outlived its holder");
+    assert!(b.list().unwrap().is_empty());
+    drop(b);
+    server.join().unwrap().unwrap();
+}
+
+#[test]
+fn pin_ends_when_the_holders_user_dies() {
+    let w = World::new();
+    let server = w.start(300);
+    let mut a = w.conn();
+    let mut b = w.conn();
+    let [chan, arena] = &made(&w, &mut a, &["chan", "arena"])[..] else {
+        unreachable!()
+    };
+    ok(b.request(&Request::Use(chan.clone())));
+    ok(a.request(&pin(chan, arena)));
+    ok(a.request(&Request::Drop(arena.clone())));
+    settled(&mut a);
+    assert!(arena.exists(), "a pinned arena was removed: {}", w.log());
+    drop(a);
+    drop(b); // the holder's last user dies: its connection closes without a DROP
+    let mut c = w.conn();
+    wait_gone(chan, &mut c, "the holder of a dead client was not removed");
+    wait_gone(arena, &mut c, "the pinned file outlived its holder");
+    drop(c);
+    server.join().unwrap().unwrap();
+}
+
+#[test]
+fn pin_by_a_holder_mapped_by_a_non_client_lasts_until_that_process_exits() {
+    let w = World::new();
+    let server = w.start(300);
+    let mut a = w.conn();
+    let [chan, arena] = &made(&w, &mut a, &["chan", "arena"])[..] else {
+        unreachable!()
+    };
+    let reader = holder(&[chan]);
+    ok(a.request(&pin(chan, arena)));
+    // Both lose their client in one round: the holder is adopted by that round's scan,
+    // which must then keep the arena.
+    drop(a);
+    let mut c = w.conn();
+    settled(&mut c);
+    assert!(chan.exists() && arena.exists(), "{}", w.log());
+    release(reader);
+    wait_gone(
+        chan,
+        &mut c,
+        "the holder was not removed after its reader exited",
+    );
+    wait_gone(arena, &mut c, "the pinned file outlived its holder");
+    drop(c);
+    server.join().unwrap().unwrap();
+}
+
+#[test]
+fn pin_cycle_keeps_nothing_once_unused_and_chains_are_not_followed() {
+    let w = World::new();
+    let server = w.start(300);
+    let mut a = w.conn();
+    let mut b = w.conn();
+    let [x, y, p, q, h, z] = &made(&w, &mut a, &["x", "y", "p", "q", "h", "z"])[..] else {
+        unreachable!()
+    };
+    // x <-> y, with a user of x left; p <-> q with no user left; x -> h -> z.
+    ok(b.request(&Request::Use(x.clone())));
+    for (from, to) in [(x, y), (y, x), (p, q), (q, p), (x, h), (h, z)] {
+        ok(a.request(&pin(from, to)));
+    }
+    drop(a);
+    wait_gone(p, &mut b, "a cycle of pins kept a file with no user");
+    wait_gone(q, &mut b, "a cycle of pins kept a file with no user");
+    // z's holder h has no user of its own: kept only by x's pin, it keeps nothing.
+    wait_gone(z, &mut b, "a pin of a holder with no user kept a file");
+    settled(&mut b);
+    assert!(x.exists() && y.exists() && h.exists(), "{}", w.log());
+    ok(b.request(&Request::Drop(x.clone())));
+    for f in [x, y, h] {
+        wait_gone(f, &mut b, "a cycle of pins kept a file with no user");
+    }
+    assert!(b.list().unwrap().is_empty());
+    drop(b);
+    server.join().unwrap().unwrap();
+}
+
+#[test]
+fn pin_outside_a_segment_directory_or_across_directories_is_refused() {
+    let w = World::new();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let server = w.start(300);
+    let mut a = w.conn();
+    let [chan, arena] = &made(&w, &mut a, &["chan", "arena"])[..] else {
+        unreachable!()
+    };
+    // Attached by name in a directory that is not a segment directory.
+    let out_holder = seg(elsewhere.path(), "holder");
+    let outside = seg(elsewhere.path(), "outside");
+    ok(a.request(&Request::Use(out_holder.clone())));
+    let never = elsewhere.path().join("shmstore-never"); // not even a file
+    let dotdot = w
+        .dir()
+        .join("sub/../../")
+        .join(elsewhere.path().file_name().unwrap())
+        .join("shmstore-outside");
+    let not_a_segment_name = w.dir().join("notes.txt");
+    std::fs::write(&not_a_segment_name, b"x").unwrap();
+    for (holder, path) in [
+        (chan, &outside),            // across directories, the pinned one outside
+        (&out_holder, arena),        // across directories, the holder outside
+        (&out_holder, &outside),     // one directory, not a segment directory
+        (&out_holder, &never),       // same
+        (chan, &dotdot),             // `..`
+        (chan, &not_a_segment_name), // not a segment's name
+        (chan, chan),                // itself
+    ] {
+        let reply = a.request(&pin(holder, path)).unwrap();
+        assert!(reply.starts_with("ERR "), "{holder:?} {path:?}: {reply}");
+    }
+    // Malformed: not two absolute paths.
+    for bad in ["PIN /a\n", "PIN rel\0/b\n", "PIN /a\0/b\0/c\n"] {
+        a.send_raw(bad.as_bytes()).unwrap();
+        assert_eq!(a.read_reply().unwrap(), "ERR unknown request", "{bad:?}");
+    }
+    // Nothing refused is tracked, kept or removed: the arena goes with its last user (the
+    // refused pin by a used holder does not keep it), the files elsewhere stay.
+    let list = a.list().unwrap();
+    assert!(
+        list.iter()
+            .all(|l| !l.contains(elsewhere.path().to_str().unwrap())
+                || l.contains("shmstore-holder")),
+        "{list:?}"
+    );
+    ok(a.request(&Request::Drop(arena.clone())));
+    wait_gone(arena, &mut a, "a refused pin kept a file");
+    ok(a.request(&Request::Drop(out_holder.clone())));
+    ok(a.request(&Request::Drop(chan.clone())));
+    wait_gone(chan, &mut a, "not removed");
+    assert!(a.list().unwrap().is_empty());
+    drop(a);
+    server.join().unwrap().unwrap();
+    assert!(out_holder.exists() && outside.exists() && not_a_segment_name.exists());
+    assert!(!never.exists());
+}
+
+/// Runs only as a child of [`client_pins_once_and_again_on_a_new_connection`] (which sets
+/// `SHMSTORE_TEST_PIN_CLIENT`): a process using the client's globals, whose environment
+/// names a private supervisor.
+#[test]
+#[ignore = "a helper process of client_pins_once_and_again_on_a_new_connection"]
+fn child_pin_client() {
+    use std::io::BufRead;
+    let Some(dir) = std::env::var_os("SHMSTORE_TEST_PIN_CLIENT") else {
+        return;
+    };
+    let dir = PathBuf::from(dir);
+    let (chan, arena) = (dir.join("shmstore-chan"), dir.join("shmstore-arena"));
+    let elsewhere = PathBuf::from(std::env::var_os("SHMSTORE_TEST_ELSEWHERE").unwrap());
+    let client = super::client::use_segment;
+    let pin = super::client::pin_segment;
+    let mut stdin = io::stdin().lock();
+    let mut wait_for = |what: &str| {
+        let mut line = String::new();
+        stdin.read_line(&mut line).unwrap();
+        assert_eq!(line.trim_end(), what);
+    };
+    client(&chan, true).unwrap();
+    pin(&chan, &arena).unwrap();
+    let refused = pin(&chan, &elsewhere.join("shmstore-outside")).unwrap_err();
+    assert!(
+        matches!(refused, super::client::Unavailable::Other(ref m) if m.contains("refused")),
+        "{refused}"
+    );
+    println!("@pinned");
+    wait_for("dead");
+    // Sent already: no conversation (none could be had: the supervisor is dead and this
+    // process has no way to start one).
+    pin(&chan, &arena).unwrap();
+    println!("@cached");
+    wait_for("go");
+    // Any conversation now reconnects: registrations, then pins.
+    client(&dir.join("shmstore-other"), true).unwrap();
+    println!("@again");
+    wait_for("exit");
+}
+
+/// Runs only as a child of [`client_pins_once_and_again_on_a_new_connection`]: a
+/// supervisor in its own process (so that it can be killed).
+#[test]
+#[ignore = "a helper process of client_pins_once_and_again_on_a_new_connection"]
+fn child_pin_supervisor() {
+    let Some(dir) = std::env::var_os("SHMSTORE_TEST_PIN_SUPERVISOR") else {
+        return;
+    };
+    let state = private_dir(&super::state_dir_path(), true).unwrap();
+    let name = super::socket_name();
+    let bound = bind(&state, &name).unwrap().expect("fresh name");
+    let cfg = ServerConfig {
+        name,
+        grace: Duration::from_secs(60),
+        state,
+        log: true,
+        sweep_dirs: vec![PathBuf::from(dir)],
+    };
+    serve(bound, cfg).unwrap();
+}
+
+/// A child process of this test binary running one ignored test; killed when dropped.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn child_test(test: &str, env: &[(&str, &Path)]) -> Child {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        test,
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env_remove("SHMSTORE_SUPERVISOR")
+    .env("SHMSTORE_SUPERVISOR_TIMEOUT", "5")
+    .stdin(Stdio::piped())
+    .stdout(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    Child(cmd.spawn().unwrap())
+}
+
+#[test]
+fn client_pins_once_and_again_on_a_new_connection() {
+    use std::io::{BufRead, BufReader, Write};
+    let w = World::new();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let seg_dir = w.dir().join("seg");
+    std::fs::create_dir(&seg_dir).unwrap();
+    let xdg = w.dir().join("xdg");
+    let state = private_dir(&xdg.join("shmstore"), true).unwrap();
+    let name = PathBuf::from(&w.name);
+    let env = [
+        ("XDG_RUNTIME_DIR", xdg.as_path()),
+        ("SHMSTORE_SUPERVISOR_NAME", name.as_path()),
+    ];
+    let supervisor = || {
+        let mut env = env.to_vec();
+        env.push(("SHMSTORE_TEST_PIN_SUPERVISOR", &seg_dir));
+        let child = child_test("supervisor::tests::child_pin_supervisor", &env);
+        // Listening (and done with its start-up sweep) once it answers.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let conn = loop {
+            match TestConn::connect(&state, &w.name) {
+                Ok(c) => break c,
+                Err(e) => assert!(Instant::now() < deadline, "no supervisor: {e}"),
+            }
+            std::thread::yield_now();
+        };
+        (child, conn)
+    };
+    let (first, _) = supervisor();
+    let (chan, arena) = (
+        seg_dir.join("shmstore-chan"),
+        seg_dir.join("shmstore-arena"),
+    );
+    seg(&seg_dir, "chan");
+    seg(&seg_dir, "arena");
+    let outside = seg(elsewhere.path(), "outside");
+    let mut env_client = env.to_vec();
+    env_client.push(("SHMSTORE_TEST_PIN_CLIENT", &seg_dir));
+    env_client.push(("SHMSTORE_TEST_ELSEWHERE", elsewhere.path()));
+    let mut client = child_test("supervisor::tests::child_pin_client", &env_client);
+    let mut to_client = client.0.stdin.take().unwrap();
+    // The client's lines, read by a thread so that every wait is bounded. Its markers end
+    // lines that libtest may have begun ("test ... ").
+    let (lines, from_client) = std::sync::mpsc::channel();
+    let out = BufReader::new(client.0.stdout.take().unwrap());
+    std::thread::spawn(move || {
+        for line in out.lines() {
+            if lines.send(line.unwrap_or_default()).is_err() {
+                break;
+            }
+        }
+    });
+    let expect = |what: &str| {
+        let mut seen = String::new();
+        loop {
+            match from_client.recv_timeout(Duration::from_secs(60)) {
+                Ok(line) if line.trim_end().ends_with(what) => return,
+                Ok(line) => seen.push_str(&(line + "\n")),
+                Err(e) => panic!("no {what:?} from the client ({e}): {seen}"),
+            }
+        }
+    };
+    expect("@pinned");
+    // Both files held open across the restart: the next supervisor's start-up sweep keeps
+    // them (and adopts this holder).
+    let reader = holder(&[&chan, &arena]);
+    drop(first); // killed: the client's connection is dead
+    writeln!(to_client, "dead").unwrap();
+    expect("@cached");
+    let (_second, mut conn) = supervisor();
+    writeln!(to_client, "go").unwrap();
+    expect("@again");
+    // The arena's only user goes; the holder is registered (NEW, again) by the client.
+    release(reader);
+    settled(&mut conn);
+    assert!(
+        arena.exists(),
+        "the pin was not sent again on the new connection"
+    );
+    writeln!(to_client, "exit").unwrap();
+    let status = client.0.wait().unwrap();
+    assert!(status.success(), "the client failed: {status}");
+    wait_gone(&chan, &mut conn, "the holder was not removed");
+    wait_gone(&arena, &mut conn, "the pinned file outlived its holder");
+    assert!(outside.exists());
+}
