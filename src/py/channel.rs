@@ -172,7 +172,7 @@ impl Channel {
             return;
         }
         let (holder, path) = (self.file().to_owned(), h.path.clone());
-        if let Err(e) = py.detach(|| pin_segment(&holder, &path)) {
+        if let Err(e) = py.detach(|| crate::supervisor::client::pin_segment(&holder, &path)) {
             log::debug!(
                 "channel {}: no pin for {}: {e}",
                 holder.display(),
@@ -387,7 +387,7 @@ impl Channel {
 
     fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         let f = py.import("shmstore._native")?.getattr("_rebuild_channel")?;
-        (f, (self.file().to_owned(),)).into_pyobject(py)
+        (f, (self.file().display().to_string(),)).into_pyobject(py)
     }
 
     fn __repr__(&self) -> String {
@@ -424,9 +424,4 @@ pub(crate) fn _rebuild_channel(py: Python<'_>, path: PathBuf) -> PyResult<Channe
             _registration: registration,
         }),
     })
-}
-
-// Until the supervisor's PIN lands here.
-fn pin_segment(_holder: &Path, _path: &Path) -> Result<(), String> {
-    Ok(())
 }
