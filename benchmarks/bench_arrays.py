@@ -307,8 +307,9 @@ def attach_only(sizes_mib: list[int], repeats: int, out: Path) -> None:
 
 
 def small_consumer(conn, q, how: str, n: int) -> None:
-    """Receive `n` objects (a pickled Ref, or the object through a Queue or Channel), read each, then
-    say done. "transport": only unpickle what came (a handle's fields), read nothing."""
+    """Receive `n` objects (a pickled Ref, or the object through a Queue or Channel), read
+    each, then say done. "transport": only unpickle what came (a handle's fields), read
+    nothing."""
     import pickle as pk
 
     conn.send("ready")

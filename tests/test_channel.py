@@ -150,8 +150,10 @@ def test_many_putters_and_getters_in_processes_lose_and_repeat_nothing() -> None
     ps = [ctx.Process(target=_produce, args=(ch, k * per, per, False)) for k in range(putters)]
     # Each getter takes whole records of four values only if puts do not interleave, so
     # the getters here take single values and the check is on the multiset of arrays.
-    gs = [ctx.Process(target=_take_all, args=(ch, putters * per * 4 // getters, out))
-          for _ in range(getters)]
+    gs = [
+        ctx.Process(target=_take_all, args=(ch, putters * per * 4 // getters, out))
+        for _ in range(getters)
+    ]
     for p in ps + gs:
         p.start()
     got: list[Any] = []

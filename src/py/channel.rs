@@ -9,8 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyTuple, PyType};
+use pyo3::types::PyTuple;
 
 use super::errors::Error;
 use super::handles::put_store;
@@ -73,13 +72,6 @@ fn name_of(path: &Path) -> String {
     path.file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default()
-}
-
-fn queue_exc<'py>(py: Python<'py>, which: &'static str) -> PyResult<Bound<'py, PyType>> {
-    static EMPTY: PyOnceLock<Py<PyType>> = PyOnceLock::new();
-    static FULL: PyOnceLock<Py<PyType>> = PyOnceLock::new();
-    let cell = if which == "Empty" { &EMPTY } else { &FULL };
-    Ok(cell.import(py, "queue", which)?.clone())
 }
 
 /// The deadline of a wait: `None` for no wait, a far one for "forever" (waits are made in
@@ -292,12 +284,12 @@ impl Channel {
                 return Ok(());
             }
             let Some(until) = until else {
-                return Err(PyErr::from_type(queue_exc(py, "Full")?, ()));
+                return Err(Error::QueueFull.into());
             };
             let slice = until.min(Instant::now() + crate::channel::MAX_SLEEP);
             let waited = py.detach(|| ring.wait_to_put(slice));
             if waited == Waited::TimedOut && Instant::now() >= until {
-                return Err(PyErr::from_type(queue_exc(py, "Full")?, ()));
+                return Err(Error::QueueFull.into());
             }
             py.check_signals()?;
             self.shared.settle();
@@ -327,12 +319,12 @@ impl Channel {
                 return Seq::Records(&store).item(py, 0, false).map(Bound::unbind);
             }
             let Some(until) = until else {
-                return Err(PyErr::from_type(queue_exc(py, "Empty")?, ()));
+                return Err(Error::QueueEmpty.into());
             };
             let slice = until.min(Instant::now() + crate::channel::MAX_SLEEP);
             let waited = py.detach(|| ring.wait_to_get(slice));
             if waited == Waited::TimedOut && Instant::now() >= until {
-                return Err(PyErr::from_type(queue_exc(py, "Empty")?, ()));
+                return Err(Error::QueueEmpty.into());
             }
             py.check_signals()?;
         }

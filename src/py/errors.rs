@@ -144,19 +144,33 @@ enum Args {
 pub(crate) enum Error {
     /// From the archive layer; `at` says where: `store 'shmstore-…'`, or the path of the
     /// value being stored (`records[12]['mask']`).
-    Archive { at: String, err: ArchiveError },
+    Archive {
+        at: String,
+        err: ArchiveError,
+    },
     /// From the segment layer (names, files, capacity); its message names the file.
     Segment(SegmentError),
     /// Saving an archive to a file failed (which step, which path, the OS error).
     Save(SaveError),
     /// An operating-system error outside the segment layer (resolving a path, ...).
-    Io { at: String, err: std::io::Error },
+    Io {
+        at: String,
+        err: std::io::Error,
+    },
     /// A value or key of a type shmstore cannot store; `at` is its path.
-    Unsupported { at: String, what: String },
+    Unsupported {
+        at: String,
+        what: String,
+    },
     /// Input that cannot be stored as given (too deep, a cycle, a malformed pair, ...).
-    Invalid { at: String, what: String },
+    Invalid {
+        at: String,
+        what: String,
+    },
     /// A handle that was closed.
-    Closed { name: String },
+    Closed {
+        name: String,
+    },
     /// An arena or one of its chunks (`at`: which store).
     Arena {
         at: String,
@@ -171,7 +185,10 @@ pub(crate) enum Error {
     },
     /// Bytes the reader accepted that still do not make sense here (a pickled view that
     /// points at a scalar, a symbol id out of range).
-    Corrupt { at: String, what: String },
+    Corrupt {
+        at: String,
+        what: String,
+    },
     /// `seq[i]` with `i` out of range (`len` when known).
     IndexRange {
         what: &'static str,
@@ -179,17 +196,29 @@ pub(crate) enum Error {
         len: Option<usize>,
     },
     /// `seq[x]` with `x` neither an integer nor a slice.
-    IndexType { what: &'static str, got: String },
+    IndexType {
+        what: &'static str,
+        got: String,
+    },
     /// `seq.index(x)` when `x` is absent.
-    NotInSequence { what: &'static str },
+    NotInSequence {
+        what: &'static str,
+    },
     /// `mapping[key]` when `key` is absent: a KeyError carrying the key object.
     MissingKey(Py<PyAny>),
     /// `hash(view)` of a stored list.
-    Unhashable { what: &'static str },
+    Unhashable {
+        what: &'static str,
+    },
     /// A call that cannot work as given (an argument error of ours).
     Usage(String),
     /// A needed module that is not installed (numpy to read arrays).
     Missing(String),
+    /// A channel's put found no room (`queue.Full`) or its get nothing (`queue.Empty`)
+    /// within its timeout: the standard library's classes, as `multiprocessing.Queue`
+    /// raises them.
+    QueueFull,
+    QueueEmpty,
     /// A Python exception raised by user code (an iterator, `__eq__`, `__hash__`):
     /// passed through unchanged.
     Python(PyErr),
@@ -213,6 +242,8 @@ impl From<Error> for PyErr {
             Error::Python(e) => return e,
             Error::MissingKey(key) => return pyo3::exceptions::PyKeyError::new_err(key),
             Error::Save(err) => return save(err),
+            Error::QueueFull => return queue_error("Full"),
+            Error::QueueEmpty => return queue_error("Empty"),
             Error::Archive { at, err } => archive(&at, err),
             Error::Arena { at, err } => match err {
                 ArenaError::Stale { .. } => (Class::Ours(Exc::Closed), format!("{at}: {err}")),
@@ -266,6 +297,17 @@ impl From<Error> for PyErr {
         };
         new(class, Args::Msg(msg))
     }
+}
+
+/// `queue.Full()` or `queue.Empty()` (no message, as the standard library raises them).
+fn queue_error(which: &'static str) -> PyErr {
+    static FULL: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    static EMPTY: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+    let cell = if which == "Full" { &FULL } else { &EMPTY };
+    Python::attach(|py| match cell.import(py, "queue", which) {
+        Ok(t) => PyErr::from_type(t.clone(), ()),
+        Err(e) => e,
+    })
 }
 
 fn new(class: Class, args: Args) -> PyErr {
