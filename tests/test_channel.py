@@ -279,3 +279,44 @@ def test_a_crafted_cell_gives_corrupt_store_error_and_the_channel_goes_on() -> N
         ch.get(timeout=600)
     ch.put("next")
     assert ch.get(timeout=600) == "next"
+
+
+def _dead_claim() -> int:
+    """What a cell's claim word says of a process that has exited (and was reaped)."""
+    import subprocess
+
+    p = subprocess.Popen(["true"])
+    p.wait()
+    ns = os.stat("/proc/self/ns/pid").st_ino & 0xFFFFFFFF
+    return p.pid | ns << 32
+
+
+def _poke(path: str, at: int, value: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(value.to_bytes(8, "little"))
+
+
+CELLS, CELL, HEAD, TAIL = 512, 256, 128, 64
+PUTTER, GETTER = 5 * 8, 6 * 8
+
+
+def test_a_cell_held_by_a_dead_getter_is_handed_back_to_a_waiting_putter() -> None:
+    """A getter SIGKILLed between claiming a cell and handing it back (written here as it
+    would have left the file): the next put waits, finds the claimer dead and goes on."""
+    ch = shmstore.Channel(capacity=2)
+    ch.put("one")
+    ch.put("two")
+    _poke(str(ch.path), HEAD, 1)
+    _poke(str(ch.path), CELLS + GETTER, _dead_claim())
+    ch.put("three", timeout=600)  # queue.Full without the recovery
+    assert [ch.get(timeout=600), ch.get(timeout=600)] == ["two", "three"]
+    assert ch._in_flight() == 0
+
+
+def test_a_cell_claimed_by_a_dead_putter_is_skipped_by_a_waiting_getter() -> None:
+    ch = shmstore.Channel(capacity=2)
+    _poke(str(ch.path), TAIL, 1)
+    _poke(str(ch.path), CELLS + PUTTER, _dead_claim())
+    ch.put("after")
+    assert ch.get(timeout=600) == "after"  # queue.Empty without the recovery

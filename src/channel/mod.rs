@@ -33,8 +33,12 @@ const HEADER: u64 = 512;
 /// Bytes of a cell: 32 words.
 const CELL: u64 = 256;
 const CELL_WORDS: usize = (CELL / 8) as usize;
+/// The cell word holding who claimed it to put (see [`me`]), written first after the claim.
+const PUTTER: usize = 5;
+/// The cell word holding who claimed it to get, written first after the claim.
+const GETTER: usize = 6;
 /// Words of a cell before its path.
-const PATH_AT: usize = 5;
+const PATH_AT: usize = 7;
 /// The longest path a cell carries.
 pub const MAX_PATH: usize = (CELL_WORDS - PATH_AT) * 8;
 /// The most cells a channel may have.
@@ -348,8 +352,11 @@ impl Ring {
     }
 
     fn write_cell(&self, pos: u64, h: &Handle, path: &[u8]) {
-        let meta =
-            u64::from(h.kind) | (path.len() as u64) << 8 | u64::from(crate::arena::pid()) << 32;
+        // Who claimed it, first: a process that dies from here on is found dead by a getter
+        // (`recover_get`). Until this store the word is 0 (cleared when the cell was last
+        // handed back): a claim too young to judge.
+        self.word(pos, PUTTER).store(me(), Ordering::SeqCst);
+        let meta = u64::from(h.kind) | (path.len() as u64) << 8;
         self.word(pos, 1).store(meta, Ordering::Relaxed);
         self.word(pos, 2).store(h.offset, Ordering::Relaxed);
         self.word(pos, 3).store(h.size, Ordering::Relaxed);
@@ -390,6 +397,7 @@ impl Ring {
                     )
                     .is_ok()
                 {
+                    self.word(pos, GETTER).store(me(), Ordering::SeqCst);
                     return Ok(Some((pos, self.read_cell(pos))));
                 }
             } else if diff < 0 {
@@ -438,9 +446,70 @@ impl Ring {
 
     /// Hand the cell at `pos` (claimed by [`Ring::try_pop`]) back to the putters.
     pub fn release(&self, pos: u64) {
+        self.word(pos, PUTTER).store(0, Ordering::Relaxed);
+        self.word(pos, GETTER).store(0, Ordering::Relaxed);
         self.word(pos, 0)
             .store(pos.wrapping_add(self.capacity), Ordering::Release);
         self.wake(AT_SEND_EPOCH, AT_SEND_WAITERS);
+    }
+
+    // --- claims of dead processes -----------------------------------------------------------
+
+    /// A getter that waited a while finds the oldest cell claimed by a put that never
+    /// published it, by a process now dead (SIGKILLed between its claim and its publish):
+    /// the cell is skipped (claimed and handed back empty), so the gets behind it go on.
+    /// Whether it skipped one.
+    pub fn recover_get(&self) -> bool {
+        let pos = self.head().load(Ordering::SeqCst);
+        let claimed = self.tail().load(Ordering::SeqCst).wrapping_sub(pos) as i64 > 0;
+        let unpublished = self.word(pos, 0).load(Ordering::SeqCst) == pos;
+        if !(claimed && unpublished && dead(self.word(pos, PUTTER).load(Ordering::SeqCst))) {
+            return false;
+        }
+        if self
+            .head()
+            .compare_exchange(pos, pos.wrapping_add(1), Ordering::SeqCst, Ordering::SeqCst)
+            .is_err()
+        {
+            return false;
+        }
+        log::warn!(
+            "channel {}: skipped position {pos}, claimed by a put whose process died before \
+             it wrote the object's handle",
+            self.path.display()
+        );
+        self.release(pos);
+        true
+    }
+
+    /// A putter that waited a while on a full channel finds the cell it needs claimed by a
+    /// get of a process now dead (SIGKILLed between its claim and handing the cell back):
+    /// the cell is handed back. The dead getter's hold on the object died with it; the
+    /// putter's ends as for any object taken. Whether it handed one back.
+    pub fn recover_put(&self) -> bool {
+        let pos = self.tail().load(Ordering::SeqCst);
+        let old = pos.wrapping_sub(self.capacity);
+        let claimed = self.head().load(Ordering::SeqCst).wrapping_sub(old) as i64 > 0;
+        let cell = self.word(old, 0);
+        let published = cell.load(Ordering::SeqCst) == old.wrapping_add(1);
+        if !(claimed && published && dead(self.word(old, GETTER).load(Ordering::SeqCst))) {
+            return false;
+        }
+        self.word(old, PUTTER).store(0, Ordering::SeqCst);
+        self.word(old, GETTER).store(0, Ordering::SeqCst);
+        if cell
+            .compare_exchange(old.wrapping_add(1), pos, Ordering::SeqCst, Ordering::SeqCst)
+            .is_err()
+        {
+            return false;
+        }
+        log::warn!(
+            "channel {}: handed back position {old}, claimed by a get whose process died \
+             before it was done",
+            self.path.display()
+        );
+        self.wake(AT_SEND_EPOCH, AT_SEND_WAITERS);
+        true
     }
 
     // --- waiting ----------------------------------------------------------------------------
@@ -547,6 +616,34 @@ const SPIN_FOR: Duration = Duration::from_micros(50);
 /// The longest sleep of one wait: a caller waiting longer waits again (and meanwhile
 /// notices a signal, or a peer that went away).
 pub const MAX_SLEEP: Duration = Duration::from_millis(100);
+
+/// Who this process is in a cell's claim words: its pid, and the low 32 bits of its pid
+/// namespace's inode (pids of another namespace mean nothing here, see [`dead`]).
+fn me() -> u64 {
+    static NS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    let ns =
+        *NS.get_or_init(|| std::fs::metadata("/proc/self/ns/pid").map_or(0, |m| m.ino() as u32));
+    u64::from(crate::arena::pid()) | u64::from(ns) << 32
+}
+
+/// Whether the process a claim word names is certainly dead: a pid of this pid namespace
+/// that no process has any more (or a zombie). A claim too young to carry a name (0),
+/// another namespace's pid, or anything unsure counts as alive: a live claim must never be
+/// taken over; at worst a dead one waits.
+fn dead(who: u64) -> bool {
+    let (pid, ns) = (who as u32, (who >> 32) as u32);
+    if pid == 0 || ns == 0 || ns != (me() >> 32) as u32 || pid == crate::arena::pid() {
+        return false;
+    }
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(e) => e.kind() == io::ErrorKind::NotFound,
+        // "pid (comm) S ...": the state follows the last ')' (comm may hold any bytes).
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.trim_start().chars().next())
+            .is_some_and(|state| matches!(state, 'Z' | 'X')),
+    }
+}
 
 /// Sleep until `word` is woken or no longer holds `seen`, at most `timeout`.
 fn futex_wait(word: &AtomicU32, seen: u32, timeout: Duration) {

@@ -233,3 +233,74 @@ fn a_waiting_getter_is_woken_by_a_put_from_another_mapping() {
         assert_eq!(getter.join().unwrap(), chunk(5));
     });
 }
+
+/// A claim word naming a process that has exited (and was reaped).
+fn dead_claim() -> u64 {
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let pid = child.id();
+    child.wait().unwrap();
+    u64::from(pid) | (me() >> 32) << 32
+}
+
+#[test]
+fn a_cell_claimed_by_a_dead_putter_is_skipped_and_one_held_by_a_dead_getter_handed_back() {
+    let d = dir();
+    let a = Ring::create(d.path(), "shmstore-ch", 2).unwrap();
+    let b = Ring::open(&d.path().join("shmstore-ch")).unwrap();
+    // A putter claimed position 0 and died before publishing it: gets see "empty".
+    a.tail().store(1, Ordering::SeqCst);
+    a.word(0, PUTTER).store(dead_claim(), Ordering::SeqCst);
+    let p1 = a.try_push(&chunk(1)).unwrap().unwrap();
+    assert!(b.try_pop().unwrap().is_none());
+    assert!(b.recover_get());
+    let (p, h) = b.try_pop().unwrap().unwrap();
+    assert_eq!((p, h.unwrap()), (p1, chunk(1)));
+    b.release(p);
+    // A getter claimed a published handle and died before handing its cell back: after
+    // one more put the channel is full at that cell.
+    let p2 = a.try_push(&chunk(2)).unwrap().unwrap();
+    let p3 = a.try_push(&chunk(3)).unwrap().unwrap();
+    assert_eq!(a.try_push(&chunk(4)).unwrap(), None);
+    b.head().store(p2 + 1, Ordering::SeqCst);
+    b.word(p2, GETTER).store(dead_claim(), Ordering::SeqCst);
+    assert!(!a.taken(p2));
+    assert!(a.recover_put());
+    assert!(a.taken(p2), "handed back: the putter lets go of the object");
+    let p4 = a.try_push(&chunk(4)).unwrap().unwrap();
+    for (want_pos, want) in [(p3, chunk(3)), (p4, chunk(4))] {
+        let (p, h) = b.try_pop().unwrap().unwrap();
+        assert_eq!((p, h.unwrap()), (want_pos, want));
+        b.release(p);
+    }
+}
+
+#[test]
+fn a_claim_of_a_live_process_or_one_too_young_to_judge_is_never_taken_over() {
+    let d = dir();
+    let a = Ring::create(d.path(), "shmstore-ch", 2).unwrap();
+    // Claimed, unpublished; the claimer's word still 0, this process's, or a live
+    // process's of another pid namespace (here: a made-up namespace).
+    let mut child = std::process::Command::new("sleep")
+        .arg("600")
+        .spawn()
+        .unwrap();
+    let live = u64::from(child.id()) | (me() >> 32) << 32;
+    let other_ns = dead_claim() ^ (1 << 40);
+    a.tail().store(1, Ordering::SeqCst);
+    for who in [0, me(), live, other_ns] {
+        a.word(0, PUTTER).store(who, Ordering::SeqCst);
+        assert!(!a.recover_get(), "{who:#x}");
+    }
+    // Published and claimed by a live getter: not handed back either.
+    a.word(0, 0).store(1, Ordering::SeqCst);
+    a.head().store(1, Ordering::SeqCst);
+    a.tail().store(2, Ordering::SeqCst);
+    a.word(1, 0).store(2, Ordering::SeqCst);
+    a.tail().store(2, Ordering::SeqCst);
+    for who in [0, me(), live, other_ns] {
+        a.word(0, GETTER).store(who, Ordering::SeqCst);
+        assert!(!a.recover_put(), "{who:#x}");
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+}

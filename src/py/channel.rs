@@ -287,7 +287,14 @@ impl Channel {
                 return Err(Error::QueueFull.into());
             };
             let slice = until.min(Instant::now() + crate::channel::MAX_SLEEP);
-            let waited = py.detach(|| ring.wait_to_put(slice));
+            let waited = py.detach(|| {
+                let waited = ring.wait_to_put(slice);
+                // A whole slice without room: maybe a getter died holding the cell.
+                if Instant::now() >= slice {
+                    ring.recover_put();
+                }
+                waited
+            });
             if waited == Waited::TimedOut && Instant::now() >= until {
                 return Err(Error::QueueFull.into());
             }
@@ -322,7 +329,14 @@ impl Channel {
                 return Err(Error::QueueEmpty.into());
             };
             let slice = until.min(Instant::now() + crate::channel::MAX_SLEEP);
-            let waited = py.detach(|| ring.wait_to_get(slice));
+            let waited = py.detach(|| {
+                let waited = ring.wait_to_get(slice);
+                // A whole slice with nothing: maybe a putter died before publishing.
+                if Instant::now() >= slice {
+                    ring.recover_get();
+                }
+                waited
+            });
             if waited == Waited::TimedOut && Instant::now() >= until {
                 return Err(Error::QueueEmpty.into());
             }
