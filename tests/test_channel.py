@@ -320,3 +320,31 @@ def test_a_cell_claimed_by_a_dead_putter_is_skipped_by_a_waiting_getter() -> Non
     _poke(str(ch.path), CELLS + PUTTER, _dead_claim())
     ch.put("after")
     assert ch.get(timeout=600) == "after"  # queue.Empty without the recovery
+
+
+def test_a_relative_dir_is_made_absolute(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(segment_dir().parent)
+    ch = shmstore.Channel(capacity=2, dir=segment_dir().name)
+    assert Path(ch.path).is_absolute() and Path(ch.path).parent == segment_dir()
+    again = pickle.loads(pickle.dumps(ch))
+    ch.put(5)
+    assert again.get() == 5
+
+
+def test_without_a_supervisor_a_channel_says_what_it_needs(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import shmstore\n"
+        "try:\n"
+        "    shmstore.Channel()\n"
+        "except shmstore.ShmStoreError as e:\n"
+        "    print(e)\n"
+    )
+    env = dict(os.environ, SHMSTORE_SUPERVISOR="0", SHMSTORE_DIR=str(segment_dir()))
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert "needs the supervisor" in out.stdout, out
+    assert not [p for p in segment_dir().iterdir() if p.name.startswith("shmstore-")]

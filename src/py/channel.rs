@@ -227,13 +227,18 @@ impl Channel {
     #[pyo3(signature = (capacity = 1024, *, dir = None))]
     fn new(py: Python<'_>, capacity: u64, dir: Option<PathBuf>) -> PyResult<Self> {
         let dir = dir.unwrap_or_else(segment::default_dir);
+        // Absolute: the path is what other processes open it by.
+        let dir = std::path::absolute(&dir).map_err(|err| Error::Io {
+            at: dir.display().to_string(),
+            err,
+        })?;
         let name = segment::random_name();
         let path = dir.join(&name);
         // The supervisor knows the file before it exists, so it is removed after the last
         // process using it goes, whatever ends it.
         let registration = Registration::created(py, path.clone());
         if !registration.is_active() {
-            return Err(Error::Usage(format!(
+            return Err(Error::Missing(format!(
                 "a Channel needs the supervisor, which is unavailable for {} (see the warning \
                  above; SHMSTORE_SUPERVISOR=0 turns it off)",
                 dir.display()

@@ -212,7 +212,8 @@ pub(crate) enum Error {
     },
     /// A call that cannot work as given (an argument error of ours).
     Usage(String),
-    /// A needed module that is not installed (numpy to read arrays).
+    /// Something needed that is not there: a module (numpy to read arrays), the supervisor
+    /// (a channel).
     Missing(String),
     /// A channel's put found no room (`queue.Full`) or its get nothing (`queue.Empty`)
     /// within its timeout: the standard library's classes, as `multiprocessing.Queue`
