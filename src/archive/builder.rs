@@ -112,12 +112,13 @@ impl<W: Sink> Builder<W> {
             self.pos += bytes.len() as u64;
             sum
         } else {
-            let mut h = Xxh3Default::new();
-            for piece in bytes.chunks(PAYLOAD_PIECE) {
-                h.update(piece);
-                self.write_raw(piece)?;
-            }
-            h.digest()
+            // Piece by piece: each piece is hashed, then written while it is in cache.
+            let (out, pos) = (&mut self.out, &mut self.pos);
+            super::hash::xxh3_64_pieces(bytes, PAYLOAD_PIECE, |piece| {
+                out.write_all(piece)?;
+                *pos += piece.len() as u64;
+                Ok::<(), io::Error>(())
+            })?
         };
         Ok(Extent {
             offset,

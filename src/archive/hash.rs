@@ -37,6 +37,29 @@ pub fn xxh3_64(data: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(data)
 }
 
+/// xxh3-64 of `data` (as [`xxh3_64`]), computed in pieces of `piece` bytes: `each` is called
+/// with every piece, in order, right after the piece is hashed, so a large payload is read
+/// from memory once for both (the piece is still in cache when `each` writes it out). With
+/// AVX2 the stripe loop is [`xxh3_64`]'s; otherwise the crate's streaming hasher.
+pub fn xxh3_64_pieces<E>(
+    data: &[u8],
+    piece: usize,
+    mut each: impl FnMut(&[u8]) -> Result<(), E>,
+) -> Result<u64, E> {
+    let piece = piece.max(1);
+    #[cfg(target_arch = "x86_64")]
+    if data.len() > MID_MAX && std::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (just checked), the only requirement of `long_pieces`.
+        return unsafe { avx2::long_pieces(data, piece, each) };
+    }
+    let mut h = xxhash_rust::xxh3::Xxh3Default::new();
+    for p in data.chunks(piece) {
+        h.update(p);
+        each(p)?;
+    }
+    Ok(h.digest())
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
@@ -194,6 +217,74 @@ mod avx2 {
         merge(&a, (len as u64).wrapping_mul(P64_1))
     }
 
+    /// [`long`] without COPY, over `data` in pieces of `piece` bytes: the whole blocks
+    /// that end inside a piece are mixed in, then `each` gets the piece; the stripes after
+    /// the last whole block and the input's last stripe (in the last piece, or reaching
+    /// back into the one before it) once every piece is done.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `data.len() > 240`.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn long_pieces<E>(
+        data: &[u8],
+        piece: usize,
+        mut each: impl FnMut(&[u8]) -> Result<(), E>,
+    ) -> Result<u64, E> {
+        let len = data.len();
+        debug_assert!(len > super::MID_MAX && piece > 0);
+        let (p, s) = (data.as_ptr(), SECRET.as_ptr());
+        let init: [u64; 8] = [P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1];
+        // SAFETY: `init` is 64 readable bytes.
+        let mut acc = unsafe {
+            [
+                _mm256_loadu_si256(init.as_ptr().cast()),
+                _mm256_loadu_si256(init.as_ptr().add(4).cast()),
+            ]
+        };
+        let blocks = (len - 1) / BLOCK;
+        let stripes = ((len - 1) - blocks * BLOCK) / STRIPE;
+        let mut n = 0;
+        let mut start = 0;
+        while start < len {
+            let end = start.saturating_add(piece).min(len);
+            // SAFETY: as in `long`: block n (< blocks) lies in [0, len - 1), and its secret
+            // reads in SECRET; AVX2 is the caller's promise.
+            unsafe {
+                while n < blocks && (n + 1) * BLOCK <= end {
+                    for i in 0..STRIPES {
+                        let o = n * BLOCK + i * STRIPE;
+                        accumulate::<false>(&mut acc, p.add(o), s.add(i * 8), std::ptr::null_mut());
+                    }
+                    scramble(&mut acc, s.add(SECRET.len() - STRIPE));
+                    n += 1;
+                }
+            }
+            each(&data[start..end])?;
+            start = end;
+        }
+        // SAFETY: as in `long` (every block was mixed in above: block blocks - 1 ends at or
+        // before len - 1, inside the last piece at the latest).
+        unsafe {
+            for i in 0..stripes {
+                let o = blocks * BLOCK + i * STRIPE;
+                accumulate::<false>(&mut acc, p.add(o), s.add(i * 8), std::ptr::null_mut());
+            }
+            accumulate::<false>(
+                &mut acc,
+                p.add(len - STRIPE),
+                s.add(LAST_AT),
+                std::ptr::null_mut(),
+            );
+        }
+        let mut a = [0u64; 8];
+        // SAFETY: `a` is 64 writable bytes.
+        unsafe {
+            _mm256_storeu_si256(a.as_mut_ptr().cast(), acc[0]);
+            _mm256_storeu_si256(a.as_mut_ptr().add(4).cast(), acc[1]);
+        }
+        Ok(merge(&a, (len as u64).wrapping_mul(P64_1)))
+    }
+
     /// The accumulators merged into one value, then avalanched.
     fn merge(a: &[u64; 8], start: u64) -> u64 {
         let word = |at: usize| u64::from_le_bytes(SECRET[at..at + 8].try_into().unwrap());
@@ -314,6 +405,60 @@ mod tests {
                 assert_eq!(xxh3_64(d), xxhash_rust::xxh3::xxh3_64(d), "length {len}");
             }
         }
+    }
+
+    #[test]
+    fn hashing_in_pieces_gives_the_crate_s_value_and_hands_over_every_piece_in_order() {
+        let data = bytes(3 * 1024 * 1024 + 777, 5);
+        let lens = [
+            0,
+            1,
+            64,
+            240,
+            241,
+            1023,
+            1024,
+            1025,
+            2048,
+            5000,
+            1 << 20,
+            data.len(),
+        ];
+        for &len in &lens {
+            let input = &data[..len];
+            for piece in [1, 64, 100, 1000, 1024, 4096, 1 << 20, usize::MAX] {
+                if piece < 64 && len > 5000 {
+                    continue; // a byte at a time over megabytes: slow, and no new case
+                }
+                let mut seen = Vec::with_capacity(len);
+                let mut calls = 0;
+                let sum = xxh3_64_pieces(input, piece, |p| {
+                    assert!(!p.is_empty() && p.len() <= piece);
+                    seen.extend_from_slice(p);
+                    calls += 1;
+                    Ok::<(), ()>(())
+                })
+                .unwrap();
+                assert_eq!(
+                    sum,
+                    xxhash_rust::xxh3::xxh3_64(input),
+                    "len {len} piece {piece}"
+                );
+                assert_eq!(seen, input, "len {len} piece {piece}");
+                assert_eq!(calls, len.div_ceil(piece), "len {len} piece {piece}");
+            }
+        }
+        // An error from `each` stops at once and is returned.
+        let mut calls = 0;
+        let r = xxh3_64_pieces(&data, 4096, |_| {
+            calls += 1;
+            if calls == 3 {
+                Err("full")
+            } else {
+                Ok(())
+            }
+        });
+        assert_eq!((r, calls), (Err("full"), 3));
     }
 
     #[test]
