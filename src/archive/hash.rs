@@ -165,14 +165,8 @@ mod avx2 {
         let len = data.len();
         debug_assert!(len > super::MID_MAX);
         let (p, s) = (data.as_ptr(), SECRET.as_ptr());
-        let init: [u64; 8] = [P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1];
-        // SAFETY: `init` is 64 readable bytes.
-        let mut acc = unsafe {
-            [
-                _mm256_loadu_si256(init.as_ptr().cast()),
-                _mm256_loadu_si256(init.as_ptr().add(4).cast()),
-            ]
-        };
+        // SAFETY: AVX2 is the caller's promise.
+        let mut acc = unsafe { start() };
         // Whole blocks, then the stripes of the last, partial block: neither reaches the
         // input's last byte ((len - 1) / BLOCK blocks, then stripes ending at or before
         // len - 1); the last 64 bytes are mixed in on their own after them.
@@ -208,13 +202,8 @@ mod avx2 {
                 _mm_sfence();
             }
         }
-        let mut a = [0u64; 8];
-        // SAFETY: `a` is 64 writable bytes.
-        unsafe {
-            _mm256_storeu_si256(a.as_mut_ptr().cast(), acc[0]);
-            _mm256_storeu_si256(a.as_mut_ptr().add(4).cast(), acc[1]);
-        }
-        merge(&a, (len as u64).wrapping_mul(P64_1))
+        // SAFETY: AVX2 is the caller's promise.
+        unsafe { finish(acc, len) }
     }
 
     /// [`long`] without COPY, over `data` in pieces of `piece` bytes: the whole blocks
@@ -233,14 +222,8 @@ mod avx2 {
         let len = data.len();
         debug_assert!(len > super::MID_MAX && piece > 0);
         let (p, s) = (data.as_ptr(), SECRET.as_ptr());
-        let init: [u64; 8] = [P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1];
-        // SAFETY: `init` is 64 readable bytes.
-        let mut acc = unsafe {
-            [
-                _mm256_loadu_si256(init.as_ptr().cast()),
-                _mm256_loadu_si256(init.as_ptr().add(4).cast()),
-            ]
-        };
+        // SAFETY: AVX2 is the caller's promise.
+        let mut acc = unsafe { start() };
         let blocks = (len - 1) / BLOCK;
         let stripes = ((len - 1) - blocks * BLOCK) / STRIPE;
         let mut n = 0;
@@ -276,13 +259,39 @@ mod avx2 {
                 std::ptr::null_mut(),
             );
         }
+        // SAFETY: AVX2 is the caller's promise.
+        Ok(unsafe { finish(acc, len) })
+    }
+
+    /// The accumulators' starting values.
+    ///
+    /// # Safety
+    /// The CPU has AVX2.
+    #[target_feature(enable = "avx2")]
+    unsafe fn start() -> [__m256i; 2] {
+        let init: [u64; 8] = [P32_3, P64_1, P64_2, P64_3, P64_4, P32_2, P64_5, P32_1];
+        // SAFETY: `init` is 64 readable bytes.
+        unsafe {
+            [
+                _mm256_loadu_si256(init.as_ptr().cast()),
+                _mm256_loadu_si256(init.as_ptr().add(4).cast()),
+            ]
+        }
+    }
+
+    /// The hash of an input of `len` bytes whose stripes are all in `acc`.
+    ///
+    /// # Safety
+    /// The CPU has AVX2.
+    #[target_feature(enable = "avx2")]
+    unsafe fn finish(acc: [__m256i; 2], len: usize) -> u64 {
         let mut a = [0u64; 8];
         // SAFETY: `a` is 64 writable bytes.
         unsafe {
             _mm256_storeu_si256(a.as_mut_ptr().cast(), acc[0]);
             _mm256_storeu_si256(a.as_mut_ptr().add(4).cast(), acc[1]);
         }
-        Ok(merge(&a, (len as u64).wrapping_mul(P64_1)))
+        merge(&a, (len as u64).wrapping_mul(P64_1))
     }
 
     /// The accumulators merged into one value, then avalanched.

@@ -170,38 +170,12 @@ impl Ring {
     /// a channel header, and exactly the size its capacity says.
     pub fn open(path: &Path) -> Result<Ring, ChannelError> {
         let name = name_of(path);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(
-                (rustix::fs::OFlags::CLOEXEC
-                    | rustix::fs::OFlags::NOFOLLOW
-                    | rustix::fs::OFlags::NONBLOCK)
-                    .bits() as i32,
-            )
-            .open(path)
-            .map_err(|e| match e.kind() {
-                io::ErrorKind::NotFound => ChannelError::Segment(SegmentError::NotFound {
-                    name: name.clone(),
-                    path: path.to_owned(),
-                }),
-                _ => io_err(path, e),
-            })?;
-        let meta = file.metadata().map_err(|e| io_err(path, e))?;
-        let me = rustix::process::geteuid().as_raw();
-        if meta.uid() != me {
-            return Err(SegmentError::WrongOwner {
-                path: path.to_owned(),
-                owner: meta.uid(),
-                me,
-            }
-            .into());
-        }
+        let (file, meta) = segment::open_owned_rw(path, &name)?;
         let corrupt = |what: String| ChannelError::Corrupt {
             channel: name.clone(),
             what,
         };
-        if !meta.is_file() || meta.mode() & 0o7777 != 0o600 {
+        if meta.mode() & 0o7777 != 0o600 {
             return Err(corrupt(format!(
                 "not a channel file (mode {:o})",
                 meta.mode() & 0o7777
@@ -317,14 +291,27 @@ impl Ring {
                 what: format!("a path of {} bytes does not fit a cell", path.len()),
             });
         }
-        let mut last_tail = None;
+        let Some(pos) = self.claim(self.tail(), 0, "put")? else {
+            return Ok(None);
+        };
+        self.write_cell(pos, h, path);
+        self.word(pos, 0)
+            .store(pos.wrapping_add(1), Ordering::Release);
+        self.wake(AT_RECV_EPOCH, AT_RECV_WAITERS);
+        Ok(Some(pos))
+    }
+
+    /// Claim the position `at` holds (the tail for a put, the head for a get) when its
+    /// cell's sequence is the position plus `ahead` (0: free for a put; 1: published for a
+    /// get), by moving `at` on; `None` when it is less (full, or empty). A sequence beyond
+    /// means another process claimed it first and moved on: look again.
+    fn claim(&self, at: &AtomicU64, ahead: u64, what: &str) -> Result<Option<u64>, ChannelError> {
         for _ in 0..SPIN_LIMIT {
-            let pos = self.tail().load(Ordering::Relaxed);
+            let pos = at.load(Ordering::Relaxed);
             let seq = self.word(pos, 0).load(Ordering::Acquire);
-            let diff = seq.wrapping_sub(pos) as i64;
+            let diff = seq.wrapping_sub(pos.wrapping_add(ahead)) as i64;
             if diff == 0 {
-                if self
-                    .tail()
+                if at
                     .compare_exchange_weak(
                         pos,
                         pos.wrapping_add(1),
@@ -333,22 +320,16 @@ impl Ring {
                     )
                     .is_ok()
                 {
-                    self.write_cell(pos, h, path);
-                    self.word(pos, 0)
-                        .store(pos.wrapping_add(1), Ordering::Release);
-                    self.wake(AT_RECV_EPOCH, AT_RECV_WAITERS);
                     return Ok(Some(pos));
                 }
             } else if diff < 0 {
                 return Ok(None);
-            } else if last_tail == Some(pos) {
-                // The tail is behind a cell already published ahead of it, and nobody moves
-                // it: only a corrupt ring does that (a racing put moves the tail at once).
-                std::hint::spin_loop();
             }
-            last_tail = Some(pos);
+            std::hint::spin_loop();
         }
-        Err(self.stuck("put"))
+        // A racing process moves the position within a few tries; only a corrupt ring keeps
+        // it behind cells that are already past it.
+        Err(self.stuck(what))
     }
 
     fn write_cell(&self, pos: u64, h: &Handle, path: &[u8]) {
@@ -381,33 +362,11 @@ impl Ring {
     /// until [`Ring::release`] (the caller first takes its own hold on the object, so the
     /// putter never lets go of an object nobody holds).
     pub fn try_pop(&self) -> Result<Option<Claimed>, ChannelError> {
-        let mut last_head = None;
-        for _ in 0..SPIN_LIMIT {
-            let pos = self.head().load(Ordering::Relaxed);
-            let seq = self.word(pos, 0).load(Ordering::Acquire);
-            let diff = seq.wrapping_sub(pos.wrapping_add(1)) as i64;
-            if diff == 0 {
-                if self
-                    .head()
-                    .compare_exchange_weak(
-                        pos,
-                        pos.wrapping_add(1),
-                        Ordering::Relaxed,
-                        Ordering::Relaxed,
-                    )
-                    .is_ok()
-                {
-                    self.word(pos, GETTER).store(me(), Ordering::SeqCst);
-                    return Ok(Some((pos, self.read_cell(pos))));
-                }
-            } else if diff < 0 {
-                return Ok(None);
-            } else if last_head == Some(pos) {
-                std::hint::spin_loop();
-            }
-            last_head = Some(pos);
-        }
-        Err(self.stuck("get"))
+        let Some(pos) = self.claim(self.head(), 1, "get")? else {
+            return Ok(None);
+        };
+        self.word(pos, GETTER).store(me(), Ordering::SeqCst);
+        Ok(Some((pos, self.read_cell(pos))))
     }
 
     /// The handle in the cell at `pos`, checked; what is wrong with it otherwise.
@@ -514,22 +473,39 @@ impl Ring {
 
     // --- waiting ----------------------------------------------------------------------------
 
-    /// Wait until a handle may be there to get, or `deadline`.
+    /// Wait until a handle may be there to get, at most one slice ([`MAX_SLEEP`]) and not
+    /// past `deadline`. A whole slice with nothing: maybe a putter died before publishing
+    /// ([`Ring::recover_get`]). `TimedOut` only once `deadline` has passed.
     pub fn wait_to_get(&self, deadline: Instant) -> Waited {
-        self.wait(AT_RECV_EPOCH, AT_RECV_WAITERS, deadline, || {
+        let slice = deadline.min(Instant::now() + MAX_SLEEP);
+        let waited = self.wait(AT_RECV_EPOCH, AT_RECV_WAITERS, slice, || {
             let pos = self.head().load(Ordering::Relaxed);
             let seq = self.word(pos, 0).load(Ordering::Acquire);
             seq.wrapping_sub(pos.wrapping_add(1)) as i64 >= 0
-        })
+        });
+        self.after_slice(waited, deadline, || self.recover_get())
     }
 
-    /// Wait until a cell may be free to put into, or `deadline`.
+    /// Wait until a cell may be free to put into, as [`Ring::wait_to_get`]; a whole slice
+    /// without room: maybe a getter died holding a cell ([`Ring::recover_put`]).
     pub fn wait_to_put(&self, deadline: Instant) -> Waited {
-        self.wait(AT_SEND_EPOCH, AT_SEND_WAITERS, deadline, || {
+        let slice = deadline.min(Instant::now() + MAX_SLEEP);
+        let waited = self.wait(AT_SEND_EPOCH, AT_SEND_WAITERS, slice, || {
             let pos = self.tail().load(Ordering::Relaxed);
             let seq = self.word(pos, 0).load(Ordering::Acquire);
             seq.wrapping_sub(pos) as i64 >= 0
-        })
+        });
+        self.after_slice(waited, deadline, || self.recover_put())
+    }
+
+    /// A slice that ended with nothing: `recover` a dead process's claim; `TimedOut` only
+    /// when nothing was recovered and `deadline` has passed.
+    fn after_slice(&self, waited: Waited, deadline: Instant, recover: impl Fn() -> bool) -> Waited {
+        if waited == Waited::TimedOut && !recover() && Instant::now() >= deadline {
+            Waited::TimedOut
+        } else {
+            Waited::Again
+        }
     }
 
     /// Look again for up to [`SPIN_FOR`] (the other side is usually a few microseconds
@@ -615,7 +591,7 @@ const SPINS: u32 = 64;
 const SPIN_FOR: Duration = Duration::from_micros(50);
 /// The longest sleep of one wait: a caller waiting longer waits again (and meanwhile
 /// notices a signal, or a peer that went away).
-pub const MAX_SLEEP: Duration = Duration::from_millis(100);
+const MAX_SLEEP: Duration = Duration::from_millis(100);
 
 /// Who this process is in a cell's claim words: its pid, and the low 32 bits of its pid
 /// namespace's inode (pids of another namespace mean nothing here, see [`dead`]).

@@ -92,6 +92,24 @@ fn deadline(block: bool, timeout: Option<f64>) -> PyResult<Option<Instant>> {
     Ok(Some(Instant::now() + d))
 }
 
+/// One wait of a put or get, without the GIL (a slice of at most `MAX_SLEEP`, see
+/// `Ring::wait_to_get`), then a look for signals: `timed_out` when `until` has passed, or
+/// at once when there is no `until` (`block=False`).
+fn wait(
+    py: Python<'_>,
+    until: Option<Instant>,
+    slice: impl FnOnce(Instant) -> Waited + Send,
+    timed_out: Error,
+) -> PyResult<()> {
+    let Some(until) = until else {
+        return Err(timed_out.into());
+    };
+    if py.detach(move || slice(until)) == Waited::TimedOut {
+        return Err(timed_out.into());
+    }
+    py.check_signals()
+}
+
 /// A bounded queue of objects between processes, like `multiprocessing.Queue`, whose
 /// objects are written once into shared memory instead of pickled through a pipe
 /// (docs/channel.md; the stub file has the examples).
@@ -288,22 +306,7 @@ impl Channel {
                 lock(&self.shared.in_flight).push_back((pos, store));
                 return Ok(());
             }
-            let Some(until) = until else {
-                return Err(Error::QueueFull.into());
-            };
-            let slice = until.min(Instant::now() + crate::channel::MAX_SLEEP);
-            let waited = py.detach(|| {
-                let waited = ring.wait_to_put(slice);
-                // A whole slice without room: maybe a getter died holding the cell.
-                if Instant::now() >= slice {
-                    ring.recover_put();
-                }
-                waited
-            });
-            if waited == Waited::TimedOut && Instant::now() >= until {
-                return Err(Error::QueueFull.into());
-            }
-            py.check_signals()?;
+            wait(py, until, |d| ring.wait_to_put(d), Error::QueueFull)?;
             self.shared.settle();
         }
     }
@@ -330,22 +333,7 @@ impl Channel {
                 let store = StoreRef::new(py, opened?)?;
                 return Seq::Records(&store).item(py, 0, false).map(Bound::unbind);
             }
-            let Some(until) = until else {
-                return Err(Error::QueueEmpty.into());
-            };
-            let slice = until.min(Instant::now() + crate::channel::MAX_SLEEP);
-            let waited = py.detach(|| {
-                let waited = ring.wait_to_get(slice);
-                // A whole slice with nothing: maybe a putter died before publishing.
-                if Instant::now() >= slice {
-                    ring.recover_get();
-                }
-                waited
-            });
-            if waited == Waited::TimedOut && Instant::now() >= until {
-                return Err(Error::QueueEmpty.into());
-            }
-            py.check_signals()?;
+            wait(py, until, |d| ring.wait_to_get(d), Error::QueueEmpty)?;
         }
     }
 

@@ -233,17 +233,43 @@ fn open_file(path: &Path, name: &str, require_owner: bool) -> Result<File, Segme
         .read(true)
         .custom_flags(flags.bits() as i32)
         .open(path)
-        .map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => SegmentError::NotFound {
-                name: name.to_owned(),
-                path: path.to_owned(),
-            },
-            _ if e.raw_os_error() == Some(libc::ELOOP) => SegmentError::NotAFile {
-                path: path.to_owned(),
-                what: "a symbolic link (shmstore never follows links to stores)".into(),
-            },
-            _ => SegmentError::io(path, e),
-        })
+        .map_err(|e| open_error(path, name, e))
+}
+
+/// Open a file of this user's that other processes write too (a channel): like a segment
+/// name (never blocking, never following a symlink), read-write, and refused unless it is
+/// a regular, non-empty file owned by this user. Its status, checked.
+pub fn open_owned_rw(path: &Path, name: &str) -> Result<(File, std::fs::Metadata), SegmentError> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(
+            (rustix::fs::OFlags::CLOEXEC
+                | rustix::fs::OFlags::NONBLOCK
+                | rustix::fs::OFlags::NOFOLLOW)
+                .bits() as i32,
+        )
+        .open(path)
+        .map_err(|e| open_error(path, name, e))?;
+    let meta = file.metadata().map_err(|e| SegmentError::io(path, e))?;
+    check_file(&meta, path, true)?;
+    Ok((file, meta))
+}
+
+/// What a failed open of a store's file means: not found, a symlink (never followed), or
+/// the OS error.
+fn open_error(path: &Path, name: &str, e: std::io::Error) -> SegmentError {
+    match e.kind() {
+        std::io::ErrorKind::NotFound => SegmentError::NotFound {
+            name: name.to_owned(),
+            path: path.to_owned(),
+        },
+        _ if e.raw_os_error() == Some(libc::ELOOP) => SegmentError::NotAFile {
+            path: path.to_owned(),
+            what: "a symbolic link (shmstore never follows links to stores)".into(),
+        },
+        _ => SegmentError::io(path, e),
+    }
 }
 
 impl Mapping {

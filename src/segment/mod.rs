@@ -9,7 +9,7 @@ mod writer;
 
 use std::path::{Path, PathBuf};
 
-pub use mapping::{cleanup_owned, install_fork_handlers, Mapping};
+pub use mapping::{cleanup_owned, install_fork_handlers, open_owned_rw, Mapping};
 pub use writer::{preflight, save_file, SaveError, SegmentWriter};
 
 /// Every segment name starts with this, so sweeps and listings can find ours.
