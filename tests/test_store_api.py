@@ -738,3 +738,29 @@ def test_dataset_getitems_is_a_batch_of_getitem(records):
         assert [r.to_python() for r in plain.__getitems__([3, 1])] == [records[3], records[1]]
         ids = st.SharedListDataset(lst, transform=lambda r: r["image_id"])
         assert ids.__getitems__([5, 0]) == [ids[5], ids[0]]
+
+
+def test_a_large_array_is_hashed_as_written_and_verify_finds_a_changed_byte(tmp_path):
+    """A payload of 16 MiB or more is hashed on a second thread while it is written
+    (docs/api.md, "Putting large arrays"): the stored checksum is that of the bytes written,
+    so `verify()` passes, and finds a byte changed afterwards."""
+    data = np.random.default_rng(3).integers(0, 255, (24 << 20) + 4099, dtype=np.uint8)
+    path = tmp_path / "large.shm"
+    with shmstore.put(data, arena=False) as ref:
+        got = ref.get()
+        assert np.array_equal(got, data)
+        ref.verify()
+        ref.save(path)
+        del got
+    with shmstore.Ref.open(path) as opened:
+        opened.verify()
+    with open(path, "r+b") as f:
+        raw = bytearray(f.read())
+        at = raw.index(data[(20 << 20) : (20 << 20) + 64].tobytes())
+        f.seek(at + 7)
+        f.write(bytes([raw[at + 7] ^ 0x10]))
+    with (
+        shmstore.Ref.open(path) as opened,
+        pytest.raises(shmstore.CorruptStoreError, match="modified"),
+    ):
+        opened.verify()

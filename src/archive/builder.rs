@@ -28,6 +28,10 @@ pub const ALONE_BYTES: u64 = 512;
 /// Payloads are hashed and written in pieces of this size (the piece is hashed while it is
 /// in cache, then written).
 const PAYLOAD_PIECE: usize = 1 << 20;
+/// Payloads of at least this size are hashed on a second thread while this one writes them,
+/// when the process may run on more than one CPU: the write (the kernel giving the file its
+/// pages) is the long part, and the hash then costs no time of its own.
+const HASH_BESIDE: usize = 16 << 20;
 
 /// What a [`Builder`] writes into.
 pub trait Sink: Write + Seek {
@@ -42,6 +46,31 @@ pub trait Sink: Write + Seek {
 }
 
 impl Sink for io::Cursor<Vec<u8>> {}
+
+/// Write `bytes` into `out` while a second thread hashes them; the checksum, or `None`
+/// (nothing written) when the payload is too small for that to pay, when only one CPU is
+/// available, or when no thread can be started.
+fn hash_beside<W: Write>(out: &mut W, bytes: &[u8]) -> io::Result<Option<u64>> {
+    if bytes.len() < HASH_BESIDE
+        || std::thread::available_parallelism().map_or(true, |n| n.get() < 2)
+    {
+        return Ok(None);
+    }
+    std::thread::scope(|s| {
+        let Ok(hasher) = std::thread::Builder::new()
+            .name("shmstore-hash".into())
+            .spawn_scoped(s, || super::hash::xxh3_64(bytes))
+        else {
+            return Ok(None);
+        };
+        // The scope joins the hasher before returning, also when the write fails.
+        out.write_all(bytes)?;
+        hasher
+            .join()
+            .map(Some)
+            .map_err(|_| io::Error::other("the payload's hashing thread failed"))
+    })
+}
 
 /// Builds one archive into `W`.
 pub struct Builder<W: Sink> {
@@ -101,7 +130,8 @@ impl<W: Sink> Builder<W> {
 
     /// Write an out-of-line payload (64-byte aligned) for the record being built; the
     /// record refers to it by the returned extent. Hashed as it is written: in one call up
-    /// to `PAYLOAD_PIECE` bytes, piece by piece beyond.
+    /// to `PAYLOAD_PIECE` bytes; from `HASH_BESIDE` on a second thread while this one
+    /// writes; piece by piece otherwise.
     pub fn write_payload(&mut self, bytes: &[u8]) -> Result<Extent, ArchiveError> {
         self.pad_to(PAYLOAD_ALIGN)?;
         let offset = self.pos;
@@ -109,6 +139,9 @@ impl<W: Sink> Builder<W> {
             // One piece: hashed in one call (`hash::xxh3_64`'s vector loop), as the sink
             // copies it or before.
             let sum = self.out.write_hashed(bytes)?;
+            self.pos += bytes.len() as u64;
+            sum
+        } else if let Some(sum) = hash_beside(&mut self.out, bytes)? {
             self.pos += bytes.len() as u64;
             sum
         } else {

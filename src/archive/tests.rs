@@ -671,3 +671,70 @@ fn rows_of_no_bytes_are_written_as_references() {
     );
     roundtrip(&[v]);
 }
+
+/// Payloads of every path (one call, pieces, a second thread for the largest): the bytes
+/// land in order after the aligned start and the checksum is xxh3's of exactly them.
+#[test]
+fn payloads_of_every_size_are_written_whole_with_xxh3_s_checksum() {
+    for len in [100usize, (1 << 20) + 1, 3 << 20, (16 << 20) + 12_345] {
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 + i / 4099) as u8).collect();
+        let mut b = Builder::new(Cursor::new(Vec::new()), Kind::Object, 1).unwrap();
+        let ext = b.write_payload(&data).unwrap();
+        assert_eq!(ext.offset % 64, 0, "length {len}");
+        assert_eq!(ext.len, len as u64);
+        assert_eq!(
+            ext.checksum,
+            xxhash_rust::xxh3::xxh3_64(&data),
+            "length {len}"
+        );
+        let v = Value::BytesExt(ext);
+        b.finish_record(&v).unwrap();
+        let out = b.finish(0).unwrap().0.into_inner();
+        let at = ext.offset as usize;
+        assert!(out[at..at + len] == data[..], "length {len}");
+        Reader::open(&out[..]).unwrap().validate_all().unwrap();
+    }
+}
+
+/// A sink that fails after `room` bytes.
+struct FailingSink {
+    room: u64,
+    pos: u64,
+}
+
+impl std::io::Write for FailingSink {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.pos + buf.len() as u64 > self.room {
+            return Err(std::io::Error::other("no room"));
+        }
+        self.pos += buf.len() as u64;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl std::io::Seek for FailingSink {
+    fn seek(&mut self, _: std::io::SeekFrom) -> std::io::Result<u64> {
+        Ok(self.pos)
+    }
+}
+
+impl super::builder::Sink for FailingSink {}
+
+/// A write that fails part-way through a large payload is an error for the caller, on
+/// every path (the thread that hashes beside the write is joined, not left running).
+#[test]
+fn a_failing_write_of_a_large_payload_is_an_error() {
+    for len in [3usize << 20, 20 << 20] {
+        let data = vec![1u8; len];
+        let sink = FailingSink {
+            room: (len / 2) as u64,
+            pos: 0,
+        };
+        let mut b = Builder::new(sink, Kind::Object, 1).unwrap();
+        let err = b.write_payload(&data).unwrap_err();
+        assert!(err.to_string().contains("no room"), "length {len}: {err}");
+    }
+}
