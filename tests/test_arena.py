@@ -620,3 +620,52 @@ def test_arenas_let_go_of_while_an_object_is_encoded_into_one() -> None:
     got = ref.get()
     assert got.dtype == np.int32 and np.array_equal(got, np.arange(1000, dtype=np.int32))
     assert first.get() == b"x" * 100
+
+
+HOLDER = r"""
+import sys, shmstore
+names = sys.stdin.readline().split()
+held = [shmstore.Ref.attach(n) for n in names]
+arrays = [h.get() for h in held]
+print("held", sum(int(a[0]) for a in arrays), flush=True)
+sys.stdin.read()  # until the test closes our stdin
+"""
+
+
+def test_chunks_another_process_held_are_reused_after_it_exits_without_a_new_arena() -> None:
+    """Chunks the creator let go of while another process held them are tried again a few
+    per `put` (and all of them before another arena is made): once the holder is gone,
+    the creator's next objects go into those chunks, in the same arena."""
+    size = 32 * 1024
+    refs = [shmstore.put(np.full(size, i % 200, dtype=np.uint8), arena=True) for i in range(100)]
+    arena = chunk_of(refs[0])[0]
+    assert {chunk_of(r)[0] for r in refs} == {arena}
+    with subprocess.Popen(
+        [sys.executable, "-c", HOLDER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as holder:
+        assert holder.stdin is not None and holder.stdout is not None
+        try:
+            holder.stdin.write(" ".join(r.name for r in refs) + "\n")
+            holder.stdin.flush()
+            total = str(sum(i % 200 for i in range(100)))
+            assert holder.stdout.readline().split() == ["held", total]
+            offsets = {chunk_of(r)[1] for r in refs}
+            for r in refs:
+                r.close()
+            del refs
+            gc.collect()
+            # Let go of by the creator, leased by the holder: not reused.
+            probe = shmstore.put(np.zeros(size, dtype=np.uint8), arena=True)
+            assert chunk_of(probe)[1] not in offsets
+        finally:
+            holder.stdin.close()
+            assert holder.wait(timeout=300) == 0
+    # The holder's leases died with it: its chunks come back. The first arena (4 MiB) cannot
+    # hold 201 such chunks at once, so a second hundred in it means the first were reused.
+    again = [shmstore.put(np.full(size, 7, dtype=np.uint8), arena=True) for _ in range(100)]
+    assert {chunk_of(r)[0] for r in again} == {arena}
+    assert chunk_of(again[0])[1] in offsets
+    assert all(int(r.get()[-1]) == 7 for r in again)

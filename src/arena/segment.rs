@@ -26,7 +26,7 @@
 //! writing chunks leaves the mark alone (checked at most once a second, see
 //! [`ArenaWriter::put`]).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
@@ -147,6 +147,12 @@ pub struct ArenaWriter {
     /// Chunks written but not yet leased by the handle being made for them: never
     /// reclaimed, whatever releases of their offset arrive (a stale handle's, say).
     fresh: HashSet<u64>,
+    /// Chunks this process let go of that another process still held (a lease) when last
+    /// tried, in offset order, and where the next retry starts: retried a few at a time
+    /// ([`ArenaWriter::reclaim_some`]), so that a process holding thousands of this
+    /// process's objects does not cost every `put` a lock attempt on each of them.
+    refused: BTreeSet<u64>,
+    retry_at: u64,
     /// The process that made it: a forked child must make its own.
     pid: u32,
 }
@@ -212,6 +218,8 @@ impl ArenaWriter {
             bfc: Bfc::new(capacity),
             next_generation: 1,
             fresh: HashSet::new(),
+            refused: BTreeSet::new(),
+            retry_at: 0,
             pid: pid(),
         })
     }
@@ -235,20 +243,53 @@ impl ArenaWriter {
         self.pid == pid()
     }
 
-    /// Reuse every chunk of `pending` that no process holds a lease on; the others stay.
+    /// Reuse every chunk this process let go of that no process holds a lease on: the ones
+    /// of `pending` (released since the last call) and every one found leased before. A
+    /// chunk still leased is kept for later (the writer's `refused`); `pending` keeps only chunks
+    /// that may not be tried yet (written, not yet held by their handle).
     pub fn reclaim(&mut self, pending: &mut HashSet<u64>) -> Result<(), ArenaError> {
+        self.reclaim_some(pending, usize::MAX)
+    }
+
+    /// As [`Self::reclaim`], but of the chunks found leased before only up to `retries`
+    /// are tried again, round robin in offset order: the cost of a call is bounded by what
+    /// was released since the last one, plus `retries` lock attempts, whatever other
+    /// processes hold.
+    pub fn reclaim_some(
+        &mut self,
+        pending: &mut HashSet<u64>,
+        retries: usize,
+    ) -> Result<(), ArenaError> {
         let mut freed = Vec::new();
         // In offset order: each lock taken then merges with its locked neighbour, so the
         // kernel's lock list (walked by every fcntl on the file) stays short. In hash order,
         // thousands of reclaimed chunks left as many separate locks for a while.
         let mut candidates: Vec<(u64, u64)> = Vec::with_capacity(pending.len());
-        for &off in pending.iter().filter(|off| !self.fresh.contains(off)) {
+        let mut tried: Vec<u64> = pending
+            .iter()
+            .copied()
+            .filter(|off| !self.fresh.contains(off))
+            .collect();
+        let retry: Vec<u64> = self
+            .refused
+            .range(self.retry_at..)
+            .chain(self.refused.range(..self.retry_at))
+            .take(retries)
+            .copied()
+            .collect();
+        if let Some(&last) = retry.last() {
+            self.retry_at = last.saturating_add(1);
+        }
+        tried.extend(retry);
+        for off in tried {
+            pending.remove(&off);
             match self.bfc.size_at(off - HEADER) {
                 Some(size) => candidates.push((off, size)),
                 None => freed.push(off),
             }
         }
         candidates.sort_unstable();
+        candidates.dedup();
         // Runs of adjacent chunks: one lock over a whole run, granted only if no process
         // holds a lease on any byte of it (the kernel checks the range at once); a run
         // refused is tried chunk by chunk. Chunks freed together (a batch of results let go
@@ -271,14 +312,28 @@ impl ArenaWriter {
                     // rewritten.
                     self.bfc.free(off - HEADER);
                     freed.push(off);
+                } else {
+                    self.refused.insert(off);
                 }
             }
             i = j;
         }
         for off in freed {
-            pending.remove(&off);
+            self.refused.remove(&off);
         }
         Ok(())
+    }
+
+    /// Whether the chunk at `offset` was let go of by this process and found leased by
+    /// another at its last try (it is tried again by later reclaims).
+    #[cfg(test)]
+    pub fn is_refused(&self, offset: u64) -> bool {
+        self.refused.contains(&offset)
+    }
+
+    /// How many chunks were found leased by other processes at their last try.
+    pub fn refused_count(&self) -> usize {
+        self.refused.len()
     }
 
     /// Write `archive` into a new chunk; `None` when the arena has no room for it.
@@ -1100,12 +1155,13 @@ mod tests {
         // The creator gave it up, but a lease holds it: not reused.
         let mut pending = HashSet::from([c.offset]);
         w.reclaim(&mut pending).unwrap();
-        assert!(pending.contains(&c.offset));
+        assert!(w.is_refused(c.offset));
         let d = w.put(&[2u8; 1000]).unwrap().unwrap();
         assert_ne!(d.offset, c.offset);
         drop(lease);
         w.reclaim(&mut pending).unwrap();
         assert!(pending.is_empty());
+        assert_eq!(w.refused_count(), 0);
         // Reused: same place, new generation; the old handle is stale.
         let e = w.put(&[3u8; 1000]).unwrap().unwrap();
         w.settled(e.offset);
@@ -1142,7 +1198,8 @@ mod tests {
         let (lease, _, _) = f.lease(cs[2]).unwrap();
         let mut pending: HashSet<u64> = cs.iter().map(|c| c.offset).collect();
         w.reclaim(&mut pending).unwrap();
-        assert_eq!(pending, HashSet::from([cs[2].offset]));
+        assert!(pending.is_empty());
+        assert!(w.is_refused(cs[2].offset) && w.refused_count() == 1);
         // The freed ones are locked again (free space): a lease on one is refused.
         assert!(matches!(f.lease(cs[0]), Err(ArenaError::Stale { .. })));
         assert!(matches!(f.lease(cs[4]), Err(ArenaError::Stale { .. })));
@@ -1152,6 +1209,7 @@ mod tests {
         drop(lease);
         w.reclaim(&mut pending).unwrap();
         assert!(pending.is_empty());
+        assert_eq!(w.refused_count(), 0);
         // A run nobody holds: reclaimed at once, every chunk of it refused to a lease.
         let run: Vec<Chunk> = (0..3u8)
             .map(|i| w.put(&[i; 2000]).unwrap().unwrap())
@@ -1166,6 +1224,47 @@ mod tests {
         for c in &run {
             assert!(matches!(f.lease(*c), Err(ArenaError::Stale { .. })));
         }
+    }
+
+    /// Chunks found leased are tried again a few at a time, in offset order from where the
+    /// last call stopped; `reclaim` tries them all.
+    #[test]
+    fn chunks_held_elsewhere_are_retried_a_few_at_a_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = arena(dir.path());
+        let cs: Vec<Chunk> = (0..10u8)
+            .map(|i| w.put(&[i; 500]).unwrap().unwrap())
+            .collect();
+        for c in &cs {
+            w.settled(c.offset);
+        }
+        let f = ArenaFile::open(w.path()).unwrap();
+        let leases: Vec<_> = cs.iter().map(|c| f.lease(*c).unwrap().0).collect();
+        // Released since the last call: every one is tried, however few retries are asked.
+        let mut pending: HashSet<u64> = cs.iter().map(|c| c.offset).collect();
+        w.reclaim_some(&mut pending, 0).unwrap();
+        assert!(pending.is_empty());
+        assert_eq!(w.refused_count(), 10);
+        drop(leases);
+        // No retries asked: nothing tried again.
+        w.reclaim_some(&mut pending, 0).unwrap();
+        assert_eq!(w.refused_count(), 10);
+        let held =
+            |w: &ArenaWriter| -> Vec<bool> { cs.iter().map(|c| w.is_refused(c.offset)).collect() };
+        w.reclaim_some(&mut pending, 3).unwrap();
+        assert_eq!(
+            held(&w),
+            [false, false, false, true, true, true, true, true, true, true]
+        );
+        w.reclaim_some(&mut pending, 3).unwrap();
+        assert_eq!(
+            held(&w),
+            [false, false, false, false, false, false, true, true, true, true]
+        );
+        // Everything, and the freed chunks are reused.
+        w.reclaim(&mut pending).unwrap();
+        assert_eq!(w.refused_count(), 0);
+        assert_eq!(w.put(&[1u8; 500]).unwrap().unwrap().offset, cs[0].offset);
     }
 
     /// A release of a chunk's offset that arrives between the write and the creator's own

@@ -33,7 +33,8 @@ type Placed = (PathBuf, Reservation, Arc<ArenaUse>);
 
 /// One arena of this process: the writer, this process's use of it (the opened file, whose
 /// releases say which chunks this process no longer holds, and the supervisor
-/// registration), and chunks waiting for their last lease elsewhere.
+/// registration), and chunks released since the last reclaim (the writer keeps those found
+/// leased elsewhere).
 struct Owned {
     dir: PathBuf,
     writer: ArenaWriter,
@@ -52,6 +53,11 @@ const IDLE_SWEEP_EVERY: u64 = 64;
 /// How long an older arena stays reserved with no object in it, unless
 /// `SHMSTORE_ARENA_IDLE` (seconds) says otherwise.
 const DEFAULT_IDLE: Duration = Duration::from_secs(10);
+/// Chunks that other processes held at their last try, tried again at each small `put`
+/// (in the arena it goes to; all of them when that arena has no room left) ...
+const RETRIES_PER_PUT: usize = 4;
+/// ... and at each sweep for idle arenas, in each older arena.
+const RETRIES_PER_SWEEP: usize = 64;
 /// Small `put`s so far (for [`IDLE_SWEEP_EVERY`]).
 static PUTS: AtomicU64 = AtomicU64::new(0);
 
@@ -93,8 +99,17 @@ fn place(arenas: &mut [Owned], dir: &Path, max_len: u64) -> Result<Option<Placed
         a.pending.extend(released);
         let path = a.writer.path().to_owned();
         let arena_err = |err| arena_error(&path, err);
-        a.writer.reclaim(&mut a.pending).map_err(arena_err)?;
-        if let Some(r) = a.writer.reserve(max_len).map_err(arena_err)? {
+        a.writer
+            .reclaim_some(&mut a.pending, RETRIES_PER_PUT)
+            .map_err(arena_err)?;
+        let mut reserved = a.writer.reserve(max_len).map_err(arena_err)?;
+        if reserved.is_none() && a.writer.refused_count() > 0 {
+            // No room: every chunk held elsewhere at its last try is tried again before
+            // the next arena is made (once per time this arena fills up).
+            a.writer.reclaim(&mut a.pending).map_err(arena_err)?;
+            reserved = a.writer.reserve(max_len).map_err(arena_err)?;
+        }
+        if let Some(r) = reserved {
             a.idle_since = None;
             return Ok(Some((path, r, a.arena.clone())));
         }
@@ -119,7 +134,11 @@ fn take_idle(arenas: &mut Vec<Owned>, now: Instant) -> Vec<Owned> {
         }
         let released = a.arena.file.take_released();
         a.pending.extend(released);
-        if a.writer.reclaim(&mut a.pending).is_ok() && a.writer.usage().0 == 0 {
+        if a.writer
+            .reclaim_some(&mut a.pending, RETRIES_PER_SWEEP)
+            .is_ok()
+            && a.writer.usage().0 == 0
+        {
             let since = *a.idle_since.get_or_insert(now);
             idle[i] = now.saturating_duration_since(since) >= idle_limit();
         } else {
