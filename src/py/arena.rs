@@ -55,7 +55,7 @@ const IDLE_SWEEP_EVERY: u64 = 64;
 const DEFAULT_IDLE: Duration = Duration::from_secs(10);
 /// Chunks that other processes held at their last try, tried again at each small `put`
 /// (in the arena it goes to; all of them when that arena has no room left) ...
-const RETRIES_PER_PUT: usize = 4;
+const RETRIES_PER_PUT: usize = 1;
 /// ... and at each sweep for idle arenas, in each older arena.
 const RETRIES_PER_SWEEP: usize = 64;
 /// Small `put`s so far (for [`IDLE_SWEEP_EVERY`]).
