@@ -73,6 +73,11 @@ def page_reporting_held(hold: bool) -> Iterator[str]:
         return
     try:
         knob.write_text(str(HOLD_MS))
+        print(
+            f"holding free page reporting during the large puts: {knob} {old} -> {HOLD_MS}, "
+            f"restored at the end (if this run is killed first: echo {old} > {knob})",
+            file=sys.stderr,
+        )
     except OSError as e:
         yield (
             f"Free page reporting was on and could not be held (`{knob}`: {e.strerror}): "
