@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
+import stat
 import statistics
 import subprocess
 import sys
@@ -43,11 +45,42 @@ REPORTING = Path("/sys/module/page_reporting/parameters")
 HOLD_MS = 300_000
 
 
+# Where a run that holds the reports notes the setting it found, so that the next run puts
+# back the machine's own setting when a run was killed (SIGKILL) before it could: a file in
+# root's /run, trusted only as root's regular file (not a link) holding a number.
+SAVED = Path("/run/shmstore-bench-page-reporting")
+
+
+def saved_setting() -> str | None:
+    """The setting a killed run found and could not put back, if it left its note."""
+    try:
+        fd = os.open(SAVED, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd) as f:
+        st = os.fstat(f.fileno())
+        text = f.read(32).strip()
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or not text.isdigit():
+        return None
+    return text
+
+
+def note_setting(value: str) -> None:
+    fd = os.open(SAVED, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+
+
+def _stop(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)  # unwinds: the setting is put back on the way out
+
+
 @contextlib.contextmanager
 def page_reporting_held(hold: bool) -> Iterator[str]:
     """Keep the balloon from handing the pages each round frees back to the host while the
-    large puts are measured, where the kernel lets root say so; restored after. Yields the
-    sentence the results give about it.
+    large puts are measured, where the kernel lets root say so; restored after (also on
+    SIGTERM, SIGINT and SIGHUP; after a SIGKILL, by the next run). Yields the sentence the
+    results give about it.
 
     Without this, on such a VM a round that lands on pages the host must supply again takes
     2-4x as long, for either way of filling, at random: the ratio of medians then says which
@@ -64,35 +97,52 @@ def page_reporting_held(hold: bool) -> Iterator[str]:
             "`min_free_ms` to hold the reports, so the rounds ran with it on."
         )
         return
-    old = knob.read_text().strip()
+    found = knob.read_text().strip()
+    saved = saved_setting()
+    # A note left means a run was killed while holding: what it found is the machine's.
+    own = saved if saved is not None else found
     if not hold:
+        if saved is not None and os.geteuid() == 0:
+            knob.write_text(own)
+            SAVED.unlink(missing_ok=True)
         yield (
-            f"Free page reporting was left on (`min_free_ms` {old}, `--leave-reporting`): "
+            f"Free page reporting was left on (`min_free_ms` {own}, `--leave-reporting`): "
             "rounds that land on pages the host must supply again take 2-4x as long."
         )
         return
     try:
+        note_setting(own)
         knob.write_text(str(HOLD_MS))
-        print(
-            f"holding free page reporting during the large puts: {knob} {old} -> {HOLD_MS}, "
-            f"restored at the end (if this run is killed first: echo {old} > {knob})",
-            file=sys.stderr,
-        )
     except OSError as e:
         yield (
             f"Free page reporting was on and could not be held (`{knob}`: {e.strerror}): "
             "rounds that land on pages the host must supply again take 2-4x as long."
         )
         return
+    print(
+        f"holding free page reporting during the large puts: {knob} {own} -> {HOLD_MS}, "
+        "put back at the end",
+        file=sys.stderr,
+    )
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    before = {sig: signal.signal(sig, _stop) for sig in signals}
     try:
+        killed = (
+            f"; it was found at {found}, left so by an earlier run that was killed"
+            if saved is not None
+            else ""
+        )
         yield (
-            f"The VM's free page reporting was held during these rounds: "
-            f"`{knob}` {old} -> {HOLD_MS} (no page freed less than 5 minutes ago handed "
-            "back to the host), restored after. Both ways of filling then reuse pages the "
-            "guest already has; `--leave-reporting` measures with it on."
+            f"The VM's free page reporting was held during these rounds: `{knob}` {own} -> "
+            f"{HOLD_MS} (no page freed less than 5 minutes ago handed back to the host), then "
+            f"put back to {own}{killed}. Both ways of filling then reuse pages the guest "
+            "already has; `--leave-reporting` measures with it on."
         )
     finally:
-        knob.write_text(old)
+        knob.write_text(own)
+        SAVED.unlink(missing_ok=True)
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def seg_dir() -> Path:
