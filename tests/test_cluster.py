@@ -188,7 +188,7 @@ def test_a_dask_scheduler_passes_a_noderef_on_without_resolving_it(records):
     lst.unlink()
 
 
-def test_chunks_go_at_once_when_every_worker_is_on_this_machine(records):
+def test_chunks_go_at_once_when_every_worker_is_on_this_machine(records, tmp_path):
     """A LocalCluster: every worker attaches to the original, so share() keeps no chunk, and
     tasks read the store."""
     pytest.importorskip("distributed")
@@ -197,7 +197,11 @@ def test_chunks_go_at_once_when_every_worker_is_on_this_machine(records):
 
     lst = shmstore.SharedList(records)
     with LocalCluster(
-        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        n_workers=2,
+        threads_per_worker=1,
+        processes=True,
+        dashboard_address=":0",
+        local_directory=str(tmp_path / "dask"),  # workers' scratch space: the test's directory
     ) as lc:
         with Client(lc) as client, shmstore.dask.share(client, lst, chunk=4096) as share:
             assert share.chunks_held == 0
@@ -366,7 +370,8 @@ def test_dask_two_machines_one_copy_each(tmp_path, capsys):
                 m.popen(
                     [sys.executable, "-m", "distributed.cli.dask_worker", "--scheduler-file",
                      str(sched_file), "--host", m.ip, "--nworkers", "1", "--nthreads", "1",
-                     "--no-dashboard", "--memory-limit", "0"],
+                     "--no-dashboard", "--memory-limit", "0",
+                     "--local-directory", str(tmp_path / f"dask-{m.name}{i}")],
                     stdout=subprocess.DEVNULL, log=_log(logs, f"worker-{m.name}{i}"),
                 )  # fmt: skip
         out = tmp_path / "result.json"
@@ -624,6 +629,7 @@ def test_torchrun_two_machines_two_ranks_each(tmp_path, capsys, how):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
                    "--nproc-per-node=2", f"--node-rank={i}", f"--master-addr={a.ip}",
                    f"--master-port={port}", "--max-restarts=0",
+                   f"--log-dir={tmp_path / f'torchelastic-{m.name}'}",
                    str(HERE / "_torchrun_rank.py"), str(out), str(n), how]  # fmt: skip
             runs.append(
                 m.popen(cmd, stdout=subprocess.DEVNULL, log=_log(logs, f"torchrun-{m.name}"))

@@ -295,7 +295,7 @@ def _on_a_dask_worker(_: int) -> bool:
     return True
 
 
-def test_joblib_dask_backend_is_kept_inside_and_around_sharing():
+def test_joblib_dask_backend_is_kept_inside_and_around_sharing(tmp_path):
     """Code written for shmstore.joblib run under ``parallel_config(backend="dask")`` runs on
     the Dask cluster, whichever way the two are nested (``sharing()`` inside used to put the
     calls on local loky workers); an explicit ``backend`` still wins."""
@@ -313,6 +313,7 @@ def test_joblib_dask_backend_is_kept_inside_and_around_sharing():
             # on 8787 by default: when another process holds that port it warns (an error
             # here). Any free port instead.
             scheduler_kwargs={"dashboard_address": ":0"},
+            local_directory=str(tmp_path / "dask"),  # workers' scratch space: the test's directory
         ) as cluster,
         Client(cluster),
     ):
