@@ -253,7 +253,6 @@ def bench_large(sizes_mib: list[int], repeats: int, hold: bool) -> tuple[str, li
 
 
 def bench_large_rounds(sizes_mib: list[int], repeats: int, reporting: str) -> tuple[str, list[str]]:
-
     d = seg_dir()
     rows: list[list[Any]] = []
     raw: list[str] = []

@@ -1123,6 +1123,17 @@ mod tests {
         ArenaWriter::create(dir, "shmstore-arena-test", 1 << 20).unwrap()
     }
 
+    /// `n` chunks of `len` bytes each (the i-th filled with i), put and settled.
+    fn settled_chunks(w: &mut ArenaWriter, n: u8, len: usize) -> Vec<Chunk> {
+        let cs: Vec<Chunk> = (0..n)
+            .map(|i| w.put(&vec![i; len]).unwrap().unwrap())
+            .collect();
+        for c in &cs {
+            w.settled(c.offset);
+        }
+        cs
+    }
+
     #[test]
     fn put_lease_read_back() {
         let dir = tempfile::tempdir().unwrap();
@@ -1185,12 +1196,7 @@ mod tests {
     fn a_run_of_freed_chunks_is_reclaimed_around_a_leased_one() {
         let dir = tempfile::tempdir().unwrap();
         let mut w = arena(dir.path());
-        let cs: Vec<Chunk> = (0..5u8)
-            .map(|i| w.put(&[i; 300]).unwrap().unwrap())
-            .collect();
-        for c in &cs {
-            w.settled(c.offset);
-        }
+        let cs = settled_chunks(&mut w, 5, 300);
         assert!(cs
             .windows(2)
             .all(|p| p[0].offset + p[0].size == p[1].offset));
@@ -1232,12 +1238,7 @@ mod tests {
     fn chunks_held_elsewhere_are_retried_a_few_at_a_time() {
         let dir = tempfile::tempdir().unwrap();
         let mut w = arena(dir.path());
-        let cs: Vec<Chunk> = (0..10u8)
-            .map(|i| w.put(&[i; 500]).unwrap().unwrap())
-            .collect();
-        for c in &cs {
-            w.settled(c.offset);
-        }
+        let cs = settled_chunks(&mut w, 10, 500);
         let f = ArenaFile::open(w.path()).unwrap();
         let leases: Vec<_> = cs.iter().map(|c| f.lease(*c).unwrap().0).collect();
         // Released since the last call: every one is tried, however few retries are asked.

@@ -223,14 +223,20 @@ fn check_file(
 }
 
 /// Open `path` for mapping, never blocking and (`require_owner`: a segment) never
-/// following a symlink (see [`Mapping::open`]).
-fn open_file(path: &Path, name: &str, require_owner: bool) -> Result<File, SegmentError> {
+/// following a symlink (see [`Mapping::open`]); `write`: read-write.
+fn open_file(
+    path: &Path,
+    name: &str,
+    require_owner: bool,
+    write: bool,
+) -> Result<File, SegmentError> {
     let mut flags = rustix::fs::OFlags::CLOEXEC | rustix::fs::OFlags::NONBLOCK;
     if require_owner {
         flags |= rustix::fs::OFlags::NOFOLLOW;
     }
     OpenOptions::new()
         .read(true)
+        .write(write)
         .custom_flags(flags.bits() as i32)
         .open(path)
         .map_err(|e| open_error(path, name, e))
@@ -240,17 +246,7 @@ fn open_file(path: &Path, name: &str, require_owner: bool) -> Result<File, Segme
 /// name (never blocking, never following a symlink), read-write, and refused unless it is
 /// a regular, non-empty file owned by this user. Its status, checked.
 pub fn open_owned_rw(path: &Path, name: &str) -> Result<(File, std::fs::Metadata), SegmentError> {
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(
-            (rustix::fs::OFlags::CLOEXEC
-                | rustix::fs::OFlags::NONBLOCK
-                | rustix::fs::OFlags::NOFOLLOW)
-                .bits() as i32,
-        )
-        .open(path)
-        .map_err(|e| open_error(path, name, e))?;
+    let file = open_file(path, name, true, true)?;
     let meta = file.metadata().map_err(|e| SegmentError::io(path, e))?;
     check_file(&meta, path, true)?;
     Ok((file, meta))
@@ -280,7 +276,7 @@ impl Mapping {
     /// refused (`O_NOFOLLOW`: in a shared directory anyone may plant one); a file path the
     /// caller gave may be a symlink, since what counts is the file it opens.
     pub fn open(path: &Path, name: &str, require_owner: bool) -> Result<Self, SegmentError> {
-        let file = open_file(path, name, require_owner)?;
+        let file = open_file(path, name, require_owner, false)?;
         Self::from_file(file, path, require_owner)
     }
 
@@ -295,7 +291,7 @@ impl Mapping {
     /// is `NotFound`, as if the attach had come a moment later. (A private copy, see
     /// [`Mapping::from_file`], is not the file: its lock ends when this returns.)
     pub fn open_locked(path: &Path, name: &str) -> Result<(Self, (u64, u64)), SegmentError> {
-        let file = open_file(path, name, true)?;
+        let file = open_file(path, name, true, false)?;
         let meta = file.metadata().map_err(|e| SegmentError::io(path, e))?;
         // What is not ours (or not a file) is refused before it is locked: another user
         // holding a lock on a file planted under the name cannot turn that clear error into
