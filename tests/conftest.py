@@ -3,11 +3,11 @@
 - Isolation (autouse, nothing to opt into): this pytest process gets a private root
   directory under /dev/shm (mode 0700, removed at exit), its own supervisor
   (``SHMSTORE_SUPERVISOR_NAME``, its log under ``XDG_RUNTIME_DIR`` in the root), its own
-  disk-fallback directory and joblib temp folder; every test gets its own segment directory
-  (``SHMSTORE_DIR``) inside that root. Set up by ``pytest_configure`` in the pytest process;
-  subprocesses inherit all of it through the environment. So no test sees stores that
-  another test, another pytest run or any other process on the machine creates, and
-  concurrent runs never share a supervisor.
+  disk-fallback directory, joblib temp folder and dask scratch space; every test gets its
+  own segment directory (``SHMSTORE_DIR``) inside that root. Set up by
+  ``pytest_configure`` in the pytest process; subprocesses inherit all of it through the
+  environment. So no test sees stores that another test, another pytest run or any other
+  process on the machine creates, and concurrent runs never share a supervisor.
   `segment_dir()` is the current test's directory.
 - `records`: a small COCO-like dataset (the workload shmstore is built for).
 - `no_leftover_segments`: fails a test that leaves new segment files behind (sealed segments
@@ -32,6 +32,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -129,6 +130,12 @@ def _make_private_root() -> Path:
     # a supervisor round trip may take long on a busy machine (the default is tuned for users)
     os.environ.setdefault("SHMSTORE_SUPERVISOR_TIMEOUT", "10")
     os.environ["JOBLIB_TEMP_FOLDER"] = str(root / "joblib")
+    # dask's scratch space (its lock files and the workers' spill directories), which it
+    # otherwise makes in /tmp/dask-scratch-space and leaves there
+    (root / "dask").mkdir(mode=0o700)
+    os.environ["DASK_TEMPORARY_DIRECTORY"] = str(root / "dask")
+    if "dask" in sys.modules:  # its config read the environment when it was imported
+        sys.modules["dask"].config.set({"temporary-directory": str(root / "dask")})
     (root / "run").mkdir(mode=0o700)  # the supervisors' logs (docs/lifecycle.md)
     os.environ["XDG_RUNTIME_DIR"] = str(root / "run")
     creator = os.getpid()
