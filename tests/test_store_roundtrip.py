@@ -315,8 +315,10 @@ def test_tuples_stay_tuples():
 
 def test_dict_keys_compare_like_python():
     """A stored dict finds keys that are equal in Python's sense: True == 1 == 1.0,
-    -0.0 == 0, and an int equals the float of the same value (hash(2.0**64) == hash(2**64))."""
-    plain = {1: "one", 0: "zero", 2**64: "big", (1, "a"): "tuple", "s": "str"}
+    -0.0 == 0, and an int equals the float of the same value (hash(2.0**64) == hash(2**64)),
+    also a negative power of two beyond 64 bits (whose shortest form is a byte shorter than
+    its magnitude's)."""
+    plain = {1: "one", 0: "zero", 2**64: "big", -(2**71): "neg", (1, "a"): "tuple", "s": "str"}
     big = {**plain, **{f"pad{i}": i for i in range(20)}}  # indexed dict
     for value in (plain, big):
         with shmstore.put(value) as ref, shmstore.SharedDict(value) as d:
@@ -326,6 +328,7 @@ def test_dict_keys_compare_like_python():
                     (0, "zero"), (-0.0, "zero"), (False, "zero"),
                     ((True, "a"), "tuple"), ((1.0, "a"), "tuple"),
                     (2**64, "big"), (float(2**64), "big"),
+                    (-(2**71), "neg"), (float(-(2**71)), "neg"), ((-2) ** 71, "neg"),
                 ]:  # fmt: skip
                     assert value[probe] == want  # Python's own answer
                     assert probe in view, f"{probe!r} not found in {type(view).__name__}"

@@ -58,19 +58,26 @@ fn as_int(k: &Key<'_>) -> Option<i64> {
     }
 }
 
-/// Whether two's-complement little-endian `b` holds an integer that fits in an i64 (or is
-/// empty): writers store those as `Int`, so such a `BigInt` in a key position is forged
-/// and would never compare equal to the int it holds.
-pub fn bigint_fits_i64(b: &[u8]) -> bool {
+/// How many bytes the integer of two's-complement little-endian `b` takes at least (its
+/// sign-extension bytes dropped; 0 for no bytes).
+pub fn bigint_min_len(b: &[u8]) -> usize {
     let Some(&last) = b.last() else {
-        return true;
+        return 0;
     };
     let sign = if last & 0x80 != 0 { 0xff } else { 0x00 };
     let mut n = b.len();
     while n > 1 && b[n - 1] == sign && (b[n - 2] & 0x80) == (sign & 0x80) {
         n -= 1;
     }
-    n <= 8
+    n
+}
+
+/// Whether `b` is the `BigInt` form of an integer: its shortest two's-complement
+/// little-endian bytes, more than 8 of them (writers store an integer that fits in an i64
+/// as `Int`). A key in any other form is forged: it would never compare equal to the int it
+/// holds, which Python finds by value.
+pub fn bigint_is_canonical(b: &[u8]) -> bool {
+    b.len() > 8 && bigint_min_len(b) == b.len()
 }
 
 /// The exact integer an integral float beyond i64 equals, as minimal two's-complement
@@ -102,14 +109,7 @@ fn float_bigint(f: f64) -> Option<Vec<u8>> {
             carry = v >> 8;
         }
     }
-    // minimal length: drop redundant sign-extension bytes
-    let sign = if f < 0.0 { 0xff } else { 0x00 };
-    while mag.len() > 1
-        && mag[mag.len() - 1] == sign
-        && (mag[mag.len() - 2] & 0x80) == (sign & 0x80)
-    {
-        mag.pop();
-    }
+    mag.truncate(bigint_min_len(&mag)); // the shortest form, as every BigInt key
     Some(mag)
 }
 
@@ -250,7 +250,8 @@ fn decode_depth(bytes: &[u8], depth: usize) -> Result<(Key<'_>, &[u8]), ArchiveE
             let (n, rest) = take_len(rest)?;
             let (b, rest) = take(rest, n)?;
             let key = match tag {
-                T_BIGINT => Key::BigInt(Cow::Borrowed(b)),
+                T_BIGINT if bigint_is_canonical(b) => Key::BigInt(Cow::Borrowed(b)),
+                T_BIGINT => return Err(bad("an int that is not in its shortest form")),
                 T_BYTES => Key::Bytes(Cow::Borrowed(b)),
                 _ => Key::Str(Cow::Borrowed(
                     std::str::from_utf8(b).map_err(|_| bad("invalid UTF-8"))?,
@@ -334,6 +335,41 @@ mod tests {
         // -(2**63) fits in i64 and is an Int
         assert!(Key::Float(-9223372036854775808.0).key_eq(&Key::Int(i64::MIN)));
         assert!(!Key::Float(1e300).key_eq(&two64));
+    }
+
+    #[test]
+    fn big_int_keys_are_read_in_their_shortest_form_only() {
+        let enc = |b: &[u8]| {
+            let mut out = vec![T_BIGINT];
+            out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+            out.extend_from_slice(b);
+            out
+        };
+        let two64 = [0, 0, 0, 0, 0, 0, 0, 0, 1];
+        assert!(matches!(decode_key(&enc(&two64)), Ok((Key::BigInt(_), []))));
+        // 2**64 with a sign byte too many, an int that fits in an i64, no bytes: forged
+        for forged in [
+            &[0, 0, 0, 0, 0, 0, 0, 0, 1, 0][..],
+            &[5; 8],
+            &[0xff; 9],
+            &[],
+        ] {
+            assert!(
+                matches!(decode_key(&enc(forged)), Err(ArchiveError::Corrupt(_))),
+                "{forged:?}"
+            );
+        }
+        // -2**71 takes 9 bytes (0x80 on top), like the float of the same value
+        let neg71 = [0, 0, 0, 0, 0, 0, 0, 0, 0x80];
+        assert!(bigint_is_canonical(&neg71));
+        assert!(!bigint_is_canonical(&[0, 0, 0, 0, 0, 0, 0, 0, 0x80, 0xff]));
+        let k = Key::BigInt(Cow::Owned(neg71.to_vec()));
+        let f = Key::Float(-(2f64.powi(71)));
+        assert!(f.key_eq(&k) && k.key_eq(&f));
+        assert_eq!(f.stable_hash(), k.stable_hash());
+        assert_eq!(bigint_min_len(&[]), 0);
+        assert_eq!(bigint_min_len(&[0xff, 0xff]), 1);
+        assert_eq!(bigint_min_len(&[0x80, 0x00]), 2);
     }
 
     #[test]

@@ -1278,8 +1278,9 @@ impl<B: AsRef<[u8]>> Reader<B> {
             Item::None => Key::None,
             Item::Bool(b) => Key::Bool(b),
             Item::Int(i) => Key::Int(i),
-            Item::BigInt(b) if !super::key::bigint_fits_i64(b) && !b.is_empty() => {
-                Key::BigInt(Borrowed(b))
+            Item::BigInt(b) if super::key::bigint_is_canonical(b) => Key::BigInt(Borrowed(b)),
+            Item::BigInt(_) => {
+                return corrupt("an int dict key that is not in its shortest form");
             }
             Item::Float(f) => Key::Float(f),
             Item::Str(s) => match std::str::from_utf8(s) {

@@ -53,7 +53,11 @@ pub(crate) fn bigint_bytes(i: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
     let kwargs = PyDict::new(i.py());
     kwargs.set_item("signed", true)?;
     let b = i.call_method("to_bytes", (n, "little"), Some(&kwargs))?;
-    Ok(b.cast::<PyBytes>()?.as_bytes().to_vec())
+    let mut b = b.cast::<PyBytes>()?.as_bytes().to_vec();
+    // `bit_length` is that of |i|: a negative power of two such as -2**71 fits in a byte
+    // less than the length it gives.
+    b.truncate(crate::archive::key::bigint_min_len(&b));
+    Ok(b)
 }
 
 /// The Python int of the `BigInt` byte form.
