@@ -7,6 +7,8 @@ import collections.abc as abc
 import math
 import pickle
 import random
+from decimal import Decimal
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -329,11 +331,21 @@ def test_dict_keys_compare_like_python():
                     ((True, "a"), "tuple"), ((1.0, "a"), "tuple"),
                     (2**64, "big"), (float(2**64), "big"),
                     (-(2**71), "neg"), (float(-(2**71)), "neg"), ((-2) ** 71, "neg"),
+                    # numbers of types never stored, equal to a stored key
+                    (1 + 0j, "one"), (1 - 0j, "one"), (Decimal(1), "one"), (Fraction(1), "one"),
+                    (np.complex128(1), "one"), ((Fraction(1), "a"), "tuple"),
+                    (complex(2**64), "big"), (Decimal(2**64), "big"), (Decimal(-(2**71)), "neg"),
                 ]:  # fmt: skip
                     assert value[probe] == want  # Python's own answer
                     assert probe in view, f"{probe!r} not found in {type(view).__name__}"
                     assert view[probe] == want
+                    assert view.get(probe) == want
                 assert "1" not in view and b"s" not in view and 2 not in view
+                for absent in (Fraction(1, 3), 1j, Decimal("NaN"), Decimal("0.1"), (1j, "a")):
+                    assert absent not in value  # Python's own answer
+                    assert absent not in view and view.get(absent, "-") == "-"
+                with pytest.raises(TypeError):
+                    view[Decimal("sNaN")]  # unhashable, as in a dict
 
 
 # --- Sequence behaviour -------------------------------------------------------------------------

@@ -5,7 +5,7 @@ use std::borrow::Cow;
 
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyString, PyTuple, PyType};
+use pyo3::types::{PyBool, PyBytes, PyComplex, PyDict, PyFloat, PyInt, PyString, PyTuple, PyType};
 use pyo3::IntoPyObjectExt;
 
 use crate::archive::Key;
@@ -73,10 +73,49 @@ pub(crate) fn bigint<'py>(py: Python<'py>, bytes: &[u8]) -> PyResult<Bound<'py, 
 
 /// A Python object as a dict key; `None` if its type cannot be a stored key.
 pub(crate) fn py_key(k: &Bound<'_, PyAny>) -> PyResult<Option<Key<'static>>> {
-    py_key_depth(k, 0)
+    key_depth(k, 0, false)
 }
 
-fn py_key_depth(k: &Bound<'_, PyAny>, depth: usize) -> PyResult<Option<Key<'static>>> {
+/// A lookup's key: as [`py_key`], and besides a number of a type that is never stored
+/// (complex, `Decimal`, `Fraction`, ...) as the int or float it equals, the way a Python
+/// dict finds the key `1` from `1 + 0j`, `Decimal(1)` or `Fraction(1)`; `None` when it
+/// equals none (`Fraction(1, 3)`, `2j`): absent. Only for lookups: a written key keeps its
+/// type.
+pub(crate) fn probe_key(k: &Bound<'_, PyAny>) -> PyResult<Option<Key<'static>>> {
+    key_depth(k, 0, true)
+}
+
+static NUMBER: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// A number of a type that is never stored, as the int or float it equals ([`probe_key`]).
+fn number_probe(k: &Bound<'_, PyAny>, depth: usize) -> PyResult<Option<Key<'static>>> {
+    let py = k.py();
+    if let Ok(c) = k.cast::<PyComplex>() {
+        // 1 + 0j == 1 == 1.0 (and 1 - 0j too: -0.0 == 0.0)
+        let (re, im) = (c.real(), c.imag());
+        return Ok((im == 0.0).then_some(Key::Float(re)));
+    }
+    let number = NUMBER.import(py, "numbers", "Number")?;
+    if !k.is_instance(number)? {
+        return Ok(None);
+    }
+    // An exception converting or comparing (a NaN has no int, a signalling NaN refuses to
+    // compare) means the value equals no stored key.
+    let equal = |v: &Bound<'_, PyAny>| v.eq(k).unwrap_or(false);
+    if let Ok(i) = py.get_type::<PyInt>().call1((k,)) {
+        if equal(&i) {
+            return key_depth(&i, depth, false);
+        }
+    }
+    if let Ok(f) = py.get_type::<PyFloat>().call1((k,)) {
+        if equal(&f) {
+            return key_depth(&f, depth, false);
+        }
+    }
+    Ok(None)
+}
+
+fn key_depth(k: &Bound<'_, PyAny>, depth: usize, probe: bool) -> PyResult<Option<Key<'static>>> {
     if k.is_none() {
         return Ok(Some(Key::None));
     }
@@ -104,7 +143,7 @@ fn py_key_depth(k: &Bound<'_, PyAny>, depth: usize) -> PyResult<Option<Key<'stat
         }
         let mut items = Vec::with_capacity(t.len());
         for it in t.iter() {
-            match py_key_depth(&it, depth + 1)? {
+            match key_depth(&it, depth + 1, probe)? {
                 Some(key) => items.push(key),
                 None => return Ok(None),
             }
@@ -116,9 +155,12 @@ fn py_key_depth(k: &Bound<'_, PyAny>, depth: usize) -> PyResult<Option<Key<'stat
         if k.is_instance(np.generic.bind(k.py()))? {
             let item = k.call_method0("item")?;
             if !item.is_instance(np.generic.bind(k.py()))? {
-                return py_key_depth(&item, depth);
+                return key_depth(&item, depth, probe);
             }
         }
+    }
+    if probe {
+        return number_probe(k, depth);
     }
     Ok(None)
 }

@@ -19,7 +19,7 @@ use pyo3::types::{PyDict, PyInt, PyList, PySlice, PyString, PyTuple};
 use crate::archive::reader::SeqAt;
 use crate::archive::{Key, Node};
 use crate::py::errors::Error;
-use crate::py::keys::{self, py_key};
+use crate::py::keys::{self, probe_key};
 use crate::py::read;
 use crate::py::read::StoreRef;
 use crate::py::store::PyField;
@@ -480,7 +480,7 @@ impl<'a> Map<'a> {
                         .to_str()
                         .ok()
                         .map(|s| Key::Str(std::borrow::Cow::Borrowed(s))),
-                    Err(_) => py_key(key)?,
+                    Err(_) => probe_key(key)?,
                 };
                 match k {
                     Some(k) => Ok(store
@@ -503,7 +503,7 @@ impl<'a> Map<'a> {
                             .map_err(|e| store.archive_err()(e).into());
                     }
                 }
-                match py_key(key)? {
+                match probe_key(key)? {
                     Some(k) => r
                         .dict_find(node, &k)
                         .map_err(|e| store.archive_err()(e).into()),
