@@ -36,12 +36,16 @@ counts = {"cases": 0, "open_corrupt": 0, "read_corrupt": 0, "intact": 0, "reput"
 def eq(a, b):
     numpy_ok(lambda: (a == b, a != b))
 
+# What numpy itself raises comparing containers that hold arrays (as with plain lists), or
+# comparing an empty array with a dimension near 2**63, which numpy makes too
+# (np.empty((0, 2**63 - 1), bool) == None).
+NUMPY_ERRORS = ("truth value of an", "inconsistent axis mapping")
+
 def numpy_ok(f):
     try:
         f()
     except ValueError as e:
-        # numpy: comparing containers that hold arrays (as with plain lists)
-        if not isinstance(e, Corrupt) and "truth value of an" in str(e):
+        if not isinstance(e, Corrupt) and any(m in str(e) for m in NUMPY_ERRORS):
             return
         raise
 
