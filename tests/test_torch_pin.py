@@ -64,7 +64,7 @@ def test_pin_array_registers_its_whole_mapping_once(fake: FakeRegistrar) -> None
     a = ref.get()
     with st.pin(a) as p:
         assert fake.covers(a) and len(fake.live) == 1
-        (start, n), = p.ranges
+        ((start, n),) = p.ranges
         assert n >= a.nbytes and start % PAGE == 0
         # the same array, a slice of it and the store itself: counted, not registered again
         with st.pin(a[10:20]), st.pin(ref), st.pin(ref.get()):
@@ -116,7 +116,7 @@ def test_closed_and_idempotent_close(fake: FakeRegistrar) -> None:
     p.close()
     assert p.closed and "closed" in repr(p)
     with pytest.raises(st.PinError, match="closed"):
-        p.ranges
+        _ = p.ranges
     assert [c for c, _ in fake.calls] == ["register", "unregister"]
     ref.unlink()
 
@@ -145,7 +145,7 @@ def test_the_mapping_stays_while_pinned(fake: FakeRegistrar) -> None:
     """Closing the handle and dropping every array must not unmap registered pages."""
     ref = big()
     p = st.pin(ref)
-    (start, _), = p.ranges
+    ((start, _),) = p.ranges
     ref.unlink()
     ref.close()
     del ref
@@ -211,7 +211,7 @@ class FakeCudart:
     def __init__(self, code: int) -> None:
         self.code = code
 
-    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:  # noqa: N802
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
         assert flags == st.HOST_REGISTER_FLAGS
         return self.code
 

@@ -159,7 +159,9 @@ class TensorDataset:
         return torch.from_numpy(self.ds[i])
 
 
-def epoch_rate(loader: Any, step: Callable[[Any], Any], n: int, torch: Any, device: str) -> tuple[float, int]:
+def epoch_rate(
+    loader: Any, step: Callable[[Any], Any], n: int, torch: Any, device: str
+) -> tuple[float, int]:
     """(samples/s, max tree PSS sampled during the epoch)."""
     peak = 0
     sync(torch, device)
@@ -174,7 +176,9 @@ def epoch_rate(loader: Any, step: Callable[[Any], Any], n: int, torch: Any, devi
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--size-gib", type=float, default=2.0, help="the shared array (a-d)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--procs", type=int, default=4, help="processes pinning at once (d)")
@@ -208,10 +212,14 @@ def main() -> int:
     say("# Shared arrays straight into VRAM")
     say()
     gpu = "dry run (cpu, fake registrar)" if dry else torch.cuda.get_device_name()
-    say(f"- device: {gpu}; torch {torch.__version__}; shmstore {shmstore.__version__}; "
-        f"{os.cpu_count()} CPUs; Python {sys.version.split()[0]}")
-    say(f"- array: {nbytes / GIB:.2f} GiB float32 (`shmstore.put`); medians of {args.reps} "
-        "runs after a warm-up")
+    say(
+        f"- device: {gpu}; torch {torch.__version__}; shmstore {shmstore.__version__}; "
+        f"{os.cpu_count()} CPUs; Python {sys.version.split()[0]}"
+    )
+    say(
+        f"- array: {nbytes / GIB:.2f} GiB float32 (`shmstore.put`); medians of {args.reps} "
+        "runs after a warm-up"
+    )
     say()
 
     t0 = time.perf_counter()
@@ -240,18 +248,31 @@ def main() -> int:
         pinned = host.pin_memory() if not dry else host.clone()
         dt = time.perf_counter() - t
         after, u1 = rollup(), used()
-        ct = timed(lambda: pinned.to(device, non_blocking=True), torch, device)
+        ct = timed(lambda t=pinned: t.to(device, non_blocking=True), torch, device)
         if i:
             pin_t.append(dt)
             copy_t.append(ct)
-            mem.append((after.get("Rss", 0) - before.get("Rss", 0),
-                        after.get("Pss", 0) - before.get("Pss", 0),
-                        after.get("Anonymous", 0) - before.get("Anonymous", 0), u1 - u0))
+            mem.append(
+                (
+                    after.get("Rss", 0) - before.get("Rss", 0),
+                    after.get("Pss", 0) - before.get("Pss", 0),
+                    after.get("Anonymous", 0) - before.get("Anonymous", 0),
+                    u1 - u0,
+                )
+            )
         del pinned
     tb_pin, tb_copy = median(pin_t), median(copy_t)
     m = mem[len(mem) // 2]
-    rows.append(("b. `pin_memory()` then copy", f"{tb_pin:.3f}", gbs(nbytes, tb_copy),
-                 f"{mib(m[0])} / {mib(m[1])}", mib(m[2]), mib(m[3])))
+    rows.append(
+        (
+            "b. `pin_memory()` then copy",
+            f"{tb_pin:.3f}",
+            gbs(nbytes, tb_copy),
+            f"{mib(m[0])} / {mib(m[1])}",
+            mib(m[2]),
+            mib(m[3]),
+        )
+    )
 
     # c. shmstore pin
     pin_t, copy_t, mem = [], [], []
@@ -262,18 +283,31 @@ def main() -> int:
         p = st.pin(ref)
         dt = time.perf_counter() - t
         after, u1 = rollup(), used()
-        ct = timed(lambda: p.to_device(arr, device), torch, device)
+        ct = timed(lambda q=p: q.to_device(arr, device), torch, device)
         if i:
             pin_t.append(dt)
             copy_t.append(ct)
-            mem.append((after.get("Rss", 0) - before.get("Rss", 0),
-                        after.get("Pss", 0) - before.get("Pss", 0),
-                        after.get("Anonymous", 0) - before.get("Anonymous", 0), u1 - u0))
+            mem.append(
+                (
+                    after.get("Rss", 0) - before.get("Rss", 0),
+                    after.get("Pss", 0) - before.get("Pss", 0),
+                    after.get("Anonymous", 0) - before.get("Anonymous", 0),
+                    u1 - u0,
+                )
+            )
         p.close()
     tc_pin, tc_copy = median(pin_t), median(copy_t)
     m = mem[len(mem) // 2]
-    rows.append(("c. `shmstore.torch.pin` then copy", f"{tc_pin:.3f}", gbs(nbytes, tc_copy),
-                 f"{mib(m[0])} / {mib(m[1])}", mib(m[2]), mib(m[3])))
+    rows.append(
+        (
+            "c. `shmstore.torch.pin` then copy",
+            f"{tc_pin:.3f}",
+            gbs(nbytes, tc_copy),
+            f"{mib(m[0])} / {mib(m[1])}",
+            mib(m[2]),
+            mib(m[3]),
+        )
+    )
     say("## a-c. One array, host to device")
     say()
     say("| path | pin s | copy GB/s | RSS / PSS growth | anonymous growth | machine used growth |")
@@ -281,15 +315,17 @@ def main() -> int:
     for r in rows:
         say("| " + " | ".join(r) + " |")
     say()
-    say("Growth: while the pinned memory exists (RSS/PSS/anonymous of this process from "
+    say(
+        "Growth: while the pinned memory exists (RSS/PSS/anonymous of this process from "
         "smaps_rollup; machine: `psutil.virtual_memory().used`, which leaves out the shared "
         "pages themselves). shmstore's pin maps the whole store in (RSS and PSS grow by the "
-        "shared pages, counted once per machine), and allocates nothing.")
+        "shared pages, counted once per machine), and allocates nothing."
+    )
     say()
-    say(f"- pinned shared / `pin_memory()` copy speed: {tb_copy / tc_copy:.2f}x "
-        "(target >= 0.9)")
-    say(f"- pinned shared / pageable copy speed: {(nbytes / tc_copy) / page_gbs:.1f}x "
-        "(target >= 5)")
+    say(f"- pinned shared / `pin_memory()` copy speed: {tb_copy / tc_copy:.2f}x (target >= 0.9)")
+    say(
+        f"- pinned shared / pageable copy speed: {(nbytes / tc_copy) / page_gbs:.1f}x (target >= 5)"
+    )
     say(f"- pin time, shmstore / `pin_memory()`: {tc_pin / tb_pin:.2f} (target <= 0.25)")
     say()
 
@@ -297,7 +333,9 @@ def main() -> int:
     ctx = mp.get_context("spawn")
     barrier = ctx.Barrier(args.procs)
     q = ctx.Queue()
-    procs = [ctx.Process(target=_pin_child, args=(ref.name, dry, barrier, q)) for _ in range(args.procs)]
+    procs = [
+        ctx.Process(target=_pin_child, args=(ref.name, dry, barrier, q)) for _ in range(args.procs)
+    ]
     for pr in procs:
         pr.start()
     results = []
@@ -325,8 +363,13 @@ def main() -> int:
     lst = shmstore.SharedList(np.full(per, i % 251, np.float32) for i in range(count))
     build_s = time.perf_counter() - t0
     base_pss = tree_pss()
-    common = dict(batch_size=args.batch, shuffle=True, num_workers=args.workers,
-                  persistent_workers=args.workers > 0, worker_init_fn=_quiet_worker)
+    common = dict(
+        batch_size=args.batch,
+        shuffle=True,
+        num_workers=args.workers,
+        persistent_workers=args.workers > 0,
+        worker_init_fn=_quiet_worker,
+    )
     results_e = []
     torch.manual_seed(0)
     plain = DataLoader(TensorDataset(lst), pin_memory=not dry, **common)
@@ -335,8 +378,9 @@ def main() -> int:
         return batch.to(device, non_blocking=True)
 
     ep = [epoch_rate(plain, plain_step, count, torch, device) for _ in range(args.reps + 1)][1:]
-    results_e.append(("`pin_memory=True`, default collate", median([r for r, _ in ep]),
-                      max(p for _, p in ep)))
+    results_e.append(
+        ("`pin_memory=True`, default collate", median([r for r, _ in ep]), max(p for _, p in ep))
+    )
     del plain
     gc.collect()
     with st.pin(lst) as p:
@@ -346,14 +390,21 @@ def main() -> int:
             return p.to_device(batch.records(), device)
 
         ep = [epoch_rate(refs, refs_step, count, torch, device) for _ in range(args.reps + 1)][1:]
-        results_e.append(("`RecordRefs` + `shmstore.torch.pin`", median([r for r, _ in ep]),
-                          max(p_ for _, p_ in ep)))
+        results_e.append(
+            (
+                "`RecordRefs` + `shmstore.torch.pin`",
+                median([r for r, _ in ep]),
+                max(p_ for _, p_ in ep),
+            )
+        )
         del refs
     say(f"## e. DataLoader epoch, {args.workers} workers, copy to the GPU in the loop")
     say()
-    say(f"{count} samples of {args.sample_kib} KiB float32 ({count * per * 4 / GIB:.2f} GiB, "
+    say(
+        f"{count} samples of {args.sample_kib} KiB float32 ({count * per * 4 / GIB:.2f} GiB, "
         f"SharedList built in {build_s:.1f} s), batch {args.batch}, shuffled; "
-        f"process tree PSS before the loaders: {base_pss / GIB:.2f} GiB.")
+        f"process tree PSS before the loaders: {base_pss / GIB:.2f} GiB."
+    )
     say()
     say("| loader | samples/s | peak tree PSS GiB |")
     say("|---|---:|---:|")

@@ -551,11 +551,7 @@ class CudaRegistrar:
         raise PinError(
             f"cudaHostRegister of {nbytes} bytes at {address:#x} failed with "
             f"{self._error(code)}"
-            + (
-                ": something else in this process registered these pages"
-                if code == 712
-                else ""
-            )
+            + (": something else in this process registered these pages" if code == 712 else "")
         )
 
     def unregister(self, address: int) -> None:
