@@ -908,7 +908,13 @@ class BatchRefs:
         return self.data.get_many(self.indices)
 
 
-class RecordRefs(_Dataset[tuple[Any, int]]):
+if TYPE_CHECKING:
+    _RefsBase = _Dataset[tuple[Any, int]]
+else:
+    _RefsBase = object  # torch is not imported
+
+
+class RecordRefs(_RefsBase):
     """A map-style dataset whose items are (SharedList, index) references, for
     ``DataLoader(RecordRefs(lst), collate_fn=collate_refs, ...)``: workers read nothing and
     send :class:`BatchRefs`; the loop copies ``pinned.to_device(refs.records())`` straight
