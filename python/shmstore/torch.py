@@ -909,9 +909,13 @@ class BatchRefs:
 
 
 if TYPE_CHECKING:
-    _RefsBase = _Dataset[tuple[Any, int]]
+
+    class _RefsBase(_Dataset[tuple[Any, int]]): ...
+
 else:
-    _RefsBase = object  # torch is not imported
+
+    class _RefsBase:  # torch is not imported
+        pass
 
 
 class RecordRefs(_RefsBase):
