@@ -152,6 +152,7 @@ class StoreHandle:
         """Close; a handle that created the store also unlinks it. Never swallows the
         exception."""
     def __reduce__(self) -> tuple[Any, tuple[str, str, str]]: ...
+    def _mapping_extent(self) -> tuple[int, int, ArrayOwner]: ...
 
 @final
 class SharedList(StoreHandle, Sequence[_T_co], Generic[_T_co]):
@@ -393,6 +394,7 @@ class ArrayOwner:
 
     @property
     def __array_interface__(self) -> dict[str, Any]: ...
+    def _mapping_extent(self) -> tuple[int, int]: ...
 
 @final
 class ListViewIterator(Iterator[Any]):

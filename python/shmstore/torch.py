@@ -30,7 +30,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+import threading
 import time
+import weakref
 from pathlib import Path
 from typing import (
     TYPE_CHECKING,
@@ -462,3 +464,489 @@ def shared_per_machine(
     handle = _make(build, archive)
     broadcast(_payload(handle))
     return handle
+
+
+# ---------------------------------------------------------------------------------------------
+# Pinning shared pages for the GPU
+
+
+class PinError(shmstore.ShmStoreError, RuntimeError):
+    """Pages of a store could not be registered with CUDA, or a pinned handle was used where
+    it cannot be (closed, or inherited through ``fork`` by a process that did not pin it)."""
+
+
+class CudaUnavailableError(PinError):
+    """Pinning needs what this process lacks: torch, a CUDA device, or a device and driver
+    that can pin read-only pages (``cudaHostRegisterReadOnly``). Catch it to run without
+    pinning; nothing falls back to pageable copies silently."""
+
+
+#: ``cudaHostRegisterPortable | cudaHostRegisterReadOnly``: the pages count as pinned for
+#: every device of the process, and the GPU only reads them (the mapping is ``PROT_READ``).
+HOST_REGISTER_FLAGS = 0x01 | 0x08
+
+_CUDA_ERRORS = {
+    1: "cudaErrorInvalidValue",
+    2: "cudaErrorMemoryAllocation",
+    3: "cudaErrorInitializationError",
+    4: "cudaErrorCudartUnloading",
+    100: "cudaErrorNoDevice",
+    712: "cudaErrorHostMemoryAlreadyRegistered",
+    713: "cudaErrorHostMemoryNotRegistered",
+    801: "cudaErrorNotSupported",
+}
+
+
+class Registrar(Protocol):
+    """What pins pages: :class:`CudaRegistrar` by default; tests pass a fake one to
+    :func:`set_registrar`. ``register`` raises :class:`PinError` when it fails."""
+
+    def register(self, address: int, nbytes: int) -> None:
+        """Pin ``nbytes`` bytes at ``address`` (page-aligned, whole pages)."""
+
+    def unregister(self, address: int) -> None:
+        """Unpin the range registered at ``address``, after the copies from it are done."""
+
+
+class CudaRegistrar:
+    """``cudaHostRegister(address, nbytes, HOST_REGISTER_FLAGS)`` through the installed
+    torch (``torch.cuda.cudart()``): no CUDA build dependency of shmstore's own."""
+
+    def __init__(self) -> None:
+        try:
+            import torch
+        except ImportError as e:
+            raise CudaUnavailableError(
+                "pinning shared arrays for the GPU needs torch with CUDA: pip install torch"
+            ) from e
+        if not torch.cuda.is_available():
+            raise CudaUnavailableError(
+                "pinning shared arrays for the GPU needs a CUDA device, and "
+                "torch.cuda.is_available() is False in this process"
+            )
+        self._torch = torch
+        self._cudart = torch.cuda.cudart()
+
+    def _error(self, code: int) -> str:
+        name = _CUDA_ERRORS.get(code, "cudaError")
+        try:
+            text = str(self._cudart.cudaGetErrorString(self._cudart.cudaError(code)))
+        except Exception:  # older torch: the bindings lack it; the code and name suffice
+            text = ""
+        return f"{name} ({code}{': ' + text if text else ''})"
+
+    def register(self, address: int, nbytes: int) -> None:
+        code = int(self._cudart.cudaHostRegister(address, nbytes, HOST_REGISTER_FLAGS))
+        if code == 0:
+            return
+        if code in (1, 801):
+            raise CudaUnavailableError(
+                f"cudaHostRegister of {nbytes} bytes of a shared mapping failed with "
+                f"{self._error(code)}: the device or driver does not support "
+                "cudaHostRegisterReadOnly (device attribute "
+                "cudaDevAttrHostRegisterReadOnlySupported), and a store's pages are mapped "
+                "read-only (PROT_READ), which CUDA cannot pin without that flag. Copy into "
+                "pinned memory instead: torch.from_numpy(np.array(x)).pin_memory()"
+            )
+        raise PinError(
+            f"cudaHostRegister of {nbytes} bytes at {address:#x} failed with "
+            f"{self._error(code)}"
+            + (": something else in this process registered these pages" if code == 712 else "")
+        )
+
+    def unregister(self, address: int) -> None:
+        code = int(self._cudart.cudaHostUnregister(address))
+        if code not in (0, 4):  # 4: CUDA is unloading at exit, the pages go with it
+            raise PinError(f"cudaHostUnregister({address:#x}) failed with {self._error(code)}")
+
+
+@dataclasses.dataclass
+class _Entry:
+    """One registered mapping of this process."""
+
+    start: int
+    nbytes: int
+    keeper: Any  #: keeps the mapping mapped while registered (an ArrayOwner)
+    registrar: Registrar
+    pid: int
+    users: int = 0
+    host: Any = None  #: a torch uint8 tensor over the range, made on first use
+    devices: set[Any] = dataclasses.field(default_factory=set)  #: copied to (to_device)
+
+
+_registrar: Optional[Registrar] = None
+_entries: dict[int, _Entry] = {}  # mapping start -> entry, this process's registrations only
+_lock = threading.RLock()
+_hooks_installed = False
+
+
+def set_registrar(registrar: Optional[Registrar]) -> Optional[Registrar]:
+    """Use ``registrar`` for new pins (``None``: the CUDA one, made on the next pin); returns
+    the previous one. For tests and for other accelerators' pinning calls."""
+    global _registrar
+    with _lock:
+        previous, _registrar = _registrar, registrar
+    return previous
+
+
+def _forget_after_fork() -> None:
+    # A child inherits the parent's table but none of its CUDA registrations: forget them
+    # (without unregistering) so that a pin in the child registers anew.
+    global _lock
+    _lock = threading.RLock()
+    _entries.clear()
+
+
+def _unpin_all_at_exit() -> None:
+    with _lock:
+        entries = [e for e in _entries.values() if e.pid == os.getpid()]
+        _entries.clear()
+    for e in entries:
+        e.host = None
+        try:
+            _sync(e)
+            e.registrar.unregister(e.start)
+        except Exception:  # at exit CUDA may be gone already; the pages go with the process
+            pass
+
+
+def _install_hooks() -> None:
+    global _hooks_installed
+    if not _hooks_installed:
+        os.register_at_fork(after_in_child=_forget_after_fork)
+        import atexit
+
+        atexit.register(_unpin_all_at_exit)
+        _hooks_installed = True
+
+
+def _page_range(start: int, nbytes: int) -> tuple[int, int]:
+    page = os.sysconf("SC_PAGE_SIZE")
+    first = start - start % page
+    end = start + nbytes
+    end += -end % page
+    return first, end - first
+
+
+def _array_owner(arr: Any) -> Any:
+    """The ArrayOwner behind a shmstore array (or a view of one), or None."""
+    base = arr
+    for _ in range(64):  # views of views: a short chain in practice
+        base = getattr(base, "base", None)
+        if base is None:
+            return None
+        if isinstance(base, shmstore._native.ArrayOwner):
+            return base
+    return None
+
+
+def _targets(obj: Any) -> list[tuple[int, int, Any]]:
+    """(mapping start, length, keeper) of every mapping ``obj`` lies in."""
+    if isinstance(obj, shmstore.StoreHandle):
+        return [obj._mapping_extent()]
+    if isinstance(obj, shmstore._native.ArrayOwner):
+        return [(*obj._mapping_extent(), obj)]
+    if hasattr(obj, "__array_interface__") and hasattr(obj, "base"):
+        owner = _array_owner(obj)
+        if owner is None:
+            raise ValueError(
+                "this array is not in a shmstore store (its memory is not a store's shared "
+                "mapping): pin it with torch.from_numpy(x).pin_memory(), or pin the array "
+                "shmstore returned"
+            )
+        return [(*owner._mapping_extent(), owner)]
+    if isinstance(obj, (shmstore.ListView, shmstore.DictView, list, tuple, dict)):
+        found: dict[int, tuple[int, int, Any]] = {}
+        stack = [obj]
+        seen = 0
+        while stack:
+            item = stack.pop()
+            seen += 1
+            if seen > 1_000_000:
+                raise ValueError("pin() of a record with more than a million items: pin its store")
+            if isinstance(item, (shmstore.DictView, dict)):
+                stack.extend(item.values())
+            elif isinstance(item, (shmstore.ListView, list, tuple)):
+                stack.extend(item)
+            elif hasattr(item, "__array_interface__") and _array_owner(item) is not None:
+                for t in _targets(item):
+                    found.setdefault(t[0], t)
+        if not found:
+            raise ValueError("this record holds no shmstore array: nothing to pin")
+        return list(found.values())
+    raise TypeError(
+        f"pin() takes a shmstore array, record or store handle, not {type(obj).__name__}"
+    )
+
+
+class Pinned:
+    """Shared pages of this process registered with CUDA (``pin()``'s result).
+
+    A context manager; :meth:`close` (or leaving the ``with``, or garbage collection) lets go,
+    and the pages are unregistered when the last ``Pinned`` of a mapping in this process goes.
+    While registered, the mapping stays mapped (the handle holds its owner), even if the
+    store handle is closed.
+    """
+
+    def __init__(self, entries: list[_Entry]) -> None:
+        self._entries: Optional[list[_Entry]] = entries
+        self._pid = os.getpid()
+        self._finalizer = weakref.finalize(self, _release, entries, self._pid)
+        self._finalizer.atexit = False  # _unpin_all_at_exit does it, errors silenced
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._entries is None
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        """(address, length) of each registered range (whole pages of whole mappings)."""
+        return [(e.start, e.nbytes) for e in self._live()]
+
+    def _live(self) -> list[_Entry]:
+        if self._entries is None:
+            raise PinError("this Pinned was closed: pin() again")
+        if self._pid != os.getpid():
+            raise PinError(
+                f"these pages were pinned by process {self._pid}, and registrations are not "
+                "inherited through fork: pin() again in this process"
+            )
+        return self._entries
+
+    def close(self) -> None:
+        """Let go (idempotent). In a forked child it does nothing: the child never held it."""
+        if self._entries is not None:
+            self._entries = None
+            self._finalizer()
+
+    def __enter__(self) -> Pinned:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self._entries is None:
+            return "<shmstore.torch.Pinned closed>"
+        total = sum(e.nbytes for e in self._entries)
+        return f"<shmstore.torch.Pinned {len(self._entries)} mapping(s), {total} bytes>"
+
+    def _used(self, device: Any) -> None:
+        if device.type == "cuda":
+            for e in self._live():
+                e.devices.add(device)
+
+    def _host_tensor(self, arr: Any) -> Any:
+        """A CPU tensor over ``arr``'s bytes in the registered pages (no copy)."""
+        import numpy as np
+        import torch
+
+        arr = np.asarray(arr)
+        addr = arr.__array_interface__["data"][0]
+        for e in self._live():
+            if e.start <= addr and addr + arr.nbytes <= e.start + e.nbytes:
+                break
+        else:
+            raise PinError(
+                "this array is not in the pages pinned by this handle (a copy of a shmstore "
+                "array, e.g. one that came through a DataLoader worker by value, is new "
+                "pageable memory): pin its store, or send records by name (RecordRefs)"
+            )
+        if not arr.flags.c_contiguous:
+            raise ValueError(
+                "only C-contiguous arrays are copied straight from pinned pages; a slice "
+                "along the first axis (x[a:b]) is contiguous, x[:, a:b] or x[::2] is not"
+            )
+        if e.host is None:
+            import ctypes
+
+            raw = (ctypes.c_ubyte * e.nbytes).from_address(e.start)
+            e.host = torch.frombuffer(raw, dtype=torch.uint8)  # type: ignore[arg-type]
+        off = addr - e.start
+        return e.host[off : off + arr.nbytes].view(_torch_dtype(arr.dtype)).view(arr.shape)
+
+    def to_device(self, data: Any, device: Any = "cuda", *, non_blocking: bool = True) -> Any:
+        """Copy ``data`` from the pinned pages to ``device`` (direct DMA, no host copy).
+
+        ``data``: an array in the pinned pages (a tensor of the same shape comes back); a
+        list of arrays of one shape (each copied, then stacked on the device); or a list of
+        records (dicts of arrays and numbers, as :class:`RecordRefs` batches give): a dict of
+        stacked tensors, numbers made into a tensor. With ``non_blocking`` (the default) the
+        copies are asynchronous on the current stream; the pages never change, so no host
+        buffer needs to outlive them.
+        """
+        import torch
+
+        if hasattr(data, "__array_interface__"):
+            out = self._host_tensor(data).to(device, non_blocking=non_blocking)
+            self._used(out.device)
+            return out
+        items = list(data)
+        if not items:
+            raise ValueError("to_device() of an empty batch")
+        first = items[0]
+        if isinstance(first, (shmstore.DictView, dict)):
+            return {k: self.to_device([it[k] for it in items], device) for k in first.keys()}
+        if hasattr(first, "__array_interface__"):
+            parts = [self._host_tensor(x).to(device, non_blocking=non_blocking) for x in items]
+            self._used(parts[0].device)
+            return torch.stack(parts)
+        return torch.as_tensor(items).to(device, non_blocking=non_blocking)
+
+
+_DTYPES: dict[Any, Any] = {}
+
+
+def _torch_dtype(dtype: Any) -> Any:
+    t = _DTYPES.get(dtype)
+    if t is None:
+        import numpy as np
+        import torch
+
+        t = _DTYPES[dtype] = torch.from_numpy(np.empty(0, dtype)).dtype
+    return t
+
+
+def _release(entries: list[_Entry], pid: int) -> None:
+    if pid != os.getpid():
+        return  # a forked child's copy of a parent's handle: nothing of its own to undo
+    gone: list[_Entry] = []
+    with _lock:
+        for e in entries:
+            e.users -= 1
+            if e.users == 0 and _entries.get(e.start) is e:
+                del _entries[e.start]
+                gone.append(e)
+    for e in gone:
+        _sync(e)
+        e.host = None
+        e.registrar.unregister(e.start)
+
+
+def _sync(e: _Entry) -> None:
+    """Wait for the copies from ``e`` still in flight (``non_blocking``) before unpinning."""
+    if e.devices:
+        import torch
+
+        for d in e.devices:
+            torch.cuda.synchronize(d)
+        e.devices.clear()
+
+
+def pin(obj: Any) -> Pinned:
+    """Register the shared pages behind ``obj`` with CUDA, read-only, in this process.
+
+    ``obj``: a numpy array shmstore returned (or a slice of one), a record holding arrays, or
+    a store handle (``SharedList``, ``SharedDict``, ``Ref``). What is registered is the whole
+    mapping the data lies in, in whole pages, once per process: pinning several arrays of one
+    store, or the store and then its arrays, registers it once and counts the users. Other
+    processes pin the same physical pages for themselves (no copy in any of them).
+
+    Raises :class:`CudaUnavailableError` without torch, without a CUDA device, or where the
+    device cannot pin read-only pages; :class:`PinError` when CUDA refuses otherwise.
+
+    >>> import numpy as np, shmstore, shmstore.torch as st
+    >>> class Fake:
+    ...     def register(self, address, nbytes): print("register", nbytes % 4096 == 0)
+    ...     def unregister(self, address): print("unregister")
+    >>> old = st.set_registrar(Fake())
+    >>> ref = shmstore.put(np.zeros(1000, np.float32), arena=False)
+    >>> with st.pin(ref) as p, st.pin(ref.get()):
+    ...     len(p.ranges)
+    register True
+    1
+    unregister
+    >>> _ = st.set_registrar(old)
+    """
+    global _registrar
+    _install_hooks()
+    targets = _targets(obj)
+    pid = os.getpid()
+    taken: list[_Entry] = []
+    try:
+        for start, length, keeper in targets:
+            start, length = _page_range(start, length)
+            with _lock:
+                e = _entries.get(start)
+                if e is not None and e.pid == pid:
+                    e.users += 1
+                    taken.append(e)
+                    continue
+                registrar = _registrar
+                if registrar is None:
+                    registrar = _registrar = CudaRegistrar()
+                registrar.register(start, length)
+                e = _Entry(start, length, keeper, registrar, pid, users=1)
+                _entries[start] = e
+                taken.append(e)
+    except BaseException:
+        _release(taken, pid)
+        raise
+    return Pinned(taken)
+
+
+# ---------------------------------------------------------------------------------------------
+# DataLoader batches sent by name
+
+
+@dataclasses.dataclass
+class BatchRefs:
+    """A batch as a DataLoader worker sends it by :func:`collate_refs`: the SharedList (pickled
+    by name) and the record indices, a few hundred bytes whatever the records hold. The
+    process that iterates the loader reads the records from its own mapping
+    (:meth:`records`), where :func:`pin` registered them."""
+
+    data: shmstore.SharedList[Any]
+    indices: list[int]
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def records(self) -> list[Any]:
+        """The batch's records, read here (lazy views and zero-copy arrays)."""
+        return self.data.get_many(self.indices)
+
+
+if TYPE_CHECKING:
+
+    class _RefsBase(_Dataset[tuple[Any, int]]): ...
+
+else:
+
+    class _RefsBase:  # torch is not imported
+        pass
+
+
+class RecordRefs(_RefsBase):
+    """A map-style dataset whose items are (SharedList, index) references, for
+    ``DataLoader(RecordRefs(lst), collate_fn=collate_refs, ...)``: workers read nothing and
+    send :class:`BatchRefs`; the loop copies ``pinned.to_device(refs.records())`` straight
+    from pinned shared pages (docs/guides/gpu.md)."""
+
+    def __init__(self, data: Union[shmstore.SharedList[Any], str, os.PathLike[str]]) -> None:
+        if isinstance(data, (str, os.PathLike)):
+            data = _open_list(data)
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        n = len(self.data)
+        if not -n <= index < n:
+            raise IndexError(f"index {index} out of range for {n} records")
+        return (self.data, index % n)
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[Any, int]]:
+        return [self[i] for i in indices]
+
+
+def collate_refs(batch: list[tuple[Any, int]]) -> BatchRefs:
+    """The ``collate_fn`` for :class:`RecordRefs`: one :class:`BatchRefs` per batch."""
+    if not batch:
+        raise ValueError("collate_refs() of an empty batch")
+    data = batch[0][0]
+    if any(d is not data for d, _ in batch):
+        raise ValueError("collate_refs(): a batch mixes records of several SharedLists")
+    return BatchRefs(data, [int(i) for _, i in batch])

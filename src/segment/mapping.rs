@@ -408,6 +408,17 @@ impl Mapping {
         })
     }
 
+    /// The whole mapping these bytes lie in, as (address, length): the segment's or saved
+    /// file's own mapping, or for an arena chunk the arena's one mapping in this process
+    /// (shared by every chunk of it read here). It stays mapped as long as `self` exists.
+    /// What `shmstore.torch.pin` registers with CUDA, once per mapping.
+    pub fn extent(&self) -> (usize, usize) {
+        match &self.mmap {
+            Mapped::Own(m) => (m.as_ptr() as usize, m.len()),
+            Mapped::Window { arena, .. } => (arena.as_ptr() as usize, arena.len()),
+        }
+    }
+
     /// Whether this mapping is of a private sealed copy (another user's file, or one that
     /// others can write), not of the file itself.
     pub fn is_private_copy(&self) -> bool {

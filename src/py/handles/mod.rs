@@ -24,7 +24,7 @@ use pyo3::PyClass;
 use pyo3::PyClassInitializer;
 
 use super::errors::Error;
-use super::read::{new_untracked, StoreRef};
+use super::read::{new_untracked, ArrayOwner, StoreRef};
 use super::store::{self, Source, Store};
 use crate::archive::Kind;
 
@@ -265,6 +265,19 @@ impl StoreHandle {
     #[pyo3(signature = (path, *, mode=0o600))]
     fn save(slf: &Bound<'_, Self>, path: PathBuf, mode: u32) -> PyResult<()> {
         store::save(slf.py(), &*Self::store(slf)?, &path, mode)
+    }
+
+    /// (address, length, keeper) of the whole mapping the store lies in: the keeper (an
+    /// `ArrayOwner` of the archive's bytes) keeps it mapped, whatever happens to this
+    /// handle. What `shmstore.torch.pin` registers with CUDA.
+    fn _mapping_extent<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(usize, usize, Bound<'py, ArrayOwner>)> {
+        let store = Self::store(slf)?;
+        let (addr, len) = store.mapping().extent();
+        let nbytes = store.nbytes();
+        let keeper = new_untracked(slf.py(), ArrayOwner::new(store, "|u1", vec![nbytes], 0))?;
+        Ok((addr, len, keeper))
     }
 
     /// Check every record now (checksums and structure). Reading checks each record on

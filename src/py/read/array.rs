@@ -54,6 +54,12 @@ impl ArrayOwner {
         Ok(d)
     }
 
+    /// (address, length) of the whole mapping the array lies in (`Mapping::extent`),
+    /// mapped as long as this owner exists: what `shmstore.torch.pin` registers.
+    fn _mapping_extent(&self) -> (usize, usize) {
+        self.store.mapping().extent()
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "<shmstore.ArrayOwner {} of {}>",
