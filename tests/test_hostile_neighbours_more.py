@@ -80,3 +80,90 @@ def test_a_state_directory_planted_in_tmp_sends_the_user_to_home(
     out = run_checked([sys.executable, "-c", CHANNEL_USER], env=env).stdout
     assert "got [1, 2, 3]" in out, out
     assert not planted.exists()
+
+
+# --- a write descriptor kept across chmod g-w ---------------------------------------------
+
+
+def _python_for(user: tuple[int, int]) -> str:
+    """A Python interpreter `user` may run (this one may live under root's home)."""
+    for cand in (sys.executable, os.path.realpath(sys.executable), "/usr/bin/python3"):
+        try:
+            ok = subprocess.run(
+                [cand, "-c", "pass"], user=user[0], group=user[1], capture_output=True
+            )
+        except OSError:
+            continue
+        if ok.returncode == 0:
+            return cand
+    pytest.skip("no Python interpreter the second user may run")
+
+GROUP_WRITER = r"""
+import os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)  # while the file was group-writable
+print("open", flush=True)
+sys.stdin.readline()  # the owner ran chmod g-w and opened the file meanwhile
+os.ftruncate(fd, 64)
+print("truncated", flush=True)
+"""
+
+READ_AFTER = r"""
+import sys
+import shmstore
+from shmstore import _native
+r = shmstore.Ref.open(sys.argv[1])
+print(_native._store_info(r)["private_copy"], flush=True)
+sys.stdin.readline()
+print(len(r.get().to_python()), flush=True)
+"""
+
+
+def test_a_write_descriptor_kept_across_chmod_does_not_reach_a_reader(neighbour_dir, other_user):
+    """A file saved group-writable is read from a private copy; after `chmod g-w` it used to
+    be mapped in place although a group member still had it open for writing (mode bits do
+    not revoke descriptors): truncating it killed the owner's reader with SIGBUS."""
+    d = neighbour_dir / "team"
+    d.mkdir()
+    path = d / "data.shmstore"
+    with shmstore.put(list(range(5000))) as r:
+        r.save(path, mode=0o660)
+    os.chown(path, os.geteuid(), other_user[1])
+    writer = subprocess.Popen(
+        [_python_for(other_user), "-c", GROUP_WRITER, str(path)],
+        user=other_user[0],
+        group=other_user[1],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    reader = None
+    try:
+        assert writer.stdout is not None and writer.stdin is not None
+        assert writer.stdout.readline().strip() == "open"
+        os.chmod(path, 0o640)
+        reader = subprocess.Popen(
+            [sys.executable, "-c", READ_AFTER, str(path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert reader.stdout is not None
+        assert reader.stdout.readline().strip() == "True"  # a private copy
+        writer.stdin.write("go\n")
+        writer.stdin.flush()
+        assert writer.stdout.readline().strip() == "truncated"
+        out, err = reader.communicate("go\n", timeout=60)
+        assert reader.returncode == 0, err
+        assert out.strip() == "5000"
+    finally:
+        for p in (writer, reader):
+            if p is not None:
+                if p.poll() is None:
+                    p.kill()
+                p.communicate(timeout=60)  # and close its pipes
+    # With no writer left, a file of this mode is mapped in place.
+    with shmstore.put(list(range(5000))) as r:
+        r.save(path, mode=0o640)
+    with shmstore.Ref.open(path) as r:
+        assert shmstore._native._store_info(r)["private_copy"] is False

@@ -150,6 +150,41 @@ fn trusted_in_place(uid: u32, mode: u32) -> bool {
     uid == rustix::process::geteuid().as_raw() && mode & 0o022 == 0
 }
 
+/// Whether some process has `file` open for writing (or mapped writable), found with a
+/// read lease taken and given back at once (`F_SETLEASE`: refused with `EAGAIN` while any
+/// writer holds the file; only the file's owner may take one). Local writers only: a file
+/// system without leases (NFS, for example) cannot say, and the file counts as not open for
+/// writing (docs/security.md). While the lease is held a writer's `open` would break it: the
+/// holder would be sent a signal, made `SIGURG` (ignored by default) for the few instructions
+/// the lease lasts.
+fn open_for_writing(file: &File, path: &Path) -> bool {
+    use std::os::fd::AsRawFd;
+    // Linux's F_SETSIG (not in the libc crate for every target).
+    const F_SETSIG: libc::c_int = 10;
+    let fd = file.as_raw_fd();
+    // SAFETY: fcntl on a descriptor we own, with integer arguments only.
+    unsafe {
+        libc::fcntl(fd, F_SETSIG, libc::SIGURG);
+        if libc::fcntl(fd, libc::F_SETLEASE, libc::F_RDLCK) == 0 {
+            libc::fcntl(fd, libc::F_SETLEASE, libc::F_UNLCK);
+            return false;
+        }
+    }
+    let err = std::io::Error::last_os_error();
+    if err.raw_os_error() == Some(libc::EAGAIN) {
+        log::info!(
+            "{} is open for writing in some process: it is read from a private copy",
+            path.display()
+        );
+        return true;
+    }
+    log::debug!(
+        "cannot tell whether {} is open for writing ({err}); mapped in place",
+        path.display()
+    );
+    false
+}
+
 /// Copy `len` bytes of `file` into an anonymous memory file (memfd) and seal it against
 /// writing, shrinking and growing (`F_SEAL_WRITE|F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL`):
 /// from then on the kernel refuses every change, whoever asks, so validation holds.
@@ -328,7 +363,10 @@ impl Mapping {
         require_owner: bool,
     ) -> Result<Self, SegmentError> {
         check_file(&meta, path, require_owner)?;
-        let private_copy = !trusted_in_place(meta.uid(), meta.mode());
+        // A saved file of ours that no one else may write can still be open for writing by
+        // someone who opened it while they could (mode bits do not revoke descriptors).
+        let private_copy = !trusted_in_place(meta.uid(), meta.mode())
+            || (!require_owner && open_for_writing(&file, path));
         let mapped = if private_copy {
             log::info!(
                 "{} is {}{}: reading a private sealed copy ({} bytes of this process's memory)",

@@ -96,9 +96,7 @@ fn passwd_home(uid: u32) -> Option<PathBuf> {
     let mut out: *mut libc::passwd = std::ptr::null_mut();
     // SAFETY: every pointer is to memory we own, of the sizes given; getpwuid_r fills `pw`
     // with pointers into `buf`, which outlives their use below.
-    let r = unsafe {
-        libc::getpwuid_r(uid, &mut pw, buf.as_mut_ptr().cast(), buf.len(), &mut out)
-    };
+    let r = unsafe { libc::getpwuid_r(uid, &mut pw, buf.as_mut_ptr().cast(), buf.len(), &mut out) };
     if r != 0 || out.is_null() || pw.pw_dir.is_null() {
         return None;
     }
@@ -122,10 +120,7 @@ pub fn state_dir() -> Result<PrivateDir, SegmentError> {
                 "XDG_RUNTIME_DIR is not set and {} is (or was) another user's: this user's \
                  supervisor keeps its state in {} instead",
                 std::env::temp_dir()
-                    .join(format!(
-                        "shmstore-{}",
-                        rustix::process::geteuid().as_raw()
-                    ))
+                    .join(format!("shmstore-{}", rustix::process::geteuid().as_raw()))
                     .display(),
                 path.display()
             )
