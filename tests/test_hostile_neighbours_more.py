@@ -167,3 +167,40 @@ def test_a_write_descriptor_kept_across_chmod_does_not_reach_a_reader(neighbour_
         r.save(path, mode=0o640)
     with shmstore.Ref.open(path) as r:
         assert shmstore._native._store_info(r)["private_copy"] is False
+
+
+# --- sparse files --------------------------------------------------------------------------
+
+
+def _sparse_copy(src: Path, dst: Path) -> None:
+    """`dst`: the bytes of `src`, with every 4 KiB block of zeros left as a hole."""
+    data = src.read_bytes()
+    with open(dst, "wb") as f:
+        for i in range(0, len(data), 4096):
+            block = data[i : i + 4096]
+            if block.count(0) != len(block):
+                f.seek(i)
+                f.write(block)
+        f.truncate(len(data))
+
+
+def test_another_users_sparse_file_costs_its_data_not_its_size(neighbour_dir, other_user):
+    """The private copy of another user's file keeps its holes: a file of a few KiB of data
+    and a large hole used to cost every process that opened it the whole size."""
+    dense = neighbour_dir / "dense"
+    with shmstore.put(b"\0" * (64 << 20)) as r:
+        r.save(dense)
+    path = neighbour_dir / "sparse.shmstore"
+    _sparse_copy(dense, path)
+    dense.unlink()
+    os.chown(path, *other_user)
+    if path.stat().st_blocks * 512 > 8 << 20:
+        pytest.skip(f"the file system of {path} keeps no holes")
+    with shmstore.Ref.open(path) as r:
+        assert shmstore._native._store_info(r)["private_copy"] is True
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        copies = [m.split()[0] for m in maps if "shmstore-private-copy" in m]
+        assert copies, maps
+        allocated = max(os.stat(f"/proc/self/map_files/{c}").st_blocks * 512 for c in copies)
+        assert allocated < 8 << 20, allocated
+        assert r.get() == b"\0" * (64 << 20)
