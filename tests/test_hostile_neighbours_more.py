@@ -204,3 +204,28 @@ def test_another_users_sparse_file_costs_its_data_not_its_size(neighbour_dir, ot
         allocated = max(os.stat(f"/proc/self/map_files/{c}").st_blocks * 512 for c in copies)
         assert allocated < 8 << 20, allocated
         assert r.get() == b"\0" * (64 << 20)
+
+
+# --- a planted fetch lock ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("plant", ["fifo", "symlink", "file"])
+def test_a_fetch_lock_planted_by_another_user_blocks_nothing(sticky_tmp, other_user, plant):
+    """The cluster fetch lock used to be ``.shmstore-fetch-<uid>.lock`` in the segment
+    directory (/dev/shm, sticky and shared): another user's FIFO, symlink or file there
+    refused every fetch of this user for good. It now lives in the private state directory."""
+    from shmstore import cluster
+
+    old = sticky_tmp / f".shmstore-fetch-{os.geteuid()}.lock"
+    as_them = {"user": other_user[0], "group": other_user[1], "check": True}
+    if plant == "fifo":
+        subprocess.run(["mkfifo", "-m", "666", str(old)], **as_them)
+    elif plant == "symlink":
+        subprocess.run(["ln", "-s", "/etc/passwd", str(old)], **as_them)
+    else:
+        subprocess.run(["touch", str(old)], **as_them)
+    os.chown(sticky_tmp, 0, 0)  # a root-owned sticky directory, as /dev/shm
+    with cluster._FetchLock(sticky_tmp, timeout=10) as lock:
+        assert lock.fd >= 0
+    path = shmstore._native._state_dir()
+    assert any(p.name.startswith("fetch-") for p in path.iterdir())
