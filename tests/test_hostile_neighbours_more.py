@@ -6,6 +6,7 @@ otherwise."""
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -229,3 +230,43 @@ def test_a_fetch_lock_planted_by_another_user_blocks_nothing(sticky_tmp, other_u
         assert lock.fd >= 0
     path = shmstore._native._state_dir()
     assert any(p.name.startswith("fetch-") for p in path.iterdir())
+
+
+# --- deep values in threads with small stacks ----------------------------------------------
+
+SMALL_STACK = r"""
+import threading
+import shmstore
+x = []
+for _ in range(99):
+    x = [x]
+v = shmstore.put(x).get()
+out = {}
+def run(name, f):
+    try:
+        f()
+        out[name] = "ok"
+    except RecursionError as e:
+        out[name] = "stack" if "threading.stack_size" in str(e) else repr(e)
+for kib in (64, 128, 4096):
+    threading.stack_size(kib * 1024)
+    for name, f in (("to_python", v.to_python), ("eq", lambda: v == x),
+                    ("put", lambda: shmstore.put(v).close())):
+        t = threading.Thread(target=run, args=(f"{kib}:{name}", f))
+        t.start()
+        t.join()
+print(sorted(out.items()))
+"""
+
+
+def test_deep_values_in_a_thread_with_a_small_stack_raise_instead_of_crashing():
+    """A list nested 99 deep (which the builder takes) crashed (SIGSEGV) `to_python()` in a
+    thread of <= 176 KiB of stack, and `==` and `put(view)` at 128 KiB, where plain Python
+    works in 64 KiB. Now RecursionError says what to do; a normal stack converts it."""
+    out = run_checked([sys.executable, "-c", SMALL_STACK]).stdout
+    got = dict(ast.literal_eval(out))
+    for kib in (64, 128):
+        for name in ("to_python", "eq", "put"):
+            assert got[f"{kib}:{name}"] in ("ok", "stack"), got
+    assert got["64:to_python"] == "stack", got
+    assert all(got[f"4096:{n}"] == "ok" for n in ("to_python", "eq", "put")), got

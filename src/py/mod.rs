@@ -27,6 +27,7 @@ mod keys;
 mod logging;
 mod pickle;
 mod read;
+mod stack;
 mod store;
 mod write;
 
