@@ -30,7 +30,9 @@ from shmstore import _native
 
 workdir, start, n, stack = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 # In a thread with a small stack, a deep value may raise RecursionError (never crash).
-Corrupt = (shmstore.CorruptStoreError, RecursionError) if stack < 1 << 20 else shmstore.CorruptStoreError
+Corrupt = shmstore.CorruptStoreError
+if stack < 1 << 20:
+    Corrupt = (shmstore.CorruptStoreError, RecursionError)
 classes = {"list": shmstore.SharedList, "dict": shmstore.SharedDict, "object": shmstore.Ref}
 counts = {"cases": 0, "open_corrupt": 0, "read_corrupt": 0, "intact": 0, "reput": 0}
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import shmstore
-
 from conftest import run_checked
 
 # --- a state directory planted in /tmp ---------------------------------------------------
@@ -46,9 +45,7 @@ with shmstore.put({"a": 1}) as r:
 """
 
 
-def test_a_state_directory_planted_in_tmp_sends_the_user_to_home(
-    sticky_tmp, tmp_path, other_user
-):
+def test_a_state_directory_planted_in_tmp_sends_the_user_to_home(sticky_tmp, tmp_path, other_user):
     """With XDG_RUNTIME_DIR unset, another user who creates ``$TMPDIR/shmstore-<uid>`` first
     used to turn supervision off for good (Channel() raised, gc refused). Now this user's
     supervisor lives under $HOME, and everything (supervisor, Channel, gc) agrees on it."""
@@ -98,6 +95,7 @@ def _python_for(user: tuple[int, int]) -> str:
         if ok.returncode == 0:
             return cand
     pytest.skip("no Python interpreter the second user may run")
+
 
 GROUP_WRITER = r"""
 import os, sys
