@@ -7,7 +7,6 @@
 
 use std::cell::Cell;
 
-use pyo3::exceptions::PyRecursionError;
 use pyo3::PyResult;
 
 /// Stack kept free below a level: one level's frames, and whatever the conversion calls in
@@ -60,7 +59,7 @@ pub(crate) fn check(what: impl FnOnce() -> String) -> PyResult<()> {
         return Ok(());
     }
     let what = what();
-    Err(PyRecursionError::new_err(format!(
+    Err(super::errors::stack_exhausted(format!(
         "{what}: this thread's stack is nearly used up by the nesting of the value (about \
          2 KiB a level); run this in a thread with a larger stack (threading.stack_size(), \
          e.g. 1 MiB) or flatten the data"
