@@ -7,7 +7,7 @@ PYTHON ?= python3
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 
-.PHONY: help venv build test test-rust test-python test-torch fuzz wheels test-wheel demo bench bench-format lint doctest format clean
+.PHONY: soak soak-short help venv build test test-rust test-python test-torch fuzz wheels test-wheel demo bench bench-format lint doctest format clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -54,6 +54,17 @@ fuzz: build ## structure-aware fuzzing of the readers (FUZZ_CASES Rust cases, 1/
 		cargo test --release -q --lib fuzz_cases_never_crash_the_reader -- --nocapture
 	SHMSTORE_FUZZ_CASES=$$(( $(FUZZ_CASES) / 10 )) SHMSTORE_FUZZ_SEED=$(FUZZ_SEED) \
 		$(PY) -m pytest -q -s tests/test_fuzz.py
+
+# Fault campaign (benchmarks/soak.py): random traffic in several processes, SIGKILL/SIGSTOP of
+# workers and of the supervisor, a full tmpfs and planted state directories (as root). CI runs
+# the short one; the long one (SOAK_FAULTS injected faults) writes benchmarks/results/soak.md.
+SOAK_FAULTS ?= 100000
+SOAK_SECONDS ?= 86400
+soak: build ## long fault campaign, report in benchmarks/results/soak.md
+	$(PY) benchmarks/soak.py --seed 1 --faults $(SOAK_FAULTS) --seconds $(SOAK_SECONDS) \
+		--interval 0.02 --out benchmarks/results/soak.md
+soak-short: build ## bounded fault campaign for CI (under 3 minutes)
+	$(PY) benchmarks/soak.py --seed 1 --faults 400 --seconds 120 --settle 30
 
 # Release artifacts (docs/install.md), linked for glibc 2.17 (manylinux2014) with zig (ziglang
 # from PyPI): one version-specific wheel per CPython found here (the fast build), one abi3 wheel

@@ -28,8 +28,11 @@ import numpy as np
 import shmstore
 from shmstore import _native
 
-workdir, start, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+workdir, start, n, stack = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+# In a thread with a small stack, a deep value may raise RecursionError (never crash).
 Corrupt = shmstore.CorruptStoreError
+if stack < 1 << 20:
+    Corrupt = (shmstore.CorruptStoreError, RecursionError)
 classes = {"list": shmstore.SharedList, "dict": shmstore.SharedDict, "object": shmstore.Ref}
 counts = {"cases": 0, "open_corrupt": 0, "read_corrupt": 0, "intact": 0, "reput": 0}
 
@@ -142,7 +145,7 @@ def run():
             h.close()
 
 # A worker thread with a small stack: depth limits must hold where recursion hurts first.
-threading.stack_size(1 << 20)
+threading.stack_size(stack)
 failed = []
 
 def guarded():
@@ -159,18 +162,33 @@ sys.exit(1 if failed else 0)
 """
 
 
-def test_fuzzed_archives_raise_only_corrupt_store_error(tmp_path: Path) -> None:
-    """Zero crashes and zero exceptions but CorruptStoreError over `CASES` fuzz cases."""
+def _fuzz(tmp_path: Path, cases: int, stack: int) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ)
     env["SHMSTORE_DIR"] = str(tmp_path)  # re-put stores: private, removed with tmp_path
     env["SHMSTORE_FALLBACK"] = "0"
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(tmp_path), str(SEED), str(CASES)],
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path), str(SEED), str(cases), str(stack)],
         capture_output=True,
         text=True,
         env=env,
         timeout=1800,
     )
+
+
+def test_fuzzed_archives_in_a_64_kib_thread_never_crash(tmp_path: Path) -> None:
+    """The same cases in a thread of 64 KiB of stack (where plain Python's repr, == and
+    pickle of a 100-deep list still work): deep values raise RecursionError or
+    CorruptStoreError, never SIGSEGV."""
+    proc = _fuzz(tmp_path, min(CASES, 2000), 64 * 1024)
+    assert proc.returncode == 0, (
+        f"fuzzing died with return code {proc.returncode}\n"
+        f"stdout: {proc.stdout[-3000:]}\nstderr: {proc.stderr[-3000:]}"
+    )
+
+
+def test_fuzzed_archives_raise_only_corrupt_store_error(tmp_path: Path) -> None:
+    """Zero crashes and zero exceptions but CorruptStoreError over `CASES` fuzz cases."""
+    proc = _fuzz(tmp_path, CASES, 1 << 20)
     assert proc.returncode == 0, (
         f"fuzzing died with return code {proc.returncode}"
         f"{' (signal ' + str(-proc.returncode) + ')' if proc.returncode < 0 else ''}\n"

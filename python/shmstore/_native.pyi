@@ -55,6 +55,7 @@ __all__ = [
     "_segment_name",
     "_segment_paths",
     "_segment_users",
+    "_state_dir",
     "_store_info",
     "_supervisor_main",
     "gc_unreachable",
@@ -428,6 +429,7 @@ def _import_archive(
 ) -> StoreHandle: ...
 def _store_info(target: StoreHandle | str | os.PathLike[str]) -> dict[str, Any]: ...
 def _supervisor_main() -> None: ...
+def _state_dir() -> Path: ...
 def sweep(dry_run: bool = False, dirs: list[_Path] | None = None) -> list[dict[str, Any]]:
     """Remove this user's shmstore files that no live process maps or holds open.
 

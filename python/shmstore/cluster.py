@@ -11,8 +11,9 @@ it needs no change:
 - on the machine that made the store: attach to it by path;
 - elsewhere, if this machine's segment directory already holds a segment of that name with
   the same header (kind, size, checksum): attach to it;
-- else take this machine's fetch lock (``flock`` on ``.shmstore-fetch-<uid>.lock`` in the
-  segment directory; the kernel releases it if its holder dies), look again (another process
+- else take this machine's fetch lock (``flock`` on ``fetch-<dev>-<inode>.lock`` in this
+  user's state directory, one per segment directory, where no other user can plant anything;
+  the kernel releases it if its holder dies), look again (another process
   may have fetched it meanwhile), fetch the bytes once into a private ``.part`` file, verify
   the length and the digest, seal and publish the copy under the store's name (``link``,
   never over an existing name), release the lock. The other processes of the machine wait
@@ -476,9 +477,11 @@ def _fetch(ref: NodeRef, d: Path) -> Any:
 
 
 class _FetchLock:
-    """This machine's fetch lock: ``flock`` on a file in the segment directory, which must be
-    this user's and not writable by others, or a sticky shared directory such as /dev/shm
-    (then the lock file must be this user's regular file)."""
+    """This machine's fetch lock for segment directory ``d``: ``flock`` on
+    ``fetch-<dev>-<inode>.lock`` in this user's state directory (the supervisor's: 0700 and
+    verified, so no other user can plant a FIFO, a symlink or a locked file there, as they
+    could at the lock's old place in /dev/shm). The segment directory must be this user's and
+    not writable by others, or a sticky shared directory such as /dev/shm."""
 
     def __init__(self, d: Path, timeout: float) -> None:
         self.dir = d
@@ -498,8 +501,8 @@ class _FetchLock:
                 f"segment directory {self.dir} is neither this user's (and closed to others) "
                 "nor a sticky shared directory like /dev/shm: refusing to fetch into it"
             )
-        path = self.dir / f".shmstore-fetch-{uid}.lock"
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        path = _native._state_dir() / f"fetch-{st.st_dev}-{st.st_ino}.lock"
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
             fd = os.open(path, flags, 0o600)
         except OSError as e:

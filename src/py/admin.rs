@@ -157,6 +157,15 @@ pub(crate) fn _search_dirs() -> Vec<PathBuf> {
     segment::search_dirs()
 }
 
+/// This user's state directory (the supervisor's; created 0700 and verified, see
+/// `supervisor::state_dir`): the one place for per-user files no one else may create, such
+/// as the cluster fetch lock. Raises `StorePermissionError` when it is not safe to use.
+#[pyfunction]
+pub(crate) fn _state_dir(py: Python<'_>) -> PyResult<PathBuf> {
+    let dir = py.detach(supervisor::state_dir).map_err(Error::from)?;
+    Ok(dir.path)
+}
+
 /// For each path, the pids of other processes that map it or hold it open (ground truth
 /// from /proc, matched by device and inode, as the supervisor does).
 #[pyfunction]

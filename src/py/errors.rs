@@ -421,3 +421,9 @@ fn archive(at: &str, e: ArchiveError) -> (Class, String) {
         }
     }
 }
+
+/// `RecursionError` for a deep conversion that would overflow this thread's stack
+/// (src/py/stack.rs): the same class Python raises for too deep a recursion.
+pub(crate) fn stack_exhausted(msg: String) -> PyErr {
+    pyo3::exceptions::PyRecursionError::new_err(msg)
+}

@@ -27,6 +27,7 @@ mod keys;
 mod logging;
 mod pickle;
 mod read;
+mod stack;
 mod store;
 mod write;
 
@@ -39,8 +40,8 @@ mod _native {
     #[pymodule_export]
     use super::admin::{
         _cleanup_at_exit, _crafted_archive, _crafted_names, _flush_drops, _fuzz_case,
-        _remove_segment, _search_dirs, _segment_name, _segment_paths, _segment_users, _store_info,
-        _supervisor_main, supervisor_info, sweep,
+        _remove_segment, _search_dirs, _segment_name, _segment_paths, _segment_users, _state_dir,
+        _store_info, _supervisor_main, supervisor_info, sweep,
     };
     #[pymodule_export]
     use super::arena::{_arena_info, _arena_release, _arena_simulate, _arena_usage};

@@ -144,6 +144,7 @@ impl<'b, 'py, W: Sink + Send> Encoder<'b, 'py, W> {
     }
 
     fn enter(&mut self, obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<()> {
+        crate::py::stack::check(|| format!("storing the value at {}", self.where_()))?;
         if depth >= MAX_DEPTH {
             return Err(self.error_at(&format!(
                 "nested deeper than {MAX_DEPTH} levels; flatten the data"

@@ -150,40 +150,89 @@ fn trusted_in_place(uid: u32, mode: u32) -> bool {
     uid == rustix::process::geteuid().as_raw() && mode & 0o022 == 0
 }
 
+/// Whether some process has `file` open for writing (or mapped writable), found with a
+/// read lease taken and given back at once (`F_SETLEASE`: refused with `EAGAIN` while any
+/// writer holds the file; only the file's owner may take one). Local writers only: a file
+/// system without leases (NFS, for example) cannot say, and the file counts as not open for
+/// writing (docs/security.md). While the lease is held a writer's `open` would break it: the
+/// holder would be sent a signal, made `SIGURG` (ignored by default) for the few instructions
+/// the lease lasts.
+fn open_for_writing(file: &File, path: &Path) -> bool {
+    use std::os::fd::AsRawFd;
+    // Linux's F_SETSIG (not in the libc crate for every target).
+    const F_SETSIG: libc::c_int = 10;
+    let fd = file.as_raw_fd();
+    // SAFETY: fcntl on a descriptor we own, with integer arguments only.
+    unsafe {
+        libc::fcntl(fd, F_SETSIG, libc::SIGURG);
+        if libc::fcntl(fd, libc::F_SETLEASE, libc::F_RDLCK) == 0 {
+            libc::fcntl(fd, libc::F_SETLEASE, libc::F_UNLCK);
+            return false;
+        }
+    }
+    let err = std::io::Error::last_os_error();
+    if err.raw_os_error() == Some(libc::EAGAIN) {
+        log::info!(
+            "{} is open for writing in some process: it is read from a private copy",
+            path.display()
+        );
+        return true;
+    }
+    log::debug!(
+        "cannot tell whether {} is open for writing ({err}); mapped in place",
+        path.display()
+    );
+    false
+}
+
 /// Copy `len` bytes of `file` into an anonymous memory file (memfd) and seal it against
 /// writing, shrinking and growing (`F_SEAL_WRITE|F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL`):
 /// from then on the kernel refuses every change, whoever asks, so validation holds.
 fn sealed_copy(file: &File, len: u64, path: &Path) -> Result<File, SegmentError> {
     use rustix::fs::{fcntl_add_seals, memfd_create, MemfdFlags, SealFlags};
-    use std::io::{Read, Write};
+    use std::os::unix::fs::FileExt;
     let fd = memfd_create(
         "shmstore-private-copy",
         MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
     )
     .map_err(|e| SegmentError::io(path, e.into()))?;
-    let mut copy = File::from(fd);
+    let copy = File::from(fd);
+    // Only the file's data is copied: its holes stay holes in the copy (the copy is
+    // `len` long but costs no more memory than the file has data). Another user's file of
+    // a few KiB of data and a hole of gigabytes used to cost every process that opened it
+    // gigabytes of shared memory.
+    copy.set_len(len).map_err(|e| SegmentError::io(path, e))?;
     // Read through the descriptor we checked (never the path again), at most `len` bytes:
     // a file that another process grows while we copy cannot make us copy forever.
     let mut buf = vec![0u8; 1 << 20];
-    let mut src = file.take(len);
-    let mut copied = 0u64;
-    loop {
-        let n = match src.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(SegmentError::io(path, e)),
-        };
-        copy.write_all(&buf[..n])
-            .map_err(|e| SegmentError::io(path, e))?;
-        copied += n as u64;
-    }
-    if copied != len {
-        // Truncated while we read it: the copy is short, the header check refuses it.
-        log::warn!(
-            "{} shrank while it was being copied ({copied} of {len} bytes)",
-            path.display()
-        );
+    let mut pos = 0u64;
+    let mut end = len;
+    while pos < end {
+        let (data, hole) = data_extent(file, pos, end);
+        let mut at = data;
+        while at < hole {
+            let want = (hole - at).min(buf.len() as u64) as usize;
+            let n = match file.read_at(&mut buf[..want], at) {
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(SegmentError::io(path, e)),
+            };
+            if n == 0 {
+                // Truncated while we read it: the copy is cut here, and the header check
+                // refuses it.
+                log::warn!(
+                    "{} shrank while it was being copied ({at} of {len} bytes)",
+                    path.display()
+                );
+                copy.set_len(at).map_err(|e| SegmentError::io(path, e))?;
+                end = at;
+                break;
+            }
+            copy.write_all_at(&buf[..n], at)
+                .map_err(|e| SegmentError::io(path, e))?;
+            at += n as u64;
+        }
+        pos = hole.max(pos + 1).min(end);
     }
     fcntl_add_seals(
         &copy,
@@ -191,6 +240,23 @@ fn sealed_copy(file: &File, len: u64, path: &Path) -> Result<File, SegmentError>
     )
     .map_err(|e| SegmentError::io(path, e.into()))?;
     Ok(copy)
+}
+
+/// The next stretch of data of `file` at or after `pos` and before `end`: `(start, stop)`,
+/// `start == stop == end` when only a hole is left. A file system that cannot tell holes
+/// (`SEEK_DATA` unsupported) has data everywhere.
+fn data_extent(file: &File, pos: u64, end: u64) -> (u64, u64) {
+    use rustix::fs::{seek, SeekFrom};
+    let data = match seek(file, SeekFrom::Data(pos)) {
+        Ok(d) => d.min(end),
+        Err(rustix::io::Errno::NXIO) => return (end, end),
+        Err(_) => return (pos, end),
+    };
+    let hole = match seek(file, SeekFrom::Hole(data)) {
+        Ok(h) => h.clamp(data, end),
+        Err(_) => end,
+    };
+    (data, hole)
 }
 
 /// Refuse what cannot be mapped as a store: not a regular file, empty, or (`require_owner`)
@@ -328,7 +394,10 @@ impl Mapping {
         require_owner: bool,
     ) -> Result<Self, SegmentError> {
         check_file(&meta, path, require_owner)?;
-        let private_copy = !trusted_in_place(meta.uid(), meta.mode());
+        // A saved file of ours that no one else may write can still be open for writing by
+        // someone who opened it while they could (mode bits do not revoke descriptors).
+        let private_copy = !trusted_in_place(meta.uid(), meta.mode())
+            || (!require_owner && open_for_writing(&file, path));
         let mapped = if private_copy {
             log::info!(
                 "{} is {}{}: reading a private sealed copy ({} bytes of this process's memory)",

@@ -117,6 +117,7 @@ fn value_at<'py>(
     item: Item<'_>,
     depth: usize,
 ) -> PyResult<Bound<'py, PyAny>> {
+    crate::py::stack::check(|| "converting a nested view to Python objects".into())?;
     let err = store.archive_err();
     if depth > MAX_VALUE_DEPTH + 1 {
         return Err(err(ArchiveError::Corrupt(format!(

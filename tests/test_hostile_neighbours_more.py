@@ -1,0 +1,270 @@
+"""More attacks by a neighbour (docs/security.md): a planted state directory, a write
+descriptor kept across ``chmod g-w``, swapped stores in a group-writable directory, sparse
+files, a planted fetch lock, forged pickles, deep nesting in threads with small stacks.
+Tests that need a second Unix user run as root (the `other_user` fixture) and skip
+otherwise."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import shmstore
+from conftest import run_checked
+
+# --- a state directory planted in /tmp ---------------------------------------------------
+
+
+@pytest.fixture
+def sticky_tmp(other_user: tuple[int, int]) -> Iterator[Path]:
+    """A world-writable sticky directory, as /tmp is, that the other user can reach."""
+    d = Path(tempfile.mkdtemp(prefix="shmstore-sticky-", dir="/tmp"))
+    os.chmod(d, 0o1777)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+CHANNEL_USER = r"""
+import logging, sys
+import shmstore
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
+ch = shmstore.Channel()
+ch.put([1, 2, 3])
+print("got", ch.get(timeout=30).to_python())
+with shmstore.put({"a": 1}) as r:
+    print("store", r.get()["a"])
+"""
+
+
+def test_a_state_directory_planted_in_tmp_sends_the_user_to_home(sticky_tmp, tmp_path, other_user):
+    """With XDG_RUNTIME_DIR unset, another user who creates ``$TMPDIR/shmstore-<uid>`` first
+    used to turn supervision off for good (Channel() raised, gc refused). Now this user's
+    supervisor lives under $HOME, and everything (supervisor, Channel, gc) agrees on it."""
+    planted = sticky_tmp / f"shmstore-{os.geteuid()}"
+    subprocess.run(
+        ["mkdir", "-m", "755", str(planted)],
+        user=other_user[0],
+        group=other_user[1],
+        check=True,
+    )
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    env.update(TMPDIR=str(sticky_tmp), HOME=str(home), SHMSTORE_SUPERVISOR_GRACE="0.2")
+    env["SHMSTORE_SUPERVISOR_NAME"] = f"shmstore-plant-{os.getpid()}"
+    proc = run_checked([sys.executable, "-c", CHANNEL_USER], env=env)
+    out = proc.stdout + proc.stderr  # said at import, before logging is configured
+    assert "got [1, 2, 3]" in out and "store 1" in out, out
+    state = home / ".cache" / "shmstore"
+    runs = list(state.iterdir())
+    assert len(runs) == 1 and runs[0].name.startswith("run-"), runs
+    assert (runs[0].stat().st_mode & 0o777) == 0o700
+    assert str(runs[0]) in out, out  # said where, once
+    assert out.count("supervisor keeps its state in") == 1, out
+    gc = run_checked([sys.executable, "-m", "shmstore", "gc", "--dry-run"], env=env, check=False)
+    assert gc.returncode in (0, 1), gc.stdout + gc.stderr
+    assert "refusing" not in gc.stdout + gc.stderr
+    # The planter removing its directory later does not split this user's processes.
+    subprocess.run(["rmdir", str(planted)], user=other_user[0], group=other_user[1], check=True)
+    out = run_checked([sys.executable, "-c", CHANNEL_USER], env=env).stdout
+    assert "got [1, 2, 3]" in out, out
+    assert not planted.exists()
+
+
+# --- a write descriptor kept across chmod g-w ---------------------------------------------
+
+
+def _python_for(user: tuple[int, int]) -> str:
+    """A Python interpreter `user` may run (this one may live under root's home)."""
+    for cand in (sys.executable, os.path.realpath(sys.executable), "/usr/bin/python3"):
+        try:
+            ok = subprocess.run(
+                [cand, "-c", "pass"], user=user[0], group=user[1], capture_output=True
+            )
+        except OSError:
+            continue
+        if ok.returncode == 0:
+            return cand
+    pytest.skip("no Python interpreter the second user may run")
+
+
+GROUP_WRITER = r"""
+import os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)  # while the file was group-writable
+print("open", flush=True)
+sys.stdin.readline()  # the owner ran chmod g-w and opened the file meanwhile
+os.ftruncate(fd, 64)
+print("truncated", flush=True)
+"""
+
+READ_AFTER = r"""
+import sys
+import shmstore
+from shmstore import _native
+r = shmstore.Ref.open(sys.argv[1])
+print(_native._store_info(r)["private_copy"], flush=True)
+sys.stdin.readline()
+print(len(r.get().to_python()), flush=True)
+"""
+
+
+def test_a_write_descriptor_kept_across_chmod_does_not_reach_a_reader(neighbour_dir, other_user):
+    """A file saved group-writable is read from a private copy; after `chmod g-w` it used to
+    be mapped in place although a group member still had it open for writing (mode bits do
+    not revoke descriptors): truncating it killed the owner's reader with SIGBUS."""
+    d = neighbour_dir / "team"
+    d.mkdir()
+    path = d / "data.shmstore"
+    with shmstore.put(list(range(5000))) as r:
+        r.save(path, mode=0o660)
+    os.chown(path, os.geteuid(), other_user[1])
+    writer = subprocess.Popen(
+        [_python_for(other_user), "-c", GROUP_WRITER, str(path)],
+        user=other_user[0],
+        group=other_user[1],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    reader = None
+    try:
+        assert writer.stdout is not None and writer.stdin is not None
+        assert writer.stdout.readline().strip() == "open"
+        os.chmod(path, 0o640)
+        reader = subprocess.Popen(
+            [sys.executable, "-c", READ_AFTER, str(path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert reader.stdout is not None
+        assert reader.stdout.readline().strip() == "True"  # a private copy
+        writer.stdin.write("go\n")
+        writer.stdin.flush()
+        assert writer.stdout.readline().strip() == "truncated"
+        out, err = reader.communicate("go\n", timeout=60)
+        assert reader.returncode == 0, err
+        assert out.strip() == "5000"
+    finally:
+        for p in (writer, reader):
+            if p is not None:
+                if p.poll() is None:
+                    p.kill()
+                p.communicate(timeout=60)  # and close its pipes
+    # With no writer left, a file of this mode is mapped in place.
+    with shmstore.put(list(range(5000))) as r:
+        r.save(path, mode=0o640)
+    with shmstore.Ref.open(path) as r:
+        assert shmstore._native._store_info(r)["private_copy"] is False
+
+
+# --- sparse files --------------------------------------------------------------------------
+
+
+def _sparse_copy(src: Path, dst: Path) -> None:
+    """`dst`: the bytes of `src`, with every 4 KiB block of zeros left as a hole."""
+    data = src.read_bytes()
+    with open(dst, "wb") as f:
+        for i in range(0, len(data), 4096):
+            block = data[i : i + 4096]
+            if block.count(0) != len(block):
+                f.seek(i)
+                f.write(block)
+        f.truncate(len(data))
+
+
+def test_another_users_sparse_file_costs_its_data_not_its_size(neighbour_dir, other_user):
+    """The private copy of another user's file keeps its holes: a file of a few KiB of data
+    and a large hole used to cost every process that opened it the whole size."""
+    dense = neighbour_dir / "dense"
+    with shmstore.put(b"\0" * (64 << 20)) as r:
+        r.save(dense)
+    path = neighbour_dir / "sparse.shmstore"
+    _sparse_copy(dense, path)
+    dense.unlink()
+    os.chown(path, *other_user)
+    if path.stat().st_blocks * 512 > 8 << 20:
+        pytest.skip(f"the file system of {path} keeps no holes")
+    with shmstore.Ref.open(path) as r:
+        assert shmstore._native._store_info(r)["private_copy"] is True
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        copies = [m.split()[0] for m in maps if "shmstore-private-copy" in m]
+        assert copies, maps
+        allocated = max(os.stat(f"/proc/self/map_files/{c}").st_blocks * 512 for c in copies)
+        assert allocated < 8 << 20, allocated
+        assert r.get() == b"\0" * (64 << 20)
+
+
+# --- a planted fetch lock ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("plant", ["fifo", "symlink", "file"])
+def test_a_fetch_lock_planted_by_another_user_blocks_nothing(sticky_tmp, other_user, plant):
+    """The cluster fetch lock used to be ``.shmstore-fetch-<uid>.lock`` in the segment
+    directory (/dev/shm, sticky and shared): another user's FIFO, symlink or file there
+    refused every fetch of this user for good. It now lives in the private state directory."""
+    from shmstore import cluster
+
+    old = sticky_tmp / f".shmstore-fetch-{os.geteuid()}.lock"
+    as_them = {"user": other_user[0], "group": other_user[1], "check": True}
+    if plant == "fifo":
+        subprocess.run(["mkfifo", "-m", "666", str(old)], **as_them)
+    elif plant == "symlink":
+        subprocess.run(["ln", "-s", "/etc/passwd", str(old)], **as_them)
+    else:
+        subprocess.run(["touch", str(old)], **as_them)
+    os.chown(sticky_tmp, 0, 0)  # a root-owned sticky directory, as /dev/shm
+    with cluster._FetchLock(sticky_tmp, timeout=10) as lock:
+        assert lock.fd >= 0
+    path = shmstore._native._state_dir()
+    assert any(p.name.startswith("fetch-") for p in path.iterdir())
+
+
+# --- deep values in threads with small stacks ----------------------------------------------
+
+SMALL_STACK = r"""
+import threading
+import shmstore
+x = []
+for _ in range(99):
+    x = [x]
+v = shmstore.put(x).get()
+out = {}
+def run(name, f):
+    try:
+        f()
+        out[name] = "ok"
+    except RecursionError as e:
+        out[name] = "stack" if "threading.stack_size" in str(e) else repr(e)
+for kib in (64, 128, 4096):
+    threading.stack_size(kib * 1024)
+    for name, f in (("to_python", v.to_python), ("eq", lambda: v == x),
+                    ("put", lambda: shmstore.put(v).close())):
+        t = threading.Thread(target=run, args=(f"{kib}:{name}", f))
+        t.start()
+        t.join()
+print(sorted(out.items()))
+"""
+
+
+def test_deep_values_in_a_thread_with_a_small_stack_raise_instead_of_crashing():
+    """A list nested 99 deep (which the builder takes) crashed (SIGSEGV) `to_python()` in a
+    thread of <= 176 KiB of stack, and `==` and `put(view)` at 128 KiB, where plain Python
+    works in 64 KiB. Now RecursionError says what to do; a normal stack converts it."""
+    out = run_checked([sys.executable, "-c", SMALL_STACK]).stdout
+    got = dict(ast.literal_eval(out))
+    for kib in (64, 128):
+        for name in ("to_python", "eq", "put"):
+            assert got[f"{kib}:{name}"] in ("ok", "stack"), got
+    assert got["64:to_python"] == "stack", got
+    assert all(got[f"4096:{n}"] == "ok" for n in ("to_python", "eq", "put")), got
