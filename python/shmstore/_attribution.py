@@ -8,7 +8,8 @@ shared among the types on it by their allocated sizes (``sys.getsizeof`` rounded
 allocator's 16 bytes; lists, dicts and sets without their out-of-line storage, which a read
 does not write).
 
-GC-tracked objects come from ``gc.get_objects()``; untracked ones (str, int, float, and
+GC-tracked objects come from ``gc.get_objects()`` (beyond 400k of them, a regular 1-in-k
+sample, and the counts and bytes are estimates the report marks as such); untracked ones (str, int, float, and
 tuples or dicts holding only those) from the containers that hold them
 (``gc.get_referents``), one level below untracked tuples and dicts as well. Objects only C
 code holds are not found: their pages are counted as "no Python object found".
@@ -39,6 +40,7 @@ _PATH_SECONDS = 2.0
 _PATH_DEPTH = 12
 _PATH_TYPES = 12  # example paths for this many types at most
 _PATH_NODES = 20_000
+_SAMPLE = 400_000  # GC-tracked objects looked at, at most
 _DICT_KEYS = 64
 
 
@@ -58,6 +60,8 @@ class Attribution:
 
     page_bytes: int  #: bytes of the pages attributed
     rows: tuple[TypeRow, ...]
+    #: 1, or k when 1 in k containers were looked at (counts and bytes are then estimates)
+    sample: int = 1
 
     @property
     def attributed(self) -> int:
@@ -85,8 +89,12 @@ def attribute(
     """
     on = set(pages)
     shift = page_size.bit_length() - 1
-    tracked = gc.get_objects()
-    own = {id(tracked), id(on), *map(id, exclude)}
+    everything = gc.get_objects()
+    # Beyond _SAMPLE containers, every k-th (and the untracked objects they hold): the cost
+    # stays bounded, and the types' shares of the pages are estimated from the sample.
+    step = -(-len(everything) // _SAMPLE)
+    tracked = everything[::step] if step > 1 else everything
+    own = {id(tracked), id(everything), id(on), *map(id, exclude)}
     hits: dict[int, Any] = {
         a: o for o, a in zip(tracked, map(id, tracked)) if (a >> shift) in on and a not in own
     }
@@ -102,7 +110,7 @@ def attribute(
             below.extend(r for r in refs if type(r) in (tuple, dict) and not is_tracked(r))
             del refs
         level = below
-    del level, below, tracked
+    del level, below, tracked, everything
     objs = list(hits.values())
     del hits
     # (type, page) -> allocated bytes of the objects of that type on that page
@@ -123,14 +131,17 @@ def attribute(
     for (t, p), w in weight.items():
         page_total[p] = page_total.get(p, 0) + w
     share: dict[type, float] = dict.fromkeys(per_type, 0.0)
+    # a sample misses some pages: the pages it found stand for all the pages
+    scale = len(on) / max(1, len(page_total)) if step > 1 else 1.0
     for (t, p), w in weight.items():
-        share[t] += page_size * w / page_total[p]
+        share[t] += page_size * w / page_total[p] * scale
     order = sorted(per_type, key=lambda t: -share[t])
     examples = _examples(named or {}, set(order[:_PATH_TYPES]), on, shift)
     rows = tuple(
-        TypeRow(_type_name(t), per_type[t], round(share[t]), examples.get(t, "")) for t in order
+        TypeRow(_type_name(t), per_type[t] * step, round(share[t]), examples.get(t, ""))
+        for t in order
     )
-    return Attribution(page_bytes=len(on) * page_size, rows=rows)
+    return Attribution(page_bytes=len(on) * page_size, rows=rows, sample=step)
 
 
 def _fixed_size(t: type) -> bool:

@@ -167,7 +167,9 @@ class CowReport:
         lines = [
             f"Python objects on the {format_bytes(a.page_bytes)} of pages the workers "
             f"un-shared and the control did not (each page's bytes shared among the types on "
-            f"it; {share:.0f} % on pages with objects found):",
+            f"it; {share:.0f} % on pages with objects found"
+            + (f"; estimated from 1 in {a.sample} objects" if a.sample > 1 else "")
+            + "):",
             f"  {'type':<24}{'count':>9}{'bytes':>12}  example",
         ]
         for r in a.rows[:_MAX_TYPE_ROWS]:
