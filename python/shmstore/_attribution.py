@@ -9,8 +9,8 @@ allocator's 16 bytes; lists, dicts and sets without their out-of-line storage, w
 does not write).
 
 GC-tracked objects come from ``gc.get_objects()`` (beyond 400k of them, a regular 1-in-k
-sample, and the counts and bytes are estimates the report marks as such); untracked ones (str, int, float, and
-tuples or dicts holding only those) from the containers that hold them
+sample, and the counts and bytes are estimates the report marks as such); untracked ones
+(str, int, float, and tuples or dicts holding only those) from the containers that hold them
 (``gc.get_referents``), one level below untracked tuples and dicts as well. Objects only C
 code holds are not found: their pages are counted as "no Python object found".
 
@@ -26,8 +26,8 @@ import operator
 import sys
 import time
 from collections import Counter
-from itertools import repeat
 from dataclasses import dataclass
+from itertools import repeat
 from types import FrameType, ModuleType
 from typing import Any, Iterable, Optional
 
@@ -104,9 +104,7 @@ def attribute(
         below: list[Any] = []
         for lo in range(0, len(level), 1 << 16):
             refs = gc.get_referents(*level[lo : lo + (1 << 16)])
-            hits.update(
-                (id(r), r) for r in refs if (id(r) >> shift) in on and not is_tracked(r)
-            )
+            hits.update((id(r), r) for r in refs if (id(r) >> shift) in on and not is_tracked(r))
             below.extend(r for r in refs if type(r) in (tuple, dict) and not is_tracked(r))
             del refs
         level = below
@@ -128,7 +126,7 @@ def attribute(
             weight[key] = weight.get(key, 0) + _block(_size(o))
     del objs, pairs
     page_total: dict[int, int] = {}
-    for (t, p), w in weight.items():
+    for (_, p), w in weight.items():
         page_total[p] = page_total.get(p, 0) + w
     share: dict[type, float] = dict.fromkeys(per_type, 0.0)
     # a sample misses some pages: the pages it found stand for all the pages
@@ -181,9 +179,7 @@ def _children(o: Any) -> list[tuple[tuple[str, Any], Any]]:
     return []
 
 
-def _examples(
-    named: dict[str, Any], want: set[type], on: set[int], shift: int
-) -> dict[type, str]:
+def _examples(named: dict[str, Any], want: set[type], on: set[int], shift: int) -> dict[type, str]:
     """An access path for each type in ``want``: a breadth-first walk from the named roots
     that looks at a few items of each container (first, middle, last), bounded in objects
     visited and time. Of the paths that reach objects of a type on un-shared pages, the
@@ -193,7 +189,7 @@ def _examples(
     seen: set[int] = set()
     deadline = time.monotonic() + _PATH_SECONDS
     for _ in range(_PATH_DEPTH):
-        nxt = []
+        nxt: list[tuple[list[tuple[str, Any]], Any]] = []
         for steps, o in frontier:
             t = type(o)
             if t in want:
@@ -201,7 +197,7 @@ def _examples(
             if id(o) in seen:
                 continue
             seen.add(id(o))
-            nxt.extend((steps + [step], c) for step, c in _children(o))
+            nxt.extend(([*steps, step], c) for step, c in _children(o))
         frontier = nxt
         if not frontier or len(seen) > _PATH_NODES or time.monotonic() > deadline:
             break

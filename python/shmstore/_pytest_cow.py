@@ -61,18 +61,22 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Any:
         return None
     nodeid = pyfuncitem.nodeid
     if marker.args:
-        pytest.fail(f"{nodeid}: no_cow takes keyword arguments only ({', '.join(_COW_OPTIONS)})",
-                    pytrace=False)
+        pytest.fail(
+            f"{nodeid}: no_cow takes keyword arguments only ({', '.join(_COW_OPTIONS)})",
+            pytrace=False,
+        )
     unknown = set(marker.kwargs) - set(_COW_OPTIONS)
     if unknown:
         pytest.fail(
-            f"{nodeid}: unknown no_cow option(s) {sorted(unknown)}; known: {', '.join(_COW_OPTIONS)}",
+            f"{nodeid}: unknown no_cow option(s) {sorted(unknown)}; "
+            f"known: {', '.join(_COW_OPTIONS)}",
             pytrace=False,
         )
     fn = pyfuncitem.obj
     if inspect.iscoroutinefunction(fn):
-        pytest.fail(f"{nodeid}: no_cow runs the test body in workers: it needs a sync test",
-                    pytrace=False)
+        pytest.fail(
+            f"{nodeid}: no_cow runs the test body in workers: it needs a sync test", pytrace=False
+        )
     opts = dict(marker.kwargs)
     opts.setdefault("max", _default_limit(pyfuncitem.config))
     opts.setdefault("workers", 2)

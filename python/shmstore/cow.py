@@ -55,8 +55,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from . import _pages
-from . import _attribution
+from . import _attribution, _pages
 from ._attribution import Attribution, TypeRow
 from ._util import format_bytes, parse_size
 
@@ -66,8 +65,8 @@ __all__ = [
     "CopyOnReadError",
     "CowReport",
     "TypeRow",
-    "WorkerResult",
     "WorkerError",
+    "WorkerResult",
     "measure",
 ]
 
@@ -173,7 +172,9 @@ class CowReport:
             f"  {'type':<24}{'count':>9}{'bytes':>12}  example",
         ]
         for r in a.rows[:_MAX_TYPE_ROWS]:
-            lines.append(f"  {r.type[:24]:<24}{_count(r.count):>9}{format_bytes(r.nbytes):>12}  {r.example}")
+            lines.append(
+                f"  {r.type[:24]:<24}{_count(r.count):>9}{format_bytes(r.nbytes):>12}  {r.example}"
+            )
         rest = a.rows[_MAX_TYPE_ROWS:]
         if rest:
             lines.append(
@@ -267,7 +268,7 @@ def measure(
     workers: int = 4,
     start_method: str = "fork",
     collect: bool = False,
-    max: Optional[int | float | str] = None,  # noqa: A002  (the marker's word for it)
+    max: Optional[int | float | str] = None,
     attribute: Optional[bool] = None,
     roots: Optional[Mapping[str, Any]] = None,
     timeout: float = 600.0,
@@ -314,8 +315,16 @@ def measure(
             target = fn if i < workers else None
             p = ctx.Process(  # type: ignore[attr-defined]
                 target=_child,
-                args=(w, go, target, args if target else (), kwargs if target else {},
-                      collect, over if in_child and i == 0 else None, timeout),
+                args=(
+                    w,
+                    go,
+                    target,
+                    args if target else (),
+                    kwargs if target else {},
+                    collect,
+                    over if in_child and i == 0 else None,
+                    timeout,
+                ),
                 name=f"shmstore-cow-{'control' if target is None else i}",
                 daemon=True,
             )
@@ -334,7 +343,9 @@ def measure(
             r.close()
     errors = [res for res in results if res[0] == "error"]
     if errors:
-        raise WorkerError(f"the measured callable raised in worker pid {errors[0][1]}:\n{errors[0][2]}")
+        raise WorkerError(
+            f"the measured callable raised in worker pid {errors[0][1]}:\n{errors[0][2]}"
+        )
     method = results[0][2]
     control = WorkerResult(results[-1][1], results[-1][3])
     done = tuple(WorkerResult(res[1], res[3]) for res in results[:-1])
@@ -373,11 +384,10 @@ def _collect(readers: list[Any], timeout: float) -> list[Any]:
                 f"{len(pending)} of {len(readers)} copy-on-read worker(s) did not finish "
                 f"within {timeout:g} s"
             )
-        for r in multiprocessing.connection.wait([r for _, r in pending.values()], left):
-            i, _ = pending.pop(id(r))
+        for ready in multiprocessing.connection.wait([r for _, r in pending.values()], left):
+            i, r = pending.pop(id(ready))
             try:
                 got[i] = r.recv()
             except EOFError:
                 got[i] = ("error", -1, "the worker exited without a result (killed?)")
     return [got[i] for i in range(len(readers))]
-
