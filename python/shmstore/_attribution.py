@@ -89,7 +89,14 @@ def attribute(
     """
     on = set(pages)
     shift = page_size.bit_length() - 1
-    everything = gc.get_objects()
+    if gc.get_freeze_count():
+        # gc.get_objects() leaves out frozen objects: thaw them to list them, freeze again
+        # (objects made since the last gc.freeze() end up frozen as well)
+        gc.unfreeze()
+        everything = gc.get_objects()
+        gc.freeze()
+    else:
+        everything = gc.get_objects()
     # Beyond _SAMPLE containers, every k-th (and the untracked objects they hold): the cost
     # stays bounded, and the types' shares of the pages are estimated from the sample.
     step = -(-len(everything) // _SAMPLE)
