@@ -42,9 +42,8 @@ def _read(lst: Any, step: int) -> None:
 
 
 def _variant(conn: Any, kind: str, n: int, workers: int, collect: bool, step: int) -> None:
-    from shmstore import cow
-
     import shmstore
+    from shmstore import cow
 
     records: Any = coco.make_records(n) if kind != "none" else []
     shared = None
@@ -177,8 +176,7 @@ def main() -> int:
                 rows,
                 left=2,
             ),
-            "## Targets\n\n"
-            + "\n".join(f"- {C.verdict(ok)}: {what}" for what, ok in checks),
+            "## Targets\n\n" + "\n".join(f"- {C.verdict(ok)}: {what}" for what, ok in checks),
             f"Attribution (only when the gate fails) took {plain['attr_s']:.1f} s.",
             "## The report of the plain list\n\n```\n" + plain["report"] + "\n```",
         ]

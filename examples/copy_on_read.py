@@ -1,6 +1,6 @@
 """Find copy-on-read with shmstore.cow, then fix it (docs/guides/copy-on-read.md).
 
-    python examples/copy_on_read.py --n 20000
+python examples/copy_on_read.py --n 20000
 """
 
 from __future__ import annotations
