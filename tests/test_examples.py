@@ -22,6 +22,7 @@ SCRIPTS = {
     "dask_cluster.py": (["--n", "3000"], ["distributed", "joblib"]),
     "docstore.py": (["--docs", "3000", "--ranks", "3"], []),
     "xgboost_joblib.py": (["--rows", "8000"], ["joblib", "xgboost"]),
+    "copy_on_read.py": (["--n", "20000"], []),
     "typed_usage.py": ([], []),  # also checked by mypy --strict and pyright (make lint)
 }
 

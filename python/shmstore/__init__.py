@@ -16,7 +16,7 @@ from __future__ import annotations
 import atexit
 import collections.abc as _abc
 
-from shmstore import _native, leaks, memory
+from shmstore import _native, cow, leaks, memory
 from shmstore._native import (
     Channel,
     CorruptStoreError,
@@ -68,6 +68,7 @@ __all__ = [
     "StorePermissionError",
     "UnsupportedTypeError",
     "__version__",
+    "cow",
     "leaks",
     "memory",
     "put",

@@ -320,3 +320,9 @@ def memory_monitor() -> Iterator[_memory.Monitor]:
 def shm_segments() -> SegmentTracker:
     """The shmstore segments present at the start of the test, and ``.new()`` since."""
     return SegmentTracker()
+
+
+# --- copy-on-read gate ----------------------------------------------------------------------
+# The no_cow marker, --shmstore-cow and the cow_measure fixture live in their own module,
+# loaded with this plugin (and switched off with it: -p no:shmstore).
+pytest_plugins = ["shmstore._pytest_cow"]

@@ -1,0 +1,183 @@
+"""shmstore.cow: what forked workers un-share of the parent's memory, and which objects."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import shmstore
+from shmstore import cow
+
+pytest_plugins = ["pytester"]
+
+N = 20_000  # records: a few MiB of dicts, lists, floats and ints
+
+
+def make_records(n: int = N) -> list[dict[str, Any]]:
+    return [
+        {"bbox": [float(i), 2.5, 3.5, 4.5], "id": 1000 + i, "name": f"img{i:08d}.jpg"}
+        for i in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def records() -> list[dict[str, Any]]:
+    return make_records()
+
+
+def test_plain_list_read_in_workers_fails_with_types(records: list[dict[str, Any]]) -> None:
+    def read_all() -> None:
+        for r in records:
+            r["bbox"][0]
+            r["id"]
+
+    report = cow.measure(read_all, workers=2, max="1 MiB")
+    assert not report.ok
+    assert report.method == "pagemap"
+    assert report.excess > 2 << 20
+    with pytest.raises(cow.CopyOnReadError, match="TOO MUCH"):
+        report.check()
+    a = report.attribution
+    assert a is not None
+    by_type = {r.type: r for r in a.rows}
+    assert by_type["dict"].count >= N and by_type["list"].count >= N
+    assert by_type["dict"].example == "records[i]"
+    assert by_type["list"].example == "records[i]['bbox']"
+    assert by_type["float"].example == "records[i]['bbox'][j]"
+    # the records' own objects (the names share the dicts' allocator pools) fill the pages
+    data = sum(by_type[t].nbytes for t in ("dict", "list", "float", "int", "str"))
+    assert data >= 0.9 * a.page_bytes
+
+
+def test_shared_list_reader_passes(records: list[dict[str, Any]]) -> None:
+    shared = shmstore.SharedList(records)
+    try:
+
+        def read_all() -> None:
+            for r in shared:
+                r["bbox"][0]
+                r["id"]
+
+        report = cow.measure(read_all, workers=2, max="1 MiB")
+        assert report.ok, str(report)
+        assert report.check() is report
+    finally:
+        shared.unlink()
+
+
+def test_small_dirtying_is_detected(records: list[dict[str, Any]]) -> None:
+    # A few thousand of the records (well under 1 % of a large heap) read in a worker.
+    few = records[:4000]
+
+    def read_few() -> None:
+        for r in few:
+            r["bbox"][0]
+
+    report = cow.measure(read_few, workers=1, max="256 KiB")
+    assert not report.ok, str(report)
+    assert report.excess >= 256 << 10
+    assert cow.measure(None, workers=1, max="256 KiB").ok
+
+
+def test_report_is_grouped_and_short(records: list[dict[str, Any]]) -> None:
+    report = cow.measure(lambda: [r["name"] for r in records], workers=12, max=0)
+    text = str(report)
+    assert len(text.splitlines()) <= 50
+    assert "more worker(s)" in text
+    assert text.count("\n  dict ") <= 1  # one row per type
+    assert "control" in text and "pagemap" in text
+
+
+def test_collect_and_gc_freeze_are_reported() -> None:
+    data = make_records(5000)
+    report = cow.measure(None, workers=1, collect=True)
+    # a collection writes every tracked object's GC header: the control un-shares them too
+    assert report.control.unshared > 1 << 20
+    assert "one full collection" in str(report)
+    del data
+
+
+def test_spawn_is_refused_clearly() -> None:
+    with pytest.raises(ValueError, match="shares no memory with its parent"):
+        cow.measure(None, start_method="spawn")
+    with pytest.raises(ValueError, match="'fork' or 'forkserver'"):
+        cow.measure(None, start_method="threads")
+    with pytest.raises(ValueError, match="workers"):
+        cow.measure(None, workers=0)
+
+
+def _raise() -> None:
+    raise KeyError("boom in worker")
+
+
+def test_worker_error_carries_its_traceback() -> None:
+    with pytest.raises(cow.WorkerError, match="boom in worker"):
+        cow.measure(_raise, workers=1)
+
+
+def _noop() -> None:
+    pass
+
+
+def test_forkserver_runs() -> None:
+    report = cow.measure(_noop, workers=1, start_method="forkserver")
+    assert report.start_method == "forkserver"
+    assert "fork server's" in str(report)
+
+
+PLUGIN_TESTS = """
+import pytest, shmstore
+
+@pytest.fixture(scope="module")
+def records():
+    return [{"bbox": [float(i), 2.0], "id": i * 1000} for i in range(20_000)]
+
+@pytest.fixture(scope="module")
+def shared(records):
+    s = shmstore.SharedList(records)
+    yield s
+    s.unlink()
+
+@pytest.mark.no_cow
+def test_plain(records):
+    for r in records:
+        r["bbox"][0]
+
+@pytest.mark.no_cow(max="1 MiB")
+def test_shared(shared):
+    for r in shared:
+        r["bbox"][0]
+
+@pytest.mark.no_cow(start_method="spawn")
+def test_spawn(records):
+    pass
+
+@pytest.mark.no_cow
+def test_body_fails():
+    assert 1 == 2, "wrong in worker"
+
+def test_fixture(cow_measure, records):
+    cow_measure(lambda: [r["id"] for r in records], workers=1)
+"""
+
+
+@pytest.fixture
+def own_segment_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    d = tmp_path / "shm"
+    d.mkdir()
+    monkeypatch.setenv("SHMSTORE_DIR", str(d))
+    return d
+
+
+@pytest.mark.usefixtures("own_segment_dir")
+def test_pytest_marker_and_fixture(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(PLUGIN_TESTS)
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=4)
+    out = result.stdout.str()
+    assert "records[i]['bbox']" in out
+    assert "shares no memory with its parent" in out
+    assert "wrong in worker" in out
+    result = pytester.runpytest("-p", "no:cacheprovider", "--shmstore-cow=1 GiB")
+    result.assert_outcomes(passed=3, failed=2)  # spawn and the failing body still fail
