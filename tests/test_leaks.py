@@ -278,9 +278,47 @@ def test_cycles_sorted_by_retained_bytes_and_str_and_json() -> None:
     assert sizes == sorted(sizes, reverse=True) and len(sizes) == 3
     text = str(report)
     assert "3 reference cycle(s)" in text and "Circular.__dict__['circular']" in text
-    assert f"#1 {leaks._report.format_bytes(sizes[0])} retained" in text
+    # one shape: grouped, with the largest as the example
+    assert "#1 3 cycles of this shape" in text
+    assert f"the largest: {leaks._report.format_bytes(sizes[0])} retained" in text
+    verbose = report.format(verbose=True)
+    assert f"#1 {leaks._report.format_bytes(sizes[0])} retained" in verbose
+    assert "#3 " in verbose
     data = json.loads(json.dumps(report.to_dict()))
     assert data["cycles"][0]["buffer_bytes"] == 800_000
+
+
+class Node:
+    def __init__(self) -> None:
+        self.other = Pair(self)
+
+
+class Pair:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+
+def test_identical_cycles_are_grouped_by_shape_with_counts_and_bytes() -> None:
+    with leaks.detect() as report:
+        for _ in range(5000):
+            a: list[Any] = []
+            a.append(a)
+        for _ in range(3):
+            Circular(np.zeros(100_000))  # 2.4 MB in all: more than the 5000 lists
+        Node()
+        del a
+    assert len(report.cycles) == 5004
+    groups = report.groups()
+    assert [g.count for g in groups] == [3, 5000, 1]  # most bytes first
+    assert sum(g.retained_bytes for g in groups) == sum(c.retained_bytes for c in report.cycles)
+    assert groups[1].example.path == "list[0] -> list"
+    text = str(report)
+    assert len(text.splitlines()) <= 15, text
+    assert "5000 cycles of this shape" in text and "3 shape(s)" in text
+    assert len(report.format(verbose=True).splitlines()) > 5004
+    top1 = report.format(top=1)
+    assert "... and 2 more shape(s): 5001 cycle(s)" in top1
+    assert "--shmstore-leaks-verbose" in top1
 
 
 def test_allowlist_by_type_and_by_module() -> None:
