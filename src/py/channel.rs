@@ -181,8 +181,9 @@ impl Channel {
             return Err(Error::Invalid {
                 at: format!("channel {:?}", name_of(self.file())),
                 what: format!(
-                    "the segment directory's path is too long for a channel ({len} bytes, at \
-                     most {}): set SHMSTORE_DIR to a shorter one",
+                    "the channel directory's path is too long for a channel's handles \
+                     ({len} bytes, at most {}): make the channel in a shorter directory \
+                     (Channel(dir=...), or SHMSTORE_DIR when no dir is given)",
                     crate::channel::MAX_PATH
                 ),
             }
