@@ -136,13 +136,13 @@ impl Channel {
         self.shared.ring.path()
     }
 
-    /// ValueError once `close()` was called, with `multiprocessing.Queue`'s wording.
+    /// ValueError (`Error::Usage`) once `close()` was called, with `multiprocessing.Queue`'s
+    /// wording.
     fn check_open(&self) -> PyResult<()> {
         if self.closed.load(Ordering::Acquire) {
-            return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                "Channel {:?} is closed",
-                name_of(self.file())
-            )));
+            return Err(
+                Error::Usage(format!("Channel {:?} is closed", name_of(self.file()))).into(),
+            );
         }
         Ok(())
     }
@@ -387,10 +387,11 @@ impl Channel {
     /// there is in `multiprocessing.Queue`. ValueError before `close()`.
     fn join_thread(&self) -> PyResult<()> {
         if !self.closed.load(Ordering::Acquire) {
-            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            return Err(Error::Usage(format!(
                 "Channel {:?} is not closed: call close() before join_thread()",
                 name_of(self.file())
-            )));
+            ))
+            .into());
         }
         Ok(())
     }
