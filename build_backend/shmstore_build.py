@@ -24,7 +24,7 @@ shmstore: building from source needs Rust (cargo >= 1.85 on PATH), and none was 
   - Install Rust >= 1.85 with rustup (https://rustup.rs), or your distribution's cargo
     package if it is that recent (Debian 13: apt install cargo), and run pip again.
   - Or let the build download a temporary toolchain (about 735 MB) for this one build:
-    SHMSTORE_INSTALL_RUST=1 pip install shmstore
+    SHMSTORE_INSTALL_RUST=1 pip install <what you asked pip for: ., shmstore, ...>
 """
 
 

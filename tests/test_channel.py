@@ -84,10 +84,93 @@ def test_full_and_empty_say_so_like_a_queue() -> None:
         ch.get(block=False)
 
 
-@pytest.mark.parametrize("capacity", [0, 1, 3, 1000, 1 << 30])
+@pytest.mark.parametrize("capacity", [0, 1, 3, 1000, 1 << 30, -4, 1 << 70])
 def test_a_capacity_that_is_not_a_power_of_two_in_range_is_refused(capacity: int) -> None:
-    with pytest.raises(shmstore.ShmStoreError, match="power of two"):
+    with pytest.raises(ValueError, match="power of two") as info:
         shmstore.Channel(capacity=capacity)
+    assert isinstance(info.value, shmstore.InvalidInputError)  # a ValueError, not an I/O error
+
+
+@pytest.mark.parametrize("capacity", [4.0, "4", None])
+def test_a_capacity_that_is_not_an_int_is_a_type_error(capacity: Any) -> None:
+    with pytest.raises(TypeError, match="capacity"):
+        shmstore.Channel(capacity=capacity)
+
+
+def test_close_is_like_a_multiprocessing_queues() -> None:
+    """After close(), put and get raise ValueError as a closed mp.Queue's do; close() again
+    and join_thread() return; qsize/empty/full keep working; other objects of the same
+    channel (an unpickled copy) are not closed."""
+    ch = shmstore.Channel(capacity=4)
+    other = pickle.loads(pickle.dumps(ch))
+    ch.put("kept")
+    with pytest.raises(ValueError, match="not closed"):
+        ch.join_thread()
+    assert not ch.closed
+    ch.close()
+    ch.close()
+    assert ch.closed
+    for call in (lambda: ch.put(1), lambda: ch.get(), ch.get_nowait, lambda: ch.put_nowait(1)):
+        with pytest.raises(ValueError, match="is closed"):
+            call()
+    ch.join_thread()
+    ch.cancel_join_thread()
+    assert ch.qsize() == 1 and not ch.empty() and not ch.full()
+    assert other.get(timeout=10) == "kept"  # what was put before close() is still there
+    q: Any = mp.get_context("spawn").Queue()
+    q.close()
+    with pytest.raises(ValueError, match="is closed"):  # the behaviour matched
+        q.put(1)
+    q.join_thread()
+
+
+# A program written against multiprocessing.Queue, unchanged: producers put, a consumer gets
+# until it has seen every producer's sentinel, each side closes and joins as the docs advise.
+def _qprog_producer(q: Any, start: int, n: int) -> None:
+    for i in range(start, start + n):
+        q.put({"i": i, "sq": i * i})
+    q.put(None)
+    q.close()
+    q.join_thread()
+
+
+def _qprog_consumer(q: Any, out: Any, producers: int) -> None:
+    seen, done = [], 0
+    while done < producers:
+        item = q.get(timeout=60)
+        if item is None:
+            done += 1
+            continue
+        assert item["sq"] == item["i"] ** 2
+        seen.append(item["i"])
+    q.close()
+    q.join_thread()
+    out.put(sorted(seen))
+
+
+def _queue_program(make_queue: Any, ctx: Any) -> list[int]:
+    q = make_queue(8)
+    out = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_qprog_producer, args=(q, k * 100, 50)) for k in range(2)]
+    cons = ctx.Process(target=_qprog_consumer, args=(q, out, 2))
+    for p in [*procs, cons]:
+        p.start()
+    result: list[int] = out.get()
+    for p in [*procs, cons]:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    assert q.empty() and q.qsize() == 0
+    q.close()
+    q.join_thread()
+    return result
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_program_written_for_multiprocessing_queue_runs_unchanged(method: str) -> None:
+    ctx = mp.get_context(method)
+    want = sorted([*range(0, 50), *range(100, 150)])
+    assert _queue_program(lambda n: ctx.Queue(n), ctx) == want
+    assert _queue_program(lambda n: shmstore.Channel(n), ctx) == want
 
 
 def test_a_negative_timeout_is_refused() -> None:

@@ -331,3 +331,112 @@ def test_every_verb_takes_json(env: Env) -> None:
         r = env.run(*args, "--json")
         assert r.returncode in (0, cli.EXIT_NOT_FOUND), r
         assert "unrecognized arguments" not in r.stderr
+
+
+def _saved(tmp_path: Path) -> Path:
+    path = tmp_path / "saved.shm"
+    with shmstore.SharedList([1, 2, 3]) as lst:
+        lst.save(str(path))
+    return path
+
+
+def test_output_that_cannot_be_written_is_one_line_and_exit_4(env: Env, tmp_path: Path) -> None:
+    (env.dir / "shmstore-copied").write_bytes(_saved(tmp_path).read_bytes())
+    with open("/dev/full", "w") as full:
+        r = subprocess.run(
+            [sys.executable, "-m", "shmstore", "ls"],
+            env=env.vars,
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
+    assert r.returncode == cli.EXIT_OS_ERROR, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "shmstore ls: cannot write the output: No space left on device"
+    ]
+    closed = subprocess.run(
+        [sys.executable, "-m", "shmstore", "ls"],
+        env=env.vars,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=TIMEOUT_S,
+        preexec_fn=lambda: os.close(1),  # the shell's `>&-`
+    )
+    assert closed.returncode == cli.EXIT_OS_ERROR, closed.stderr
+    assert closed.stderr.strip() == "shmstore ls: cannot write the output: stdout is closed"
+
+
+def test_rm_of_a_directory_named_like_a_segment_says_what_it_is(env: Env) -> None:
+    d = env.dir / "shmstore-adir"
+    d.mkdir()
+    try:
+        r = env.run("rm", "adir")
+        env.one_error_line(r, cli.EXIT_UNREADABLE, "is a directory, not a segment")
+        assert d.is_dir()
+    finally:
+        d.rmdir()
+    r = env.run("rm", "nothing-here")
+    env.one_error_line(r, cli.EXIT_NOT_FOUND, "no segment named 'shmstore-nothing-here'")
+
+
+def test_a_hand_copied_archive_is_unsealed_in_ls_and_gc_agrees(env: Env, tmp_path: Path) -> None:
+    saved = _saved(tmp_path)
+    (env.dir / "shmstore-copied").write_bytes(saved.read_bytes())
+    r = env.run("ls", "--json")
+    (row,) = json.loads(r.stdout)
+    assert row["state"] == "unsealed" and row["sealed"] is False and row["kind"] == "list"
+    text = env.run("ls").stdout
+    assert "unsealed" in text and "gc leaves them" in text
+    assert "would remove 0" in env.run("gc", "--dry-run").stdout
+    env.run("gc")
+    assert (env.dir / "shmstore-copied").exists()  # gc left it, as ls said
+    assert env.run("rm", "copied").returncode == 0  # rm removes it, as ls said
+    assert not (env.dir / "shmstore-copied").exists()
+
+
+def test_inspect_of_a_segment_by_path_is_a_segment_not_a_saved_file(
+    env: Env, tmp_path: Path
+) -> None:
+    saved = _saved(tmp_path)
+    info = json.loads(env.run("inspect", "--json", str(saved)).stdout)
+    assert info["copy"] == "saved file"
+    code = (
+        "import shmstore, sys\n"
+        "lst = shmstore.SharedList([1, 2], name='bypath')\n"
+        "print(lst.path, flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    creator = subprocess.Popen(
+        [sys.executable, "-c", code],
+        env=env.vars,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert creator.stdout is not None and creator.stdin is not None
+        path = creator.stdout.readline().strip()
+        info = json.loads(env.run("inspect", "--json", path).stdout)
+        assert info["copy"] == "built here", info
+        assert info["name"] == "shmstore-bypath"
+    finally:
+        assert creator.stdin is not None and creator.stdout is not None
+        creator.stdin.close()
+        creator.wait(timeout=TIMEOUT_S)
+        creator.stdout.close()
+
+
+def test_an_unreadable_entry_keeps_the_columns(env: Env, tmp_path: Path) -> None:
+    (env.dir / "shmstore-junk").write_bytes(b"not an archive at all, not even close")
+    (env.dir / "shmstore-copied").write_bytes(_saved(tmp_path).read_bytes())
+    lines = env.run("ls").stdout.splitlines()
+    header, rows = lines[0], [ln for ln in lines[1:] if ln.startswith("shmstore-")]
+    assert len(rows) == 2
+    at = header.index("STATE")
+    for row in rows:
+        assert row[at : at + 10].strip() in ("unreadable", "unsealed"), (header, row)
+    data = json.loads(env.run("ls", "--json").stdout)
+    junk = next(r for r in data if r["name"] == "shmstore-junk")
+    assert junk["kind"].startswith("unreadable (")  # the reason, in --json

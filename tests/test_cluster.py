@@ -736,3 +736,26 @@ def test_a_torch_subgroup_across_machines_is_refused_not_hung(tmp_path):
                 p.join(30)
     assert reports == [(0, "not in the group"), (1, "refused"), (2, "refused")]
     assert [p.exitcode for p in procs] == [0, 0, 0]
+
+
+def test_a_handle_unpickled_beside_a_scheduler_says_what_it_is(tmp_path: Path) -> None:
+    """In a process hosting a Dask scheduler and no worker, an unpickled NodeRef is left
+    unopened (the scheduler only passes tasks on): info() says so and how to open it, and
+    resolve() opens it."""
+    distributed = pytest.importorskip("distributed")
+    with shmstore.SharedList([1, 2, 3]) as lst:
+        ref = sc.share(lst, path=str(tmp_path / "s.shm"))
+        blob = pickle.dumps(ref)
+        with distributed.LocalCluster(
+            n_workers=0, processes=False, dashboard_address=":0", scheduler_port=0
+        ):
+            h = pickle.loads(blob)
+            assert "unpickled in a Dask scheduler's process" in repr(h)
+            with pytest.raises(TypeError, match=r"runs a Dask scheduler .*resolve\(handle\)"):
+                sc.info(h)
+            opened = sc.resolve(h)
+            assert list(opened) == [1, 2, 3]
+            assert sc.info(opened)["digest"] == ref.digest
+        sc.release()
+    with pytest.raises(TypeError, match="takes a NodeRef"):
+        sc.resolve("not a ref")

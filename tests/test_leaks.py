@@ -278,9 +278,47 @@ def test_cycles_sorted_by_retained_bytes_and_str_and_json() -> None:
     assert sizes == sorted(sizes, reverse=True) and len(sizes) == 3
     text = str(report)
     assert "3 reference cycle(s)" in text and "Circular.__dict__['circular']" in text
-    assert f"#1 {leaks._report.format_bytes(sizes[0])} retained" in text
+    # one shape: grouped, with the largest as the example
+    assert "#1 3 cycles of this shape" in text
+    assert f"the largest: {leaks._report.format_bytes(sizes[0])} retained" in text
+    verbose = report.format(verbose=True)
+    assert f"#1 {leaks._report.format_bytes(sizes[0])} retained" in verbose
+    assert "#3 " in verbose
     data = json.loads(json.dumps(report.to_dict()))
     assert data["cycles"][0]["buffer_bytes"] == 800_000
+
+
+class Node:
+    def __init__(self) -> None:
+        self.other = Pair(self)
+
+
+class Pair:
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+
+def test_identical_cycles_are_grouped_by_shape_with_counts_and_bytes() -> None:
+    with leaks.detect() as report:
+        for _ in range(5000):
+            a: list[Any] = []
+            a.append(a)
+        for _ in range(3):
+            Circular(np.zeros(100_000))  # 2.4 MB in all: more than the 5000 lists
+        Node()
+        del a
+    assert len(report.cycles) == 5004
+    groups = report.groups()
+    assert [g.count for g in groups] == [3, 5000, 1]  # most bytes first
+    assert sum(g.retained_bytes for g in groups) == sum(c.retained_bytes for c in report.cycles)
+    assert groups[1].example.path == "list[0] -> list"
+    text = str(report)
+    assert len(text.splitlines()) <= 15, text
+    assert "5000 cycles of this shape" in text and "3 shape(s)" in text
+    assert len(report.format(verbose=True).splitlines()) > 5004
+    top1 = report.format(top=1)
+    assert "... and 2 more shape(s): 5001 cycle(s)" in top1
+    assert "--shmstore-leaks-verbose" in top1
 
 
 def test_allowlist_by_type_and_by_module() -> None:
@@ -510,6 +548,27 @@ def test_gc_guard_frees_cycles_a_thread_pool_never_collects(
     assert guard.stats.freed_bytes >= 8 * 32 * MiB  # the arrays went back to the OS
     freed = [r.getMessage() for r in caplog.records if "gc_guard" in r.getMessage()]
     assert len(freed) == 8 and all("freed" in m for m in freed)
+
+
+def test_gc_guard_freed_bytes_counts_what_was_freed_not_the_rss_drop() -> None:
+    """Cycles holding 625 KiB arrays: glibc keeps freed blocks of that size for reuse, so RSS
+    hardly drops, but the collection did free them, and freed_bytes says so."""
+    if leaks._guard.heap_bytes() is None:
+        pytest.skip("needs glibc >= 2.33 (mallinfo2)")
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        guard = leaks.GcGuard(min_growth=0, max_gc_fraction=1.0, burst=float("inf"))
+        for _ in range(3):
+            for _ in range(16):
+                Circular(np.ones(625 * 1024 // 8))  # 625 KiB each, 10 MB per round
+            assert guard.after_task()
+    finally:
+        if was:
+            gc.enable()
+    assert guard.stats.collections == 3
+    assert guard.stats.freed_bytes >= 3 * 16 * 625 * 1024 * 0.9, guard.stats
 
 
 def test_gc_guard_respects_its_time_budget() -> None:

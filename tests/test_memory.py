@@ -98,7 +98,7 @@ def test_monitor_sees_a_child_grow_and_reports_it() -> None:
     assert "total" in table and "PSS MiB" in table
     csv_text = mon.to_csv()
     header, *rows = csv_text.splitlines()
-    assert header == "t,pid,name,rss,pss,uss,shared,swap,shm_pss"
+    assert header == "t,pid,name,rss,pss,uss,shared,swap,shm_pss,shm_private"
     assert any(r.split(",")[1] == str(proc.pid) for r in rows)
 
 
@@ -127,6 +127,64 @@ def test_segment_pss_is_split_between_the_processes_mapping_it(
         assert memory.snapshot(segments=False).by_pid(os.getpid()).shm_pss == 0
     finally:
         m.close()
+
+
+# A second process attaches a store by name, reads every record (which maps every page of
+# the segment), and reports its USS before and after: the store's pages are not its own.
+READER = r"""
+import sys
+import shmstore
+from shmstore import memory
+lst = shmstore.SharedList.attach(sys.argv[1])
+before = memory.snapshot(children=False)
+total = sum(len(r) for r in lst)  # every record read: every page of the store mapped
+after = memory.snapshot(children=False)
+b, a = before.processes[0], after.processes[0]
+print(b.uss, a.uss, a.shm_private, total, flush=True)
+lst.close()
+"""
+
+
+def test_a_lone_reader_does_not_own_the_store_it_reads() -> None:
+    """USS of a process that alone maps a store's pages grows by <= 1 MiB while it reads a
+    15 MiB store: the pages are the segment's (shm_private), not the reader's."""
+    records = [b"r" * 1000 + i.to_bytes(4, "little") for i in range(15_000)]  # ~15 MiB
+    with shmstore.SharedList(records) as lst:
+        size = os.path.getsize(lst.path)
+        assert size >= 14 * MiB
+        out = subprocess.run(
+            [sys.executable, "-c", READER, lst.name],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        ).stdout
+    uss_before, uss_after, shm_private, total = map(int, out.split())
+    assert total == sum(len(r) for r in records)
+    assert uss_after - uss_before <= 1 * MiB, (uss_before, uss_after, shm_private)
+    assert shm_private >= size - 1 * MiB  # reported apart: every page, read by this one process
+
+
+def test_a_shared_memory_file_mapped_alone_is_shm_private_not_uss(tmp_path: Path) -> None:
+    """Any file in /dev/shm counts so, not only shmstore's (a plain tmpfs file by path)."""
+    path = Path("/dev/shm") / f"memtest-{uuid.uuid4().hex[:8]}"  # not named like a segment
+    try:
+        path.write_bytes(b"\x01" * (16 * MiB))
+    except OSError:
+        pytest.skip("no writable /dev/shm")
+    try:
+        before = memory.snapshot(children=False).processes[0]
+        with open(path, "rb") as f:
+            m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        try:
+            assert sum(m[i] for i in range(0, len(m), 4096)) == 4096
+            after = memory.snapshot(children=False, segments=False).processes[0]
+        finally:
+            m.close()
+    finally:
+        path.unlink()
+    assert after.shm_private - before.shm_private >= 15 * MiB
+    assert after.uss - before.uss <= 4 * MiB
 
 
 def test_process_tree_without_psutil_matches(

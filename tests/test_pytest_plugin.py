@@ -41,6 +41,35 @@ def own_segment_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return d
 
 
+MANY = """
+import pytest
+
+@pytest.mark.no_leaks
+def test_many():
+    for _ in range(5000):
+        a = []
+        a.append(a)
+"""
+
+
+def test_five_thousand_identical_cycles_fail_in_at_most_fifty_lines(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(MANY)
+    result = pytester.runpytest("-p", "no:cacheprovider", "-q")
+    result.assert_outcomes(failed=1)
+    lines = result.stdout.lines
+    start = next(i for i, ln in enumerate(lines) if "reference cycles left by the test" in ln)
+    end = next(i for i, ln in enumerate(lines) if "short test summary" in ln)
+    assert end - start <= 50, "\n".join(lines[start:end])
+    assert len(lines) <= 80, result.stdout.str()
+    result.stdout.fnmatch_lines(["*5000 reference cycle(s)*", "*5000 cycles of this shape*"])
+    verbose = pytester.runpytest("-p", "no:cacheprovider", "-q", "--shmstore-leaks-verbose")
+    verbose.assert_outcomes(failed=1)
+    assert len(verbose.stdout.lines) > 10_000
+    verbose.stdout.fnmatch_lines(["*#5000 *"])
+
+
 def test_leaky_test_fails_with_the_cycle_report(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(LEAKY)
     result = pytester.runpytest("-p", "no:cacheprovider")

@@ -303,7 +303,8 @@ class Channel:
 
     def __new__(cls, capacity: int = 1024, *, dir: _Path | None = None) -> Channel:
         """A new channel with room for ``capacity`` waiting objects (a power of two, 2 to
-        2**20), in ``dir`` (default: ``$SHMSTORE_DIR`` or /dev/shm)."""
+        2**20: ``ValueError`` otherwise), in ``dir`` (default: ``$SHMSTORE_DIR`` or
+        /dev/shm)."""
     def put(self, obj: Any, block: bool = True, timeout: float | None = None) -> None:
         """Put ``obj``; while the channel is full, wait up to ``timeout`` seconds (``None``:
         as long as it takes), then raise ``queue.Full`` (at once when ``block`` is false)."""
@@ -317,8 +318,33 @@ class Channel:
         """``get(block=False)``."""
     def qsize(self) -> int:
         """How many objects wait (approximate while other processes put and get)."""
-    def empty(self) -> bool: ...
-    def full(self) -> bool: ...
+    def empty(self) -> bool:
+        """Whether no object waits (approximate while other processes put and get)."""
+    def full(self) -> bool:
+        """Whether ``capacity`` objects wait (approximate while other processes put and
+        get)."""
+    def close(self) -> None:
+        """This process puts and gets no more through this object: later ``put``/``get``
+        raise ``ValueError``, as on a closed ``multiprocessing.Queue``. Objects already put
+        stay readable for other processes until taken. Calling it again does nothing.
+
+        >>> ch = Channel(capacity=2)
+        >>> ch.close()
+        >>> ch.put(1)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Channel "..." is closed
+        >>> ch.join_thread()  # returns at once: a put is complete when it returns
+        """
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called on this object."""
+    def join_thread(self) -> None:
+        """After ``close()``: returns at once (no feeder thread to wait for); ``ValueError``
+        before ``close()``."""
+    def cancel_join_thread(self) -> None:
+        """Does nothing (no feeder thread holds the process's exit); for
+        ``multiprocessing.Queue`` compatibility."""
     @property
     def capacity(self) -> int:
         """How many objects may wait at once."""

@@ -12,14 +12,19 @@ code  meaning
 2     usage error: unknown verb or option, or a name shmstore would never give a store
 3     the target exists but is not a readable store (corrupt, truncated, a directory, a
       foreign file)
-4     permission denied, or another error of the operating system
+4     permission denied, or another error of the operating system; the output could not
+      be written (``shmstore ls > /dev/full``, stdout closed: ``shmstore ls >&-``)
 130   interrupted (Ctrl-C)
 141   stdout was closed early (``shmstore ls --json | head``): the output stops quietly, as a
       program killed by SIGPIPE would (128 + 13)
 ====  ==========================================================================================
 
 A store the process that built it still maps is listed under its public name with its state
-(``in use``), never under its build name.
+(``in use``), never under its build name. ``ls`` states: ``in use``, ``orphaned`` (no process
+uses it: ``gc`` removes it), ``building``, ``unreadable``, and ``unsealed``: a file named like a
+segment that shmstore did not seal (an archive copied or saved there by hand, mode other than
+0400 or without the writer's mark), which ``gc`` never removes (it is not shmstore's to
+remove); ``shmstore rm NAME`` does.
 
 >>> main(["ls", "--json"])  # doctest: +SKIP
 """
@@ -27,8 +32,10 @@ A store the process that built it still maps is listed under its public name wit
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import stat
 import sys
 import time
 from pathlib import Path
@@ -111,12 +118,29 @@ def _emit_json(obj: Any) -> None:
 # ls
 
 
+# The writer's seal mark: the nanoseconds of a sealed segment's modification time
+# (SEALED_MTIME_NSEC, src/segment/mod.rs). gc removes only sealed files, arenas, channels and
+# files being built (the same rule as the sweep's), so ls says which files it would not.
+_SEALED_MTIME_NSEC = 314_159_265
+
+
+def _sealed(path: Path, st: os.stat_result, kind: Any) -> bool:
+    """Whether ``gc`` treats the file as shmstore's own (see the sweep's ``is_segment``)."""
+    mode = stat.S_IMODE(st.st_mode)
+    if kind in ("building", "channel"):
+        return mode == 0o600
+    marked = st.st_mtime_ns % 1_000_000_000 == _SEALED_MTIME_NSEC
+    return mode in (0o400, 0o500) and (marked or (mode == 0o400 and kind == "arena"))
+
+
 def _state(row: dict[str, Any]) -> str:
     if row["kind"] == "building":
         return "building"
     if row["kind"] is None or str(row["kind"]).startswith("unreadable"):
         return "unreadable"
-    return "in use" if row["users"] else "orphaned"
+    if row["users"]:
+        return "in use"
+    return "orphaned" if row["sealed"] else "unsealed"
 
 
 def _rows() -> list[dict[str, Any]]:
@@ -172,6 +196,7 @@ def _rows() -> list[dict[str, Any]]:
                         break
                 else:
                     row["kind"] = f"unreadable ({type(e).__name__})"
+        row["sealed"] = _sealed(path, st, row["kind"])
         row["state"] = _state(row)
         rows.append(row)
     return rows
@@ -194,10 +219,18 @@ def _ls(args: argparse.Namespace) -> int:
         if r["creator_pid"] is not None:
             creator = f"{r['creator_pid']}{'' if r['creator_alive'] else ' (dead)'}"
         records = "" if r["records"] is None else str(r["records"])
+        # An unreadable file's reason is in --json; the column keeps its width.
+        kind = "-" if r["state"] == "unreadable" else str(r["kind"])
         print(
-            f"{r['name']:42} {human_size(r['size']):>10} {r['kind']:9} {r['state']:10} "
+            f"{r['name']:42} {human_size(r['size']):>10} {kind:9} {r['state']:10} "
             f"{records:>9} {creator:>12} {r['age_s']:>6.0f}s  "
             f"{','.join(map(str, r['users'])) or '-'}"
+        )
+    unsealed = [r["name"] for r in rows if r["state"] == "unsealed"]
+    if unsealed:
+        print(
+            f"unsealed: {len(unsealed)} file(s) named like segments that shmstore did not seal "
+            "(copied or saved there by hand): gc leaves them; shmstore rm NAME removes one"
         )
     return EXIT_OK
 
@@ -272,6 +305,9 @@ def _inspect(args: argparse.Namespace) -> int:
         return _inspect_arena(args, arena)
     try:
         info = dict(_native._store_info(target))
+        if info["name"] == info["path"] and _segment_by_path(Path(str(info["path"]))):
+            # a segment given by its path (/dev/shm/shmstore-x): a segment, not a saved file
+            info["name"] = Path(str(info["path"])).name
         info.update(_copy_fields(target, info, verify=args.verify))
     except Exception as e:
         raise _classify(e, args.name) from e
@@ -308,6 +344,18 @@ def _copy_fields(target: str, info: dict[str, Any], verify: bool = False) -> dic
     if verify:
         out["verified"] = True
     return out
+
+
+def _segment_by_path(path: Path) -> Path | None:
+    """``path`` if it is a file in a segment directory named like a segment, else None."""
+    try:
+        parent = path.resolve().parent
+        dirs = {d.resolve() for d in search_dirs()}
+    except OSError:
+        return None
+    if parent in dirs and path.name.startswith("shmstore-") and ".part-" not in path.name:
+        return path
+    return None
 
 
 def _gc(args: argparse.Namespace) -> int:
@@ -359,6 +407,15 @@ def _rm(args: argparse.Namespace) -> int:
             full = _full_name(name)
             path = remove(full)
             if path is None:
+                for d in search_dirs():
+                    there = d / full
+                    if there.is_symlink() or there.exists():
+                        what = _what_is(there)
+                        raise UserError(
+                            f"{there} is {what}, not a segment: rm removes only segment files "
+                            "(remove it yourself if it is yours)",
+                            EXIT_UNREADABLE,
+                        )
                 raise UserError(f"no segment named {full!r}", EXIT_NOT_FOUND)
             row.update(path=str(path), removed=True)
         except Exception as e:
@@ -369,6 +426,22 @@ def _rm(args: argparse.Namespace) -> int:
     if args.json:
         _emit_json(results)
     return status
+
+
+def _what_is(path: Path) -> str:
+    try:
+        st = path.lstat()
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(st.st_mode):
+        return "a directory"
+    if not stat.S_ISREG(st.st_mode):
+        return "a special file (FIFO, socket or device)"
+    if st.st_uid != os.geteuid():
+        return f"a file of another user (uid {st.st_uid})"
+    return "a file that is not a segment"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,9 +501,26 @@ def _broken_pipe() -> int:
     return EXIT_BROKEN_PIPE
 
 
+class _ClosedStdout:
+    """Stands for a closed stdout (``shmstore ls >&-``, where Python sets ``sys.stdout`` to
+    None): writing fails as writing to a closed descriptor does, flushing has nothing to do."""
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, "stdout is closed")
+
+    def flush(self) -> None:
+        pass
+
+
+# Errors of writing the output (not of the segments, which _classify reports).
+_OUTPUT_ERRNOS = {errno.ENOSPC, errno.EIO, errno.EBADF, errno.EFBIG, errno.EDQUOT}
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of the ``shmstore`` console script; returns the exit code."""
     args = _parser().parse_args(argv)
+    if sys.stdout is None:
+        sys.stdout = _ClosedStdout()
     try:
         code = int(args.fn(args))
         sys.stdout.flush()
@@ -440,6 +530,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         return e.code
     except BrokenPipeError:
         return _broken_pipe()
+    except OSError as e:
+        if e.errno not in _OUTPUT_ERRNOS:
+            raise
+        # Like coreutils (`ls > /dev/full`: "write error: No space left on device"): one
+        # line, exit status 4, and nothing left buffered for the interpreter to fail on.
+        _complain(args.cmd, f"cannot write the output: {e.strerror or e}")
+        if not isinstance(sys.stdout, _ClosedStdout):
+            _broken_pipe()
+        return EXIT_OS_ERROR
     except KeyboardInterrupt:
         _complain(args.cmd, "interrupted")
         return EXIT_INTERRUPTED

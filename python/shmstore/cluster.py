@@ -206,18 +206,27 @@ def _unpickle(state: tuple[Any, ...]) -> Any:
 class _Unresolved:
     """A NodeRef unpickled by a process that only passes it on (a Dask scheduler, which
     unpickles every task to schedule it, and pickles it again for the worker): it must not
-    fetch or pin a copy on the scheduler's machine, and it pickles as the NodeRef again."""
+    fetch or pin a copy on the scheduler's machine, and it pickles as the NodeRef again.
+    ``resolve(handle)`` opens the store here all the same, when that is what is wanted (a
+    script that hosts a ``LocalCluster`` and unpickles a handle itself)."""
 
     __slots__ = ("state",)
 
     def __init__(self, state: tuple[Any, ...]) -> None:
         self.state = state
 
+    @property
+    def ref(self) -> NodeRef:
+        return NodeRef._from_state(self.state)
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (_unpickle, (self.state,))
 
     def __repr__(self) -> str:
-        return f"<unresolved shmstore NodeRef {self.state[0]!r}>"
+        return (
+            f"<unresolved shmstore NodeRef {self.state[0]!r}: unpickled in a Dask scheduler's "
+            "process, not opened here; shmstore.cluster.resolve(it) opens it>"
+        )
 
 
 _GONE = {"stopping", "stopped", "closing", "closing_gracefully", "closed", "failed"}
@@ -398,9 +407,14 @@ def _attach_local(ref: NodeRef, d: Path) -> Any:
     return h
 
 
-def resolve(ref: NodeRef, *, timeout: Optional[float] = None, fetch: bool = True) -> Any:
-    """The store ``ref`` names, on this machine (see the module docs). ``fetch=False``: only
-    attach (StoreNotFoundError if this machine has no copy yet)."""
+def resolve(ref: Any, *, timeout: Optional[float] = None, fetch: bool = True) -> Any:
+    """The store ``ref`` (a NodeRef) names, on this machine (see the module docs).
+    ``fetch=False``: only attach (StoreNotFoundError if this machine has no copy yet). A
+    handle unpickled in a Dask scheduler's process, which stays unopened there, is opened."""
+    if isinstance(ref, _Unresolved):
+        ref = ref.ref
+    if not isinstance(ref, NodeRef):
+        raise TypeError(f"resolve() takes a NodeRef, not {type(ref).__name__}")
     if ref.kind not in _CLASSES:
         raise shmstore.InvalidInputError(f"unknown store kind {ref.kind!r}")
     with _lock:
@@ -547,4 +561,11 @@ def info(handle: Any) -> dict[str, Any]:
     (False, 32)
     >>> lst.unlink()
     """
+    if isinstance(handle, _Unresolved):
+        raise TypeError(
+            f"{handle.state[0]!r} was unpickled in a process that runs a Dask scheduler (and "
+            "no worker), where shmstore leaves handles unopened, as the scheduler only passes "
+            "tasks on; call info() in a worker or a client, or open it here first: "
+            "info(shmstore.cluster.resolve(handle))"
+        )
     return dict(_native._cluster_identity(handle, True))

@@ -2,9 +2,15 @@
 
 RSS counts every shared page in full in every process that maps it, so a dataset shared by
 eight workers looks eight times as big. PSS divides each shared page among the processes
-that map it (the sum over processes is the real footprint); USS counts only the pages no
-other process maps (what killing the process would give back). Both come from
-``/proc/PID/smaps_rollup`` (Linux >= 4.14; older kernels: summed from ``/proc/PID/smaps``).
+that map it (the sum over processes is the real footprint); USS counts the pages no other
+process maps that the process owns: its private memory, what killing it gives back. Pages of
+a *shared-memory file* (a shmstore segment, any file in /dev/shm or another tmpfs, a memfd,
+System V shared memory) that only this process maps are not in USS: they belong to the file,
+which keeps them after the process exits, so a lone reader of a store does not look as if it
+owned the store. They are reported apart as ``shm_private``. RSS, PSS and the rest come from
+``/proc/PID/smaps_rollup`` (Linux >= 4.14; older kernels: summed from ``/proc/PID/smaps``);
+``shm_private`` is read per mapping from ``/proc/PID/smaps`` (only when the process maps a
+shared-memory file at all).
 
 The PSS of shmstore segments (mappings of ``$SHMSTORE_DIR/shmstore-*``, default /dev/shm)
 is read per process from ``/proc/PID/smaps``.
@@ -46,7 +52,7 @@ __all__ = [
 ]
 
 #: The per-process figures, in bytes.
-FIELDS = ("rss", "pss", "uss", "shared", "swap", "shm_pss")
+FIELDS = ("rss", "pss", "uss", "shared", "swap", "shm_pss", "shm_private")
 _ROLLUP_KEYS = {
     "Rss": "rss",
     "Pss": "pss",
@@ -77,6 +83,9 @@ class ProcessMemory:
     swap: int = 0
     #: PSS of the shmstore segments the process maps.
     shm_pss: int = 0
+    #: Pages of shared-memory files (tmpfs, /dev/shm, memfd, SysV) that only this process
+    #: maps: left out of ``uss``, as the file keeps them after the process exits.
+    shm_private: int = 0
     #: ``{segment name: PSS}``; a name ending in " (deleted)" was unlinked but is still mapped.
     segments: dict[str, int] = field(default_factory=dict)
 
@@ -164,29 +173,93 @@ def _read_rollup(pid: int) -> dict[str, int]:
     return out
 
 
-def _read_segments(pid: int, prefix: str) -> dict[str, int]:
-    """PSS per shmstore segment mapped by ``pid``, keyed by the segment's public name.
+def _shmem_devices(pid: int) -> frozenset[int]:
+    """The devices of the tmpfs mounts that ``pid`` sees (files there are shared memory)."""
+    devs = set()
+    try:
+        with open(f"/proc/{pid}/mountinfo", "rb") as f:
+            for raw in f:
+                # "id parent major:minor root mountpoint options... - fstype source superopts"
+                left, sep, right = raw.decode("utf-8", "replace").partition(" - ")
+                fields = left.split()
+                if not sep or len(fields) < 3 or not right.split():
+                    continue
+                if right.split()[0] in ("tmpfs", "shmem"):
+                    major, _, minor = fields[2].partition(":")
+                    if major.isdigit() and minor.isdigit():
+                        devs.add(os.makedev(int(major), int(minor)))
+    except OSError:
+        pass
+    return frozenset(devs)
 
-    One segment may appear as several mappings (summed). The process that built a store may
-    show it under its build name (``shmstore-X.part-Y (deleted)``): it is counted under
-    ``shmstore-X`` when that name is the same file, so a segment never appears twice. A name
-    still ending in " (deleted)" was unlinked while mapped: it still costs memory.
+
+_SHMEM_PATHS = ("/dev/shm/", "/memfd:", "/SYSV")
+
+
+def _is_shmem_file(entry: _procmaps.MapEntry, devices: frozenset[int]) -> bool:
+    """Whether a mapping is of a shared-memory file: a file on tmpfs, a memfd, SysV shm.
+
+    A shared anonymous mapping (``/dev/zero (deleted)``, ``[anon_shmem]``) is not: its pages
+    go with the last process that maps it, so they are USS when one process does.
+    """
+    if entry.ident == (0, 0) or not entry.path.startswith("/"):
+        return False
+    if entry.path.startswith(_SHMEM_PATHS):
+        return True
+    return entry.ident[0] in devices and not entry.path.startswith("/dev/zero")
+
+
+def _maps_shmem_file(pid: int, devices: frozenset[int]) -> bool:
+    with open(f"/proc/{pid}/maps", "rb") as f:
+        for raw in f:
+            e = _procmaps.parse_header(raw.decode("utf-8", "replace"))
+            if e is not None and _is_shmem_file(e, devices):
+                return True
+    return False
+
+
+def _read_smaps(pid: int, prefix: Optional[str]) -> tuple[dict[str, int], int]:
+    """One pass over ``/proc/PID/smaps``: PSS per shmstore segment (when ``prefix`` is
+    given), and the bytes of shared-memory files only this process maps.
+
+    Segments are keyed by public name. One segment may appear as several mappings (summed).
+    The process that built a store may show it under its build name
+    (``shmstore-X.part-Y (deleted)``): it is counted under ``shmstore-X`` when that name is
+    the same file, so a segment never appears twice. A name still ending in " (deleted)" was
+    unlinked while mapped: it still costs memory.
+
+    A shared-memory file's private pages are Private_Clean + Private_Dirty less the
+    anonymous (copy-on-write) pages of a private mapping, which are the process's own.
     """
     segs: dict[str, int] = {}
+    devices = _shmem_devices(pid)
+    shm_private = 0
     current: Optional[str] = None
+    shmem = False
+    private = anon = 0
     with open(f"/proc/{pid}/smaps", "rb") as f:
         for raw in f:
             line = raw.decode("utf-8", "replace")
             # a header starts with a hex address; a field with its name ("Pss:", "VmFlags:")
             entry = _procmaps.parse_header(line) if line[:1] in _HEX else None
             if entry is not None:
+                if shmem:
+                    shm_private += max(0, private - anon)
                 current = None
-                if entry.path.startswith(prefix):
+                shmem = _is_shmem_file(entry, devices)
+                private = anon = 0
+                if prefix is not None and entry.path.startswith(prefix):
                     live = _procmaps.live_path(entry.path, entry.ident)
                     current = os.path.basename(live if live is not None else entry.path)
             elif current is not None and line.startswith("Pss:"):
                 segs[current] = segs.get(current, 0) + int(line.split()[1]) * 1024
-    return segs
+            elif shmem and line.startswith(("Private_Clean:", "Private_Dirty:")):
+                private += int(line.split()[1]) * 1024
+            elif shmem and line.startswith("Anonymous:"):
+                anon += int(line.split()[1]) * 1024
+    if shmem:
+        shm_private += max(0, private - anon)
+    return segs, shm_private
 
 
 _HEX = frozenset("0123456789abcdef")
@@ -257,7 +330,12 @@ def snapshot(
     for pid in wanted:
         try:
             figures = _read_rollup(pid)
-            segs = _read_segments(pid, prefix) if segments else {}
+            segs: dict[str, int] = {}
+            shm_private = 0
+            if segments or _maps_shmem_file(pid, _shmem_devices(pid)):
+                segs, shm_private = _read_smaps(pid, prefix if segments else None)
+            # smaps is read after the rollup: a page faulted in between is in one, not both
+            figures["uss"] = max(0, figures["uss"] - shm_private)
         except (FileNotFoundError, ProcessLookupError):
             continue  # exited meanwhile
         except PermissionError as e:
@@ -267,7 +345,12 @@ def snapshot(
             ) from e
         procs.append(
             ProcessMemory(
-                pid=pid, name=_comm(pid), shm_pss=sum(segs.values()), segments=segs, **figures
+                pid=pid,
+                name=_comm(pid),
+                shm_pss=sum(segs.values()),
+                shm_private=shm_private,
+                segments=segs,
+                **figures,
             )
         )
     return Snapshot(time=now, processes=tuple(procs))

@@ -126,6 +126,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="check every test for reference cycles and leftover shmstore segments, as if "
         "marked @pytest.mark.no_leaks()",
     )
+    group.addoption(
+        "--shmstore-leaks-verbose",
+        action="store_true",
+        default=False,
+        dest="shmstore_leaks_verbose",
+        help="list every reference cycle in a leak failure, one by one (default: cycles of "
+        "the same shape grouped, the 10 largest groups shown, each with one example path)",
+    )
     parser.addini(
         "shmstore_leaks_allow",
         type="linelist",
@@ -174,7 +182,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> Generator[None, Any, Any]
         with detect(allow=s.allow, threads=s.threads) as report:  # type: ignore[arg-type]
             result = yield
         if report.cycles:
-            failures.append(f"reference cycles left by the test:\n{report}")
+            verbose = bool(pyfuncitem.config.getoption("shmstore_leaks_verbose"))
+            failures.append(f"reference cycles left by the test:\n{report.format(verbose=verbose)}")
     else:
         result = yield
     if s.memory is not None:

@@ -5,6 +5,7 @@
 
 use std::collections::{HashSet, VecDeque};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -116,6 +117,10 @@ fn wait(
 #[pyclass(name = "Channel", module = "shmstore", frozen, weakref)]
 pub(crate) struct Channel {
     shared: Arc<Shared>,
+    /// `close()` was called on this object: its put and get raise ValueError, as a closed
+    /// `multiprocessing.Queue`'s do (other objects of the same channel, in this process or
+    /// another, are not affected).
+    closed: AtomicBool,
 }
 
 impl Drop for Channel {
@@ -129,6 +134,17 @@ impl Drop for Channel {
 impl Channel {
     fn file(&self) -> &Path {
         self.shared.ring.path()
+    }
+
+    /// ValueError (`Error::Usage`) once `close()` was called, with `multiprocessing.Queue`'s
+    /// wording.
+    fn check_open(&self) -> PyResult<()> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(
+                Error::Usage(format!("Channel {:?} is closed", name_of(self.file()))).into(),
+            );
+        }
+        Ok(())
     }
 
     fn err(&self, err: ChannelError) -> PyErr {
@@ -165,8 +181,9 @@ impl Channel {
             return Err(Error::Invalid {
                 at: format!("channel {:?}", name_of(self.file())),
                 what: format!(
-                    "the segment directory's path is too long for a channel ({len} bytes, at \
-                     most {}): set SHMSTORE_DIR to a shorter one",
+                    "the channel directory's path is too long for a channel's handles \
+                     ({len} bytes, at most {}): make the channel in a shorter directory \
+                     (Channel(dir=...), or SHMSTORE_DIR when no dir is given)",
                     crate::channel::MAX_PATH
                 ),
             }
@@ -243,7 +260,8 @@ impl Channel {
     /// (default: the segment directory, `$SHMSTORE_DIR` or /dev/shm).
     #[new]
     #[pyo3(signature = (capacity = 1024, *, dir = None))]
-    fn new(py: Python<'_>, capacity: u64, dir: Option<PathBuf>) -> PyResult<Self> {
+    fn new(py: Python<'_>, capacity: i128, dir: Option<PathBuf>) -> PyResult<Self> {
+        let capacity = valid_capacity(capacity)?;
         let dir = dir.unwrap_or_else(segment::default_dir);
         // Absolute: the path is what other processes open it by.
         let dir = std::path::absolute(&dir).map_err(|err| Error::Io {
@@ -273,6 +291,7 @@ impl Channel {
                 pinned: Mutex::new(HashSet::new()),
                 _registration: registration,
             }),
+            closed: AtomicBool::new(false),
         })
     }
 
@@ -286,6 +305,7 @@ impl Channel {
         block: bool,
         timeout: Option<f64>,
     ) -> PyResult<()> {
+        self.check_open()?;
         let until = deadline(block, timeout)?;
         self.shared.settle();
         settle_left();
@@ -315,6 +335,7 @@ impl Channel {
     /// or forever; `queue.Empty` after that, or at once when `block` is false).
     #[pyo3(signature = (block = true, timeout = None))]
     fn get(&self, py: Python<'_>, block: bool, timeout: Option<f64>) -> PyResult<Py<PyAny>> {
+        self.check_open()?;
         let until = deadline(block, timeout)?;
         let ring = &self.shared.ring;
         loop {
@@ -347,15 +368,49 @@ impl Channel {
         self.get(py, false, None)
     }
 
+    /// This process puts and gets no more through this object: later calls of `put` and
+    /// `get` raise ValueError (as `multiprocessing.Queue.close()`). Objects already put stay
+    /// readable for other processes until taken. Calling it again does nothing.
+    fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.shared.settle();
+    }
+
+    /// Whether `close()` was called on this object.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// After `close()`: returns at once. A put is complete when it returns (the object is in
+    /// shared memory, its handle in the ring), so there is no feeder thread to wait for, as
+    /// there is in `multiprocessing.Queue`. ValueError before `close()`.
+    fn join_thread(&self) -> PyResult<()> {
+        if !self.closed.load(Ordering::Acquire) {
+            return Err(Error::Usage(format!(
+                "Channel {:?} is not closed: call close() before join_thread()",
+                name_of(self.file())
+            ))
+            .into());
+        }
+        Ok(())
+    }
+
+    /// Does nothing: no feeder thread holds the process's exit (objects put stay readable
+    /// after this process exits). There for `multiprocessing.Queue` compatibility.
+    fn cancel_join_thread(&self) {}
+
     /// How many objects wait (approximate while other processes put and get).
     fn qsize(&self) -> u64 {
         self.shared.ring.len()
     }
 
+    /// Whether no object waits (approximate while other processes put and get).
     fn empty(&self) -> bool {
         self.shared.ring.len() == 0
     }
 
+    /// Whether `capacity` objects wait (approximate while other processes put and get).
     fn full(&self) -> bool {
         self.shared.ring.len() >= self.shared.ring.capacity()
     }
@@ -422,5 +477,24 @@ pub(crate) fn _rebuild_channel(py: Python<'_>, path: PathBuf) -> PyResult<Channe
             pinned: Mutex::new(HashSet::new()),
             _registration: registration,
         }),
+        closed: AtomicBool::new(false),
     })
+}
+
+/// A channel's capacity from Python: a power of two from 2 to
+/// `crate::channel::MAX_CAPACITY` (ValueError otherwise; pyo3 raises TypeError for a
+/// non-int, OverflowError beyond 128 bits).
+fn valid_capacity(capacity: i128) -> PyResult<u64> {
+    let max = crate::channel::MAX_CAPACITY;
+    match u64::try_from(capacity) {
+        Ok(c) if c.is_power_of_two() && (2..=max).contains(&c) => Ok(c),
+        _ => Err(Error::Invalid {
+            at: "Channel(capacity=...)".into(),
+            what: format!(
+                "{capacity} is not a power of two from 2 to {max} (the number of objects \
+                 that may wait at once)"
+            ),
+        }
+        .into()),
+    }
 }

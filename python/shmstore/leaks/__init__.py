@@ -24,10 +24,11 @@ from __future__ import annotations
 from ._detect import detect
 from ._graph import native_available
 from ._guard import GcEvent, GcGuard, GcWatch, GuardStats, gc_guard, watch
-from ._report import Cycle, LeakError, LeakReport
+from ._report import Cycle, CycleGroup, LeakError, LeakReport
 
 __all__ = [
     "Cycle",
+    "CycleGroup",
     "GcEvent",
     "GcGuard",
     "GcWatch",

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import gc
 import logging
@@ -35,6 +37,51 @@ def rss_bytes() -> Optional[int]:
         return None
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _load_mallinfo2() -> Optional[Callable[[], _MallInfo2]]:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.mallinfo2  # glibc >= 2.33
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    fn.argtypes = []
+    return cast(Callable[[], _MallInfo2], fn)
+
+
+_MALLINFO2 = _load_mallinfo2()
+
+
+def heap_bytes() -> Optional[int]:
+    """Bytes in use in the C heap (glibc's ``mallinfo2``: chunks handed out by malloc, in
+    every arena, plus its mmap'd blocks), or None without glibc >= 2.33.
+
+    A collection's freed bytes are the drop of this figure: what the allocator got back
+    (numpy buffers, bytes and large objects), whether or not it returns the pages to the
+    system, which the RSS drop misses (glibc keeps freed memory for reuse)."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return int(info.uordblks) + int(info.hblkhd)
+
+
 @dataclass
 class GuardStats:
     """Counters of a :class:`GcGuard`."""
@@ -44,6 +91,9 @@ class GuardStats:
     skipped_for_budget: int = 0
     #: collections run although the time budget was spent, because RSS grew past max_growth
     over_ceiling: int = 0
+    #: Bytes the collections gave back to the C allocator (see :func:`heap_bytes`: numpy
+    #: buffers, bytes, large objects; small objects in Python's own pools are not counted),
+    #: or, without glibc >= 2.33, the drop of RSS (which misses memory the allocator keeps).
     freed_bytes: int = 0
     collected_objects: int = 0
     gc_seconds: float = 0.0
@@ -136,26 +186,32 @@ class GcGuard:
                     self.stats.skipped_for_budget += 1
                     return False
                 self.stats.over_ceiling += 1  # the memory ceiling wins over the budget
+            heap_before = heap_bytes()
             t0 = time.perf_counter()
             found = gc.collect(self.generation)
             cost = time.perf_counter() - t0
+            heap_after = heap_bytes()
             after = rss_bytes() or rss
+            if heap_before is not None and heap_after is not None:
+                freed = max(0, heap_before - heap_after)
+            else:
+                freed = max(0, rss - after)
             self._baseline = after
             self._last_cost = cost
             self.stats.collections += 1
             self.stats.gc_seconds += cost
             self.stats.collected_objects += found
-            self.stats.freed_bytes += max(0, rss - after)
+            self.stats.freed_bytes += freed
             log.info(
                 "gc_guard: RSS grew %s since the last collection; gc.collect(%d) found %d "
-                "unreachable objects in %.1f ms and RSS went %s -> %s (freed %s)",
+                "unreachable objects in %.1f ms, freed %s (RSS %s -> %s)",
                 format_bytes(grown),
                 self.generation,
                 found,
                 cost * 1000,
+                format_bytes(freed),
                 format_bytes(rss),
                 format_bytes(after),
-                format_bytes(max(0, rss - after)),
             )
             return True
         finally:

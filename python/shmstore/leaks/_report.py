@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .._util import format_bytes
 
-__all__ = ["Cycle", "LeakError", "LeakReport", "format_bytes"]
+__all__ = ["Cycle", "CycleGroup", "LeakError", "LeakReport", "format_bytes"]
+
+#: How many groups of cycles ``str(report)`` shows; ``report.format(top=..., verbose=True)``
+#: shows more, and ``--shmstore-leaks-verbose`` every cycle in a pytest failure.
+DEFAULT_TOP = 10
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,50 @@ class Cycle:
         return "\n".join(lines)
 
 
+def _shape_of(c: Cycle) -> tuple[Any, ...]:
+    """What cycles of the same shape share: their member types and their reference path with
+    list/tuple indices left out (attribute names stay: they are the shape)."""
+    path = re.sub(r"\[-?\d+\]", "[i]", c.path)
+    return (tuple(sorted(c.types.items())), path, tuple(sorted(c.retained_types)))
+
+
+@dataclass(frozen=True)
+class CycleGroup:
+    """Cycles of one shape (same member types, same reference path up to list/tuple
+    indices, same kinds of retained objects): how many, what they retain in all, and one of
+    them as the example.
+
+    Example::
+
+        >>> from shmstore import leaks
+        >>> with leaks.detect() as report:
+        ...     for _ in range(3):
+        ...         a = []; a.append(a)
+        ...     del a
+        >>> (g,) = report.groups()
+        >>> g.count, g.example.path
+        (3, 'list[0] -> list')
+    """
+
+    #: The first cycle of the group (the one retaining most).
+    example: Cycle
+    #: Number of cycles of this shape.
+    count: int
+    #: Sum of their ``retained_bytes``.
+    retained_bytes: int
+    #: Sum of their ``retained_objects``.
+    retained_objects: int
+
+    def __str__(self) -> str:
+        if self.count == 1:
+            return str(self.example)
+        head, _, rest = str(self.example).partition("\n")
+        return (
+            f"{self.count} cycles of this shape retain {format_bytes(self.retained_bytes)} "
+            f"in all ({self.retained_objects} object(s)); the largest: {head}\n{rest}"
+        )
+
+
 @dataclass
 class LeakReport:
     """What :func:`shmstore.leaks.detect` found. Filled when the block exits.
@@ -120,21 +169,28 @@ class LeakReport:
             Cycle(**{**c.__dict__, "objects": ()}) if c.objects else c for c in self.cycles
         ]
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict."""
-        return {
-            "cycles": [c.to_dict() for c in self.cycles],
-            "retained_bytes": self.retained_bytes,
-            "garbage_objects": self.garbage_objects,
-            "analysed_objects": self.analysed_objects,
-            "seconds": self.seconds,
-            "allowed_cycles": self.allowed_cycles,
-            "other_thread_cycles": self.other_thread_cycles,
-            "skipped": self.skipped,
-            "engine": self.engine,
-        }
+    def groups(self) -> list[CycleGroup]:
+        """The cycles grouped by shape, most ``retained_bytes`` first (then most cycles)."""
+        by: dict[tuple[Any, ...], list[Cycle]] = {}
+        for c in self.cycles:
+            by.setdefault(_shape_of(c), []).append(c)
+        groups = [
+            CycleGroup(
+                example=max(cs, key=lambda c: c.retained_bytes),
+                count=len(cs),
+                retained_bytes=sum(c.retained_bytes for c in cs),
+                retained_objects=sum(c.retained_objects for c in cs),
+            )
+            for cs in by.values()
+        ]
+        groups.sort(key=lambda g: (-g.retained_bytes, -g.count))
+        return groups
 
-    def __str__(self) -> str:
+    def format(self, top: Optional[int] = DEFAULT_TOP, verbose: bool = False) -> str:
+        """The report as text: a summary line, then the ``top`` groups of cycles of the same
+        shape (all with ``top=None``), each with its count, total bytes and one example path;
+        ``verbose`` lists every cycle instead, one by one (``str(report)`` is
+        ``format()``)."""
         if not self.complete:
             return "leak report: pending (the block has not exited yet)"
         if self.skipped:
@@ -152,9 +208,42 @@ class LeakReport:
         if notes:
             head += "; " + ", ".join(notes)
         parts = [head]
-        for i, c in enumerate(self.cycles, 1):
-            parts.append(f"#{i} {c}")
+        if verbose:
+            for i, c in enumerate(self.cycles, 1):
+                parts.append(f"#{i} {c}")
+            return "\n".join(parts)
+        groups = self.groups()
+        if len(groups) < len(self.cycles):
+            parts[0] += f"; {len(groups)} shape(s)"
+        shown = groups if top is None else groups[: max(0, top)]
+        for i, g in enumerate(shown, 1):
+            parts.append(f"#{i} {g}")
+        if len(shown) < len(groups):
+            rest = groups[len(shown) :]
+            parts.append(
+                f"... and {len(rest)} more shape(s): {sum(g.count for g in rest)} cycle(s), "
+                f"{format_bytes(sum(g.retained_bytes for g in rest))} (all of them: "
+                "report.format(top=None), every cycle: report.format(verbose=True), in "
+                "pytest: --shmstore-leaks-verbose)"
+            )
         return "\n".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return {
+            "cycles": [c.to_dict() for c in self.cycles],
+            "retained_bytes": self.retained_bytes,
+            "garbage_objects": self.garbage_objects,
+            "analysed_objects": self.analysed_objects,
+            "seconds": self.seconds,
+            "allowed_cycles": self.allowed_cycles,
+            "other_thread_cycles": self.other_thread_cycles,
+            "skipped": self.skipped,
+            "engine": self.engine,
+        }
+
+    def __str__(self) -> str:
+        return self.format()
 
 
 class LeakError(AssertionError):
@@ -163,6 +252,6 @@ class LeakError(AssertionError):
     An ``AssertionError`` so test runners show it as a failed check.
     """
 
-    def __init__(self, report: LeakReport) -> None:
-        super().__init__(str(report))
+    def __init__(self, report: LeakReport, verbose: bool = False) -> None:
+        super().__init__(report.format(verbose=verbose))
         self.report = report
