@@ -294,3 +294,27 @@ def test_cuda_records_through_a_dataloader() -> None:
             assert seen == 64
     finally:
         lst.unlink()
+
+
+def test_file_broadcast_waits_past_a_stale_path(tmp_path: Any) -> None:
+    """A rendezvous file left by an earlier run names a store that is gone: the waiting ranks
+    do not read it, and take the one this run's rank 0 writes over it."""
+    import threading
+
+    path = tmp_path / "rendezvous"
+    earlier = shmstore.SharedList([0])
+    st.file_broadcast(path)(st._payload(earlier))  # an earlier run's rank 0
+    gone = earlier.path
+    earlier.close()
+    os.unlink(gone)  # what the supervisor does once that run ended
+    with pytest.raises(TimeoutError, match="no longer exists"):
+        st.file_broadcast(path, timeout=0.05, poll=0.01)(None)
+
+    current = shmstore.SharedList([1, 2, 3])
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(st.file_broadcast(path)(None)))
+    waiter.start()
+    st.file_broadcast(path)(st._payload(current))  # this run's rank 0
+    waiter.join(timeout=60)
+    assert got == [st._payload(current)]
+    assert list(st._from_payload(got[0])) == [1, 2, 3]

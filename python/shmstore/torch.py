@@ -204,9 +204,13 @@ def file_broadcast(
 ) -> Broadcast:
     """A rendezvous through a file: local rank 0 writes it (atomically), the others wait for it.
 
-    ``path`` must be on a file system every local rank sees, and fresh for each job (e.g. in a
-    directory named after the job id). The waiting ranks check every ``poll`` seconds, for at
-    most ``timeout`` seconds (then ``TimeoutError``).
+    ``path`` must be on a file system every local rank sees. It may be reused from an earlier
+    run: a file naming a store that no longer exists (its run ended, so the supervisor removed
+    it) is taken for stale, and the waiting ranks go on waiting for this run's local rank 0 to
+    replace it. (A path still naming a live store of another job that is running now is read
+    as this job's: give concurrent jobs different paths.) The waiting ranks check every
+    ``poll`` seconds, for at most ``timeout`` seconds (then ``TimeoutError``, saying what the
+    file held).
     """
     target = Path(path)
 
@@ -219,14 +223,42 @@ def file_broadcast(
             os.replace(tmp, target)
             return payload
         deadline = time.monotonic() + timeout
-        while not target.exists():
+        stale: Optional[Payload] = None
+        while True:
+            found = _read_payload(target)
+            if found is not None and _payload_exists(found):
+                return found
+            stale = found or stale
             if time.monotonic() > deadline:
+                if stale is not None:
+                    raise TimeoutError(
+                        f"{target} names a store that no longer exists ({stale[1] or stale[2]}): "
+                        f"left by an earlier run, and local rank 0 did not replace it in "
+                        f"{timeout:g} s"
+                    )
                 raise TimeoutError(f"local rank 0 did not publish a store in {target}")
             time.sleep(poll)
-        parts = target.read_text().split("\0")
-        return (parts[0], parts[1], parts[2], parts[3])
 
     return broadcast
+
+
+def _read_payload(target: Path) -> Optional[Payload]:
+    """The payload in ``target``, or None while it is missing or not one (rank 0 replaces the
+    file atomically, so a partial file is never seen; anything else is a foreign file)."""
+    try:
+        parts = target.read_text().split("\0")
+    except (FileNotFoundError, UnicodeDecodeError):
+        return None
+    if len(parts) != 4:
+        return None
+    return (parts[0], parts[1], parts[2], parts[3])
+
+
+def _payload_exists(payload: Payload) -> bool:
+    """Whether the store a payload names is still there (a stale file from an earlier run
+    names one the supervisor has removed)."""
+    _kind, name, where, how = payload
+    return os.path.exists(where if how == "file" else os.path.join(where, name))
 
 
 _KINDS: dict[str, Any] = {

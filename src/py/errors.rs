@@ -271,7 +271,11 @@ impl From<Error> for PyErr {
                 want,
             } => (
                 Class::Ours(Exc::Invalid),
-                format!("{store} holds a {have} (use {class}), not a {want}"),
+                format!(
+                    "{store} holds {} {have} (use {class}), not {} {want}",
+                    article(have),
+                    article(want)
+                ),
             ),
             Error::Corrupt { at, what } => (Class::Ours(Exc::Corrupt), format!("{at}: {what}")),
             Error::IndexRange { what, index, len } => (
@@ -426,4 +430,12 @@ fn archive(at: &str, e: ArchiveError) -> (Class, String) {
 /// (src/py/stack.rs): the same class Python raises for too deep a recursion.
 pub(crate) fn stack_exhausted(msg: String) -> PyErr {
     pyo3::exceptions::PyRecursionError::new_err(msg)
+}
+
+/// "a" or "an" before a kind's name ("an object", "a list").
+fn article(word: &str) -> &'static str {
+    match word.as_bytes().first() {
+        Some(b'a' | b'e' | b'i' | b'o' | b'u') => "an",
+        _ => "a",
+    }
 }

@@ -27,10 +27,10 @@ pub fn free_bytes(dir: &Path) -> Result<u64, SegmentError> {
 fn full_error(dir: &Path, needed: u64, free: u64) -> SegmentError {
     let hint = if dir.starts_with("/dev/shm") {
         "free space in /dev/shm (remove leftovers with `shmstore gc`), enlarge it (docker run \
-         --shm-size=..., or mount -o remount,size=... /dev/shm), or set SHMSTORE_DIR to a \
-         directory on a larger filesystem"
+         --shm-size=..., or mount -o remount,size=... /dev/shm), or choose a directory on a \
+         larger filesystem (dir=..., or SHMSTORE_DIR for every store)"
     } else {
-        "free space there or set SHMSTORE_DIR to another directory"
+        "free space there, or choose another directory (dir=..., or SHMSTORE_DIR for every store)"
     };
     SegmentError::Full {
         dir: dir.to_owned(),
