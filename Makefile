@@ -108,6 +108,7 @@ lint: build ## everything CI checks besides the tests (also run by pre-commit)
 	cargo clippy --all-targets -q -- -D warnings
 	cargo clippy --all-targets --features python -q -- -D warnings
 	.ci/check-exceptions
+	.ci/check-layers
 	$(VENV)/bin/ruff check $(PY_SOURCES)
 	$(VENV)/bin/ruff format --check $(PY_SOURCES)
 	$(PY) -m mypy --strict python

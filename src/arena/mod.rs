@@ -7,7 +7,7 @@
 pub mod alloc;
 pub mod segment;
 
-pub(crate) use segment::{lock_open_files, OpenFiles};
+pub use crate::process::pid;
 pub use segment::{
-    pid, survey, ArenaError, ArenaFile, ArenaWriter, Chunk, Lease, PartState, Reservation, MAGIC,
+    survey, ArenaError, ArenaFile, ArenaWriter, Chunk, Lease, PartState, Reservation, MAGIC,
 };

@@ -32,12 +32,12 @@ use std::io;
 use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, Once, OnceLock, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use super::alloc::{Bfc, ALIGN};
 use crate::archive::hash;
+use crate::process::{self, pid, ForkHooks, ForkLock};
 use crate::segment::{self, SegmentError};
 
 /// Bytes before the chunk region.
@@ -668,41 +668,41 @@ pub struct ArenaFile {
     released: Mutex<Option<HashSet<u64>>>,
 }
 
-/// This process's id, cached (`getpid` is a system call, and a small `put` asked for it
-/// three times). A forked child forgets the parent's (a `pthread_atfork` handler installed
-/// before the first value is cached), so it never takes itself for its parent.
-pub fn pid() -> u32 {
-    static PID: AtomicU32 = AtomicU32::new(0);
-    extern "C" fn forget() {
-        PID.store(0, Ordering::Relaxed);
-    }
-    static ONCE: Once = Once::new();
-    let p = PID.load(Ordering::Relaxed);
-    if p != 0 {
-        return p;
-    }
-    ONCE.call_once(|| {
-        // SAFETY: the child handler stores to an atomic: async-signal-safe, no locks, no
-        // allocation, never unwinds.
-        unsafe {
-            libc::pthread_atfork(None, None, Some(forget));
-        }
-    });
-    let p = std::process::id();
-    PID.store(p, Ordering::Relaxed);
-    p
-}
+type OpenFiles = HashMap<PathBuf, Weak<ArenaFile>>;
 
-/// The arenas opened in this process, locked (for the fork handlers, `crate::py::arena`).
-pub(crate) fn lock_open_files() -> std::sync::MutexGuard<'static, OpenFiles> {
-    open_files().lock().unwrap_or_else(|p| p.into_inner())
-}
-
-pub(crate) type OpenFiles = HashMap<PathBuf, Weak<ArenaFile>>;
-
+/// The arenas opened in this process, with their fork hooks registered: the first lock
+/// of `crate::process`'s order ([`ForkLock::ArenaFiles`]), so a child never inherits it
+/// locked by a thread that does not exist in it.
 fn open_files() -> &'static Mutex<OpenFiles> {
+    // The hooks only lock and unlock this mutex (held for short stretches by threads that
+    // never wait for a lock ordered before it), never touch Python and never unwind.
+    process::on_fork(
+        ForkLock::ArenaFiles,
+        ForkHooks {
+            before: || {
+                let guard = files().lock().unwrap_or_else(|p| p.into_inner());
+                HELD_FILES.with(|h| *h.borrow_mut() = Some(guard));
+            },
+            after_parent: release_open_files,
+            after_child: release_open_files,
+        },
+    );
+    files()
+}
+
+fn files() -> &'static Mutex<OpenFiles> {
     static FILES: OnceLock<Mutex<OpenFiles>> = OnceLock::new();
     FILES.get_or_init(Default::default)
+}
+
+thread_local! {
+    /// [`open_files`], held by the forking thread from before the fork to after it.
+    static HELD_FILES: std::cell::RefCell<Option<std::sync::MutexGuard<'static, OpenFiles>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+fn release_open_files() {
+    HELD_FILES.with(|h| drop(h.borrow_mut().take()));
 }
 
 impl ArenaFile {

@@ -1,20 +1,26 @@
-//! pyo3 binding layer (feature `python`): a thin adapter over `archive`, `segment` and
-//! `supervisor`. One file per Python class; what they share lives once:
+//! pyo3 binding layer (feature `python`): a thin adapter over the layers below it. One file
+//! per Python class; what they share lives once:
 //!
 //! - `errors`: the exception hierarchy and the one `From<Error> for PyErr`;
-//! - `store`: one mapped archive (`Store`), the attach cache, building and saving;
-//! - `keys`: dict keys between Python and the archive; `write`: Python -> archive values;
+//! - `logging`: Rust log records -> Python loggers;
+//! - `keys`: dict keys between Python and the archive;
+//! - `store`: one mapped archive (`Store`), the attach cache, arena chunks' uses, building
+//!   and saving;
 //! - `read/`: archive values -> Python (`ListView`, `DictView`, `ArrayOwner`) and
 //!   `read::protocol`, the Sequence/Mapping behaviour that handles and views share;
-//! - `handles/`: `StoreHandle`, `SharedList`, `SharedDict`, `Ref` + `put`;
-//! - `fetch`: a store's content digest, and importing one fetched from another machine;
-//! - `pickle`: unpickling handles and views; `admin`: supervisor entry points, sweep,
-//!   listing, store facts; `graph`: the leaks engine's snapshot; `logging`: Rust log
-//!   records -> Python loggers.
+//! - `write`: Python -> archive values; `arena`: `put` of small objects into this
+//!   process's arenas;
+//! - `handles/`: `StoreHandle`, `SharedList`, `SharedDict`, `Ref` + `put` (their free
+//!   lists registered with `read` at init);
+//! - `channel`: `Channel`; `pickle`: unpickling handles and views; `fetch`: a store's
+//!   content digest, and importing one fetched from another machine; `graph`: the leaks
+//!   engine's snapshot; `admin`: supervisor entry points, sweep, listing, store facts.
 //!
-//! Dependencies point one way: errors <- store, keys <- read <- write <- handles <- pickle,
-//! admin, fetch. (Inside `read/`, the conversion and the view types refer to each other: a
-//! lazy view is made by the conversion and converts its items.)
+//! Dependencies point one way, down this order (lowest first; `.ci/check-layers` checks
+//! it): errors, logging, keys, store, read, write, arena, handles, channel, pickle, fetch,
+//! graph, admin. This file, the index, names them all. (Inside `read/`, the conversion and
+//! the view types refer to each other: a lazy view is made by the conversion and converts
+//! its items.)
 
 mod admin;
 mod arena;
@@ -67,7 +73,7 @@ mod _native {
         crate::segment::install_fork_handlers();
         // Connect to a running supervisor now (never waits): see `client::prepare`.
         m.py().detach(crate::supervisor::client::prepare);
-        read::install_freelists(m.py())?;
+        read::install_freelists(m.py(), &[handles::install_freelists])?;
         Ok(())
     }
 }

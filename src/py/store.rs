@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
 
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -13,6 +13,7 @@ use pyo3::types::PyString;
 use super::errors::Error;
 use crate::archive::{ArchiveError, Builder, Kind, Reader};
 use crate::arena::{ArenaError, ArenaFile, Chunk, Lease};
+use crate::process::{self, ForkHooks, ForkLock};
 use crate::segment::{self, Mapping, SegmentError, SegmentWriter};
 use crate::supervisor;
 
@@ -441,17 +442,60 @@ impl ArenaUse {
 }
 
 /// The arenas used in this process, by path (`ArenaUse`s are kept by their chunks).
-pub(crate) type ArenaUses = HashMap<PathBuf, Weak<ArenaUse>>;
+type ArenaUses = HashMap<PathBuf, Weak<ArenaUse>>;
 
+/// The map of the arenas used here, with the fork hooks registered ([`fork_hooks`]).
 fn uses() -> &'static Mutex<ArenaUses> {
+    fork_hooks();
+    uses_map()
+}
+
+fn uses_map() -> &'static Mutex<ArenaUses> {
     static USES: OnceLock<Mutex<ArenaUses>> = OnceLock::new();
     USES.get_or_init(Default::default)
 }
 
-/// The map of [`uses`], locked (for the fork handlers, `super::arena`: taken last; no code
-/// holds it while taking another lock).
-pub(crate) fn lock_uses() -> std::sync::MutexGuard<'static, ArenaUses> {
-    uses().lock().unwrap_or_else(|p| p.into_inner())
+/// [`LAST_ARENA`], locked, with the fork hooks registered ([`fork_hooks`]).
+fn last_arena() -> MutexGuard<'static, LastArena> {
+    fork_hooks();
+    LAST_ARENA.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+type HeldUses = (
+    MutexGuard<'static, LastArena>,
+    MutexGuard<'static, ArenaUses>,
+);
+
+thread_local! {
+    /// [`LAST_ARENA`] and the map of [`uses`], held by the forking thread from before the
+    /// fork to after it: a child never inherits one of them locked by a thread that does
+    /// not exist in it (it would hang at its first chunk).
+    static HELD: std::cell::RefCell<Option<HeldUses>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Register the fork hooks of [`LAST_ARENA`] and the map of [`uses`]
+/// ([`ForkLock::ArenaUses`]: in this order, after the arena files and this process's own
+/// arenas; no code holds one of them while taking a lock ordered before it).
+fn fork_hooks() {
+    // The hooks only lock and unlock process-global mutexes held for short stretches,
+    // never touch Python and never unwind (poisoning is recovered from). The values
+    // guarded are left as they are (nothing is dropped in the child but the guards).
+    process::on_fork(
+        ForkLock::ArenaUses,
+        ForkHooks {
+            before: || {
+                let last = LAST_ARENA.lock().unwrap_or_else(|p| p.into_inner());
+                let uses = uses_map().lock().unwrap_or_else(|p| p.into_inner());
+                HELD.with(|h| *h.borrow_mut() = Some((last, uses)));
+            },
+            after_parent: release_held,
+            after_child: release_held,
+        },
+    );
+}
+
+fn release_held() {
+    HELD.with(|h| drop(h.borrow_mut().take()));
 }
 
 fn remember_use(u: &Arc<ArenaUse>) {
@@ -464,8 +508,8 @@ fn remember_use(u: &Arc<ArenaUse>) {
 /// chunk here is gone. A process that reads many chunks of one arena one after another would
 /// otherwise open the file again and register it with the supervisor (a round trip) for
 /// every chunk. At most one arena per process is held this way (docs/arena.md).
-pub(crate) type LastArena = Option<Arc<ArenaUse>>;
-pub(crate) static LAST_ARENA: Mutex<LastArena> = Mutex::new(None);
+type LastArena = Option<Arc<ArenaUse>>;
+static LAST_ARENA: Mutex<LastArena> = Mutex::new(None);
 
 /// Let go of the arena kept by [`LAST_ARENA`].
 pub(crate) fn forget_last_arena() {
@@ -475,7 +519,7 @@ pub(crate) fn forget_last_arena() {
 /// Let go of the arena kept by [`LAST_ARENA`] if `which` says so of it.
 pub(crate) fn forget_last_arena_if(which: impl Fn(&Arc<ArenaUse>) -> bool) {
     let old = {
-        let mut last = LAST_ARENA.lock().unwrap_or_else(|p| p.into_inner());
+        let mut last = last_arena();
         if last.as_ref().is_some_and(which) {
             last.take()
         } else {
@@ -499,12 +543,7 @@ fn arena_use(py: Python<'_>, path: &Path) -> Result<Arc<ArenaUse>, StoreErr> {
     let found = |u: &Arc<ArenaUse>| {
         u.file.pid() == me && (u.path().as_os_str() == path.as_os_str() || u.path() == path)
     };
-    if let Some(u) = LAST_ARENA
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .as_ref()
-        .filter(|u| found(u))
-    {
+    if let Some(u) = last_arena().as_ref().filter(|u| found(u)) {
         return Ok(u.clone());
     }
     let known = uses()
@@ -530,10 +569,7 @@ fn arena_use(py: Python<'_>, path: &Path) -> Result<Arc<ArenaUse>, StoreErr> {
             u
         }
     };
-    let old = LAST_ARENA
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .replace(u.clone());
+    let old = last_arena().replace(u.clone());
     drop(old); // outside the lock: may queue a DROP (never blocks)
     Ok(u)
 }
@@ -548,7 +584,7 @@ pub(crate) fn open_chunk(
     chunk: Chunk,
     own: Option<(Arc<ArenaUse>, u64, Arc<memmap2::MmapRaw>)>,
 ) -> PyResult<Arc<Store>> {
-    super::arena::fork_handlers();
+    fork_hooks();
     let source = Source::Arena { path, chunk };
     let failed = |e: StoreErr| e.into_error(&format!("store {:?}", source.name()));
     let (arena, own) = match own {

@@ -14,9 +14,9 @@
 //! supervisor).
 //!
 //! Fork safety: the two locks (`IO`: the conversation, `STATE`: the bookkeeping, taken in
-//! that order, never while logging or calling Python) are taken by a `pthread_atfork`
-//! prepare handler and released in the parent and the child, so a fork in the middle of
-//! another thread's round trip waits for it to finish (at most the deadline) instead of
+//! that order, never while logging or calling Python) are taken by a fork hook
+//! (`crate::process`: after the arenas' locks, before the owned names') and released in
+//! the parent and the child, so a fork in the middle of another thread's round trip waits for it to finish (at most the deadline) instead of
 //! leaving the child a lock that no thread will ever release. A forked child notices the
 //! pid change and opens its own connection (keeping the inherited one open, so its
 //! parent's segments stay registered while the child, which maps them too, is alive).
@@ -28,12 +28,13 @@ use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::{Condvar, Mutex, MutexGuard, Once, OnceLock};
+use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags, Timespec};
 
 use super::proto::{parse_end, parse_seg, Request, SegmentUse};
+use crate::process::{self, ForkHooks, ForkLock};
 use crate::segment::PrivateDir;
 
 /// How to start a supervisor process (set by the Python layer: the interpreter and the
@@ -601,17 +602,17 @@ thread_local! {
         const { RefCell::new(None) };
 }
 
-extern "C" fn before_fork() {
+fn before_fork() {
     let io = lock(&IO);
     let st = lock(state());
     HELD.with(|h| *h.borrow_mut() = Some((io, st)));
 }
 
-extern "C" fn after_fork_parent() {
+fn after_fork_parent() {
     HELD.with(|h| drop(h.borrow_mut().take()));
 }
 
-extern "C" fn after_fork_child() {
+fn after_fork_child() {
     HELD.with(|h| {
         if let Some((mut io, mut st)) = h.borrow_mut().take() {
             // The parent owns that conversation: keep the socket open, never use it.
@@ -624,20 +625,20 @@ extern "C" fn after_fork_child() {
     });
 }
 
+/// Register the fork hooks of `IO` and `STATE` ([`ForkLock::SupervisorClient`], see
+/// `crate::process`).
 fn install_fork_handlers() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        // SAFETY: the handlers are plain functions that lock and unlock process-global
-        // mutexes (no allocation in `before_fork` besides what `Mutex::lock` does, no
-        // Python, no I/O) and never unwind: `lock` recovers from poisoning.
-        unsafe {
-            libc::pthread_atfork(
-                Some(before_fork),
-                Some(after_fork_parent),
-                Some(after_fork_child),
-            );
-        }
-    });
+    // The hooks are plain functions that lock and unlock process-global mutexes (no
+    // allocation in `before_fork` besides what `Mutex::lock` does, no Python, no I/O) and
+    // never unwind: `lock` recovers from poisoning.
+    process::on_fork(
+        ForkLock::SupervisorClient,
+        ForkHooks {
+            before: before_fork,
+            after_parent: after_fork_parent,
+            after_child: after_fork_child,
+        },
+    );
 }
 
 type IoGuard = MutexGuard<'static, Io>;
