@@ -1,5 +1,8 @@
 //! `Store`: one mapped archive in this process (mapping + validating reader + a cache of
 //! interned key strings), the per-process attach cache, and building a new store.
+//!
+//! (Over 800 lines: not split yet; its seams are the supervisor registration, arena uses,
+//! opening and building.)
 
 use std::collections::HashMap;
 use std::os::unix::fs::MetadataExt;

@@ -16,10 +16,11 @@
 //! Fork safety: the two locks (`IO`: the conversation, `STATE`: the bookkeeping, taken in
 //! that order, never while logging or calling Python) are taken by a fork hook
 //! (`crate::process`: after the arenas' locks, before the owned names') and released in
-//! the parent and the child, so a fork in the middle of another thread's round trip waits for it to finish (at most the deadline) instead of
-//! leaving the child a lock that no thread will ever release. A forked child notices the
-//! pid change and opens its own connection (keeping the inherited one open, so its
-//! parent's segments stay registered while the child, which maps them too, is alive).
+//! the parent and the child, so a fork in the middle of another thread's round trip
+//! waits for it to finish (at most the deadline) instead of leaving the child a lock that
+//! no thread will ever release. A forked child notices the pid change and opens its own
+//! connection (keeping the inherited one open, so its parent's segments stay registered
+//! while the child, which maps them too, is alive).
 
 //!
 //! The files: this one has the settings, [`Unavailable`] and the process's registrations
