@@ -21,7 +21,6 @@
 //! no thread will ever release. A forked child notices the pid change and opens its own
 //! connection (keeping the inherited one open, so its parent's segments stay registered
 //! while the child, which maps them too, is alive).
-
 //!
 //! The files: this one has the settings, [`Unavailable`] and the process's registrations
 //! and locks (with their fork hooks); `connection.rs` a connection and its conversation,
