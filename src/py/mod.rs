@@ -44,10 +44,13 @@ mod _native {
 
     #[pymodule_export]
     use super::admin::{
-        _cleanup_at_exit, _crafted_archive, _crafted_names, _flush_drops, _fuzz_case,
-        _remove_segment, _search_dirs, _segment_name, _segment_paths, _segment_users, _store_info,
-        _supervisor_main, supervisor_info, sweep,
+        _cleanup_at_exit, _flush_drops, _remove_segment, _search_dirs, _segment_name,
+        _segment_paths, _segment_users, _store_info, _supervisor_main, supervisor_info, sweep,
     };
+    // The fuzzer's testing hooks: in test builds only (feature `fuzzing`, `make build`).
+    #[cfg(feature = "fuzzing")]
+    #[pymodule_export]
+    use super::admin::{_crafted_archive, _crafted_names, _fuzz_case};
     #[pymodule_export]
     use super::arena::{_arena_info, _arena_release, _arena_simulate, _arena_usage};
     #[pymodule_export]
