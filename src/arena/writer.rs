@@ -2,9 +2,9 @@
 //! chunks ([`Reservation`], [`ChunkSink`]) and reusing the ones no process holds.
 
 use std::collections::{BTreeSet, HashSet};
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io;
-use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{FileExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -59,54 +59,29 @@ impl ArenaWriter {
     /// `<name>.part-<random>`, reserved (`fallocate`), sealed and linked under its name.
     pub fn create(dir: &Path, name: &str, capacity: u64) -> Result<Self, ArenaError> {
         let capacity = capacity & !(ALIGN - 1);
-        let total = Self::preflight(dir, capacity)?;
-        let suffix = &segment::random_name()[segment::PREFIX.len()..][..12];
-        let tmp = dir.join(format!("{name}.part-{suffix}"));
+        let total = HEADER
+            .checked_add(capacity)
+            .ok_or_else(|| io_err(dir, io::Error::from(io::ErrorKind::InvalidInput)))?;
         let path = dir.join(name);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(
-                (rustix::fs::OFlags::CLOEXEC | rustix::fs::OFlags::NOFOLLOW).bits() as i32,
-            )
-            .open(&tmp)
-            .map_err(|e| io_err(&tmp, e))?;
-        let res = (|| {
-            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, total).map_err(
-                |e| {
-                    if e == rustix::io::Errno::NOSPC {
-                        // Say how much and what to do, as for any segment.
-                        match segment::preflight(dir, u64::MAX / 2) {
-                            Err(full) => ArenaError::Segment(full),
-                            Ok(()) => io_err(&tmp, e),
-                        }
-                    } else {
-                        io_err(&tmp, e)
-                    }
-                },
-            )?;
+        let res = segment::create_preallocated(dir, name, total, |file, tmp| {
             let mut head = [0u8; 32];
             head[..8].copy_from_slice(MAGIC);
             head[8..12].copy_from_slice(&VERSION.to_le_bytes());
             head[16..24].copy_from_slice(&capacity.to_le_bytes());
-            head[24..28].copy_from_slice(&pid().to_le_bytes());
-            file.write_all_at(&head, 0).map_err(|e| io_err(&tmp, e))?;
+            head[segment::CREATOR_PID_AT..][..4].copy_from_slice(&pid().to_le_bytes());
+            file.write_all_at(&head, 0).map_err(|e| io_err(tmp, e))?;
             file.set_permissions(std::fs::Permissions::from_mode(0o400))
-                .map_err(|e| io_err(&tmp, e))?;
-            let map = map_for_writing(&file, total).map_err(|e| io_err(&tmp, e))?;
+                .map_err(|e| io_err(tmp, e))?;
+            let map = map_for_writing(&file, total).map_err(|e| io_err(tmp, e))?;
             // After the pages are in: their write faults moved the modification time.
-            segment::mark_sealed(&file).map_err(|e| io_err(&tmp, e))?;
+            segment::mark_sealed(&file).map_err(|e| io_err(tmp, e))?;
             // All of the chunk region is free: locked by the creator until it is written.
-            if !ofd_lock(&file, Lock::Exclusive, HEADER, capacity).map_err(|e| io_err(&tmp, e))? {
-                return Err(io_err(&tmp, io::Error::from(io::ErrorKind::WouldBlock)));
+            if !ofd_lock(&file, Lock::Exclusive, HEADER, capacity).map_err(|e| io_err(tmp, e))? {
+                return Err(io_err(tmp, io::Error::from(io::ErrorKind::WouldBlock)));
             }
-            std::fs::hard_link(&tmp, &path).map_err(|e| io_err(&path, e))?;
-            Ok::<_, ArenaError>(map)
-        })();
-        let _ = std::fs::remove_file(&tmp);
-        let map = res?;
+            Ok::<_, ArenaError>((file, map))
+        });
+        let (file, map) = res?;
         Ok(ArenaWriter {
             file,
             map: Arc::new(map),
