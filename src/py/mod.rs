@@ -71,8 +71,14 @@ mod _native {
         m.add("_SEGMENT_PREFIX", crate::segment::PREFIX)?;
         // What `_segments.py` reads in an arena's or a channel's header (the magic, and
         // where the creator's pid is): said once, here.
-        m.add("_ARENA_MAGIC", pyo3::types::PyBytes::new(m.py(), crate::arena::MAGIC))?;
-        m.add("_CHANNEL_MAGIC", pyo3::types::PyBytes::new(m.py(), crate::channel::MAGIC))?;
+        m.add(
+            "_ARENA_MAGIC",
+            pyo3::types::PyBytes::new(m.py(), crate::arena::MAGIC),
+        )?;
+        m.add(
+            "_CHANNEL_MAGIC",
+            pyo3::types::PyBytes::new(m.py(), crate::channel::MAGIC),
+        )?;
         m.add("_CREATOR_PID_AT", crate::segment::CREATOR_PID_AT)?;
         errors::register(m)?;
         graph::register(m)?;
