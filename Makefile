@@ -22,7 +22,7 @@ venv: $(VENV)/.deps ## create .venv with the build and test dependencies
 
 build: venv ## release build of the extension, installed into .venv
 	rm -f python/shmstore/_native.*.so  # a stale build of the other kind (abi3 or not) would shadow it
-	$(VENV)/bin/maturin develop --release -q
+	$(VENV)/bin/maturin develop --release -q --features python,fuzzing  # fuzzing: the fuzzer's testing hooks (wheels leave them out)
 
 test-rust: ## cargo test of the pure-Rust layers (no Python needed)
 	cargo test --release -q
@@ -133,7 +133,9 @@ lint: build ## everything CI checks besides the tests (also run by pre-commit)
 	cargo fmt --check
 	cargo clippy --all-targets -q -- -D warnings
 	cargo clippy --all-targets --features python -q -- -D warnings
+	cargo clippy --all-targets --features python,fuzzing -q -- -D warnings
 	.ci/check-exceptions
+	.ci/check-layers
 	$(VENV)/bin/ruff check $(PY_SOURCES)
 	$(VENV)/bin/ruff format --check $(PY_SOURCES)
 	$(PY) -m mypy --strict python

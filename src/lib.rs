@@ -1,8 +1,11 @@
 //! shmstore: one copy of a read-only dataset shared by many processes.
 //!
-//! Layers (arrows point down): `py` (pyo3 bindings, feature `python`) -> `archive`
-//! (value model, builder, reader) and `segment` (named shared memory) and `supervisor`.
-//! The three lower layers never import pyo3; `cargo test` needs no Python.
+//! Layers, lowest first; each uses only layers before it (`.ci/check-layers` checks it):
+//! `process` (pid, the one fork hook and the order of the locks it takes) < `archive`
+//! (value model, builder, reader) < `segment` (named shared memory) < `arena` (small
+//! objects in chunks) < `channel` (the queue's ring) < `supervisor` (who uses what) <
+//! `graph` (the leaks analysis) < `py` (pyo3 bindings, feature `python`).
+//! Only `py` imports pyo3; `cargo test` needs no Python.
 
 // Crate-private: the crate's only user is its own binding layer (and the unit tests), so
 // the compiler reports anything that nothing calls. Without the `python` feature most of
@@ -13,6 +16,7 @@ mod archive;
 mod arena;
 mod channel;
 mod graph;
+mod process;
 mod segment;
 mod supervisor;
 

@@ -11,6 +11,9 @@ from typing import Any, Generic, Literal, SupportsIndex, TypeVar, final, overloa
 from typing_extensions import disjoint_base
 
 __all__ = [
+    "_ARENA_MAGIC",
+    "_CHANNEL_MAGIC",
+    "_CREATOR_PID_AT",
     "_SEGMENT_PREFIX",
     "ArrayOwner",
     "Channel",
@@ -66,6 +69,9 @@ __all__ = [
 
 __version__: str
 _SEGMENT_PREFIX: str
+_ARENA_MAGIC: bytes
+_CHANNEL_MAGIC: bytes
+_CREATOR_PID_AT: int
 
 _S = TypeVar("_S", bound="StoreHandle")
 _T_co = TypeVar("_T_co", covariant=True)

@@ -72,16 +72,17 @@ def remove(name: str) -> Path | None:
 def arena_creator(path: Path) -> int | None:
     """The creator's pid if ``path`` is an arena segment (docs/arena.md), else None (also
     for a symlink, a FIFO or a file that cannot be read)."""
-    return _creator_if(path, b"SHMARENA")
+    return _creator_if(path, _native._ARENA_MAGIC)
 
 
 def channel_creator(path: Path) -> int | None:
     """The creator's pid if ``path`` is a channel (docs/channel.md), else None."""
-    return _creator_if(path, b"SHMCHANL")
+    return _creator_if(path, _native._CHANNEL_MAGIC)
 
 
 def _creator_if(path: Path, magic: bytes) -> int | None:
-    """The pid at bytes 24..28 of ``path`` if its header starts with ``magic``."""
+    """The creator's pid (a little-endian u32 at ``_native._CREATOR_PID_AT``) of ``path`` if
+    its header starts with ``magic`` (both from the Rust side, which writes them)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -92,6 +93,7 @@ def _creator_if(path: Path, magic: bytes) -> int | None:
         return None
     finally:
         os.close(fd)
-    if len(head) < 32 or head[:8] != magic:
+    at = _native._CREATOR_PID_AT
+    if len(head) < at + 4 or head[: len(magic)] != magic:
         return None
-    return int.from_bytes(head[24:28], "little")
+    return int.from_bytes(head[at : at + 4], "little")

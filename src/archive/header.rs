@@ -218,6 +218,7 @@ pub fn record_span(bytes: &[u8], index_off: u64, rec: u64) -> Option<(u64, u64)>
 /// checksum (where `index_off` still does). Used by tests and the fuzzer (`archive::fuzz`)
 /// to get arbitrary structure past the checksums, so that the structural checks are what
 /// is tested.
+#[cfg_attr(not(any(test, feature = "fuzzing")), allow(dead_code))]
 pub fn reseal(bytes: &mut [u8]) {
     if bytes.len() < HEADER_LEN {
         return;

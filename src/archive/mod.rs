@@ -1,12 +1,17 @@
 //! Pure-Rust archive layer (no pyo3): the value model, the record encoder, the streaming
 //! builder, the header and the checked reader. See docs/format.md for the byte layout.
 
+// `Builder::finish_raw_record` is the fuzzer's (records the encoder never writes): without
+// the fuzzer (`fuzzing` off, as in wheels) it has no caller.
+#[cfg_attr(not(any(test, feature = "fuzzing")), allow(dead_code))]
 pub mod builder;
 pub mod encode;
 pub mod format;
 #[doc(hidden)]
 // Its drivers (`run`, `read_everything`, `CRAFTED`) have callers in tests only: outside
-// `cargo test` builds they are not dead code to remove.
+// `cargo test` builds they are not dead code to remove. Built for tests and with the
+// `fuzzing` feature (the Python testing hooks), never into a wheel.
+#[cfg(any(test, feature = "fuzzing"))]
 #[cfg_attr(not(test), allow(dead_code))]
 pub mod fuzz;
 pub mod hash;

@@ -1,13 +1,23 @@
 //! Pure-Rust arena layer (no pyo3): many small objects in one preallocated shared-memory
 //! segment per process (docs/arena.md).
 //!
-//! `alloc.rs`: where chunks go (best fit, coalescing, size bins); `segment.rs`: the arena
-//! file, chunk headers with generations, and leases (OFD byte-range locks).
+//! `alloc.rs`: where chunks go (best fit, coalescing, size bins); `format.rs`: the arena
+//! file's layout (header, chunk headers with generations) and `ArenaError`; `writer.rs`: the
+//! creator's side (making the file, reserving, writing and reusing chunks); `file.rs`: every
+//! user's side (the file opened once per process, its leases, `survey`); `lease.rs`: leases
+//! (OFD byte-range locks) and `Lease`.
 
 pub mod alloc;
-pub mod segment;
+mod file;
+mod format;
+mod lease;
+mod writer;
 
-pub(crate) use segment::{lock_open_files, OpenFiles};
-pub use segment::{
-    pid, survey, ArenaError, ArenaFile, ArenaWriter, Chunk, Lease, PartState, Reservation, MAGIC,
-};
+#[cfg(test)]
+mod tests;
+
+pub use crate::process::pid;
+pub use file::{survey, ArenaFile, PartState};
+pub use format::{ArenaError, MAGIC};
+pub use lease::Lease;
+pub use writer::{ArenaWriter, Chunk, Reservation};

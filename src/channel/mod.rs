@@ -16,9 +16,9 @@
 //! endless loop. Waiting sleeps on a futex in the shared mapping: no system call is made
 //! while both sides keep up, and one wake-up only when the other side sleeps.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -46,7 +46,7 @@ pub const MAX_CAPACITY: u64 = 1 << 20;
 
 // Header offsets (bytes). Each hot word has a cache line of its own.
 const AT_CAPACITY: usize = 16;
-const AT_CREATOR: usize = 24;
+const AT_CREATOR: usize = segment::CREATOR_PID_AT;
 const AT_TAIL: usize = 64;
 const AT_HEAD: usize = 128;
 const AT_RECV_EPOCH: usize = 192;
@@ -124,27 +124,11 @@ impl Ring {
             ));
         }
         let total = HEADER + capacity * CELL;
-        segment::preflight(dir, total)?;
-        let suffix = &segment::random_name()[segment::PREFIX.len()..][..12];
-        let tmp = dir.join(format!("{name}.part-{suffix}"));
-        let path = dir.join(name);
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .custom_flags(
-                (rustix::fs::OFlags::CLOEXEC | rustix::fs::OFlags::NOFOLLOW).bits() as i32,
-            )
-            .open(&tmp)
-            .map_err(|e| io_err(&tmp, e))?;
-        let made = (|| {
-            rustix::fs::fallocate(&file, rustix::fs::FallocateFlags::empty(), 0, total)
-                .map_err(|e| io_err(&tmp, e))?;
+        let made = segment::create_preallocated(dir, name, total, |file, tmp| {
             // Exactly 0600 whatever the umask: both sides write it, nobody else may.
             file.set_permissions(std::fs::Permissions::from_mode(0o600))
-                .map_err(|e| io_err(&tmp, e))?;
-            let ring = Ring::map(file, tmp.clone(), capacity, total)?;
+                .map_err(|e| io_err(tmp, e))?;
+            let ring = Ring::map(file, tmp.to_owned(), capacity, total)?;
             for (i, b) in MAGIC.iter().enumerate() {
                 ring.byte(i).store(*b, Ordering::Relaxed);
             }
@@ -157,10 +141,9 @@ impl Ring {
                 ring.word(i, 0).store(i, Ordering::Relaxed);
             }
             std::sync::atomic::fence(Ordering::SeqCst);
-            std::fs::hard_link(&tmp, &path).map_err(|e| io_err(&path, e))?;
             Ok::<_, ChannelError>(ring)
-        })();
-        let _ = std::fs::remove_file(&tmp);
+        });
+        let path = dir.join(name);
         let mut ring = made?;
         ring.path = path;
         Ok(ring)

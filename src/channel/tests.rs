@@ -304,3 +304,21 @@ fn a_claim_of_a_live_process_or_one_too_young_to_judge_is_never_taken_over() {
     child.kill().unwrap();
     child.wait().unwrap();
 }
+
+#[test]
+fn a_channel_in_a_full_directory_says_how_much_is_needed_and_what_to_do() {
+    let Some(fs) = crate::segment::SmallTmpfs::mount("256k") else {
+        return;
+    };
+    let Err(err) = Ring::create(fs.dir.path(), "shmstore-chan-full", MAX_CAPACITY) else {
+        panic!("a channel larger than its directory was made");
+    };
+    assert!(
+        matches!(
+            err,
+            ChannelError::Segment(crate::segment::SegmentError::Full { .. })
+        ),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_dir(fs.dir.path()).unwrap().count(), 0);
+}

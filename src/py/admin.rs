@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+#[cfg(feature = "fuzzing")]
+use pyo3::types::PyBytes;
+use pyo3::types::{PyDict, PyList};
 
 use super::errors::Error;
 use super::handles::StoreHandle;
@@ -222,6 +224,7 @@ pub(crate) fn _store_info<'py>(
     Ok(d)
 }
 
+#[cfg(feature = "fuzzing")]
 /// Testing hook: fuzz case `seed` (src/archive/fuzz.rs) as (kind, archive bytes): an
 /// archive with valid checksums and arbitrary structure, for tests/test_fuzz.py.
 #[pyfunction]
@@ -233,6 +236,7 @@ pub(crate) fn _fuzz_case(py: Python<'_>, seed: u64) -> (&'static str, Bound<'_, 
     )
 }
 
+#[cfg(feature = "fuzzing")]
 /// Testing hook: the hostile archive `name` (src/archive/fuzz.rs, `CRAFTED`), as bytes.
 #[pyfunction]
 pub(crate) fn _crafted_archive<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyBytes>> {
@@ -241,6 +245,7 @@ pub(crate) fn _crafted_archive<'py>(py: Python<'py>, name: &str) -> PyResult<Bou
     Ok(PyBytes::new(py, &bytes))
 }
 
+#[cfg(feature = "fuzzing")]
 /// Testing hook: the names `_crafted_archive` knows (all corrupt but `deep-ok`).
 #[pyfunction]
 pub(crate) fn _crafted_names() -> Vec<&'static str> {

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::io::Cursor;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
@@ -17,6 +17,7 @@ use super::write::Encoder;
 use crate::archive::builder::Sink;
 use crate::archive::{Builder, Kind};
 use crate::arena::{alloc, ArenaFile, ArenaWriter, PartState, Reservation};
+use crate::process::{self, ForkHooks, ForkLock};
 use crate::segment;
 
 /// Largest object archive that goes into an arena (bigger ones get a segment of their own).
@@ -451,7 +452,7 @@ fn with_owned<R: Send>(
     f: impl FnOnce(&mut Owned) -> R + Send,
 ) -> Option<R> {
     py.detach(|| {
-        let mut arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
+        let mut arenas = arenas();
         arenas
             .iter_mut()
             .find(|a| a.writer.path().as_os_str() == path.as_os_str())
@@ -466,12 +467,11 @@ fn reserve(py: Python<'_>, max_len: u64, dir: Option<PathBuf>) -> PyResult<Optio
     if !fits(max_len) {
         return Ok(None);
     }
-    fork_handlers();
     // Arena work needs no Python: done without the GIL (never wait for the lock with it).
     let dir = dir.unwrap_or_else(segment::default_dir);
     let sweep = PUTS.fetch_add(1, Ordering::Relaxed) % IDLE_SWEEP_EVERY == IDLE_SWEEP_EVERY - 1;
     let placed = py.detach(|| {
-        let mut arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
+        let mut arenas = arenas();
         let placed = place(&mut arenas, &dir, max_len);
         let idle = if sweep {
             take_idle(&mut arenas, Instant::now())
@@ -491,7 +491,7 @@ fn reserve(py: Python<'_>, max_len: u64, dir: Option<PathBuf>) -> PyResult<Optio
                 return Ok(None);
             };
             let placed = py.detach(|| {
-                let mut arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
+                let mut arenas = arenas();
                 // A forked child's copies of its parent's arenas are not ours to fill
                 // (dropped after the lock: a drop queues a DROP, taking the client's lock).
                 let (ours, inherited) = std::mem::take(&mut *arenas)
@@ -553,46 +553,42 @@ fn give_out(
     opened.map(Some)
 }
 
-type Held = (
-    std::sync::MutexGuard<'static, crate::arena::OpenFiles>,
-    std::sync::MutexGuard<'static, Vec<Owned>>,
-    std::sync::MutexGuard<'static, store::LastArena>,
-    std::sync::MutexGuard<'static, store::ArenaUses>,
-);
-
 thread_local! {
-    /// The arena module's process-wide locks, held by the forking thread from `prepare`
-    /// to `parent`/`child`: a child never inherits one of them locked by a thread that
-    /// does not exist in it (it would hang at its first small `put`).
-    static HELD: std::cell::RefCell<Option<Held>> = const { std::cell::RefCell::new(None) };
+    /// [`ARENAS`], held by the forking thread from before the fork to after it: a child
+    /// never inherits it locked by a thread that does not exist in it (it would hang at its
+    /// first small `put`).
+    static HELD: std::cell::RefCell<Option<MutexGuard<'static, Vec<Owned>>>> =
+        const { std::cell::RefCell::new(None) };
 }
 
-extern "C" fn before_fork() {
-    // Always in this order; no code holds one of them while taking one before it.
-    let files = crate::arena::lock_open_files();
-    let arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
-    let last = store::LAST_ARENA.lock().unwrap_or_else(|p| p.into_inner());
-    let uses = store::lock_uses();
-    HELD.with(|h| *h.borrow_mut() = Some((files, arenas, last, uses)));
-}
-
-extern "C" fn after_fork() {
+fn release_held() {
     HELD.with(|h| drop(h.borrow_mut().take()));
 }
 
-/// Install the fork handlers (once per process; before the first use of an arena).
-pub(crate) fn fork_handlers() {
-    static ONCE: std::sync::Once = std::sync::Once::new();
-    ONCE.call_once(|| {
-        // SAFETY: the handlers only lock and unlock process-global mutexes held for short
-        // stretches by threads that never wait for a lock ordered before them (see
-        // `before_fork`), never touch Python and never unwind (`lock` recovers from
-        // poisoning). The values guarded are left as they are (nothing is dropped in the
-        // child but the guards).
-        unsafe {
-            libc::pthread_atfork(Some(before_fork), Some(after_fork), Some(after_fork));
-        }
-    });
+/// Register the fork hooks of [`ARENAS`] ([`ForkLock::Arenas`]: after the arena files,
+/// before the arena uses of `store`; no code holds it while taking a lock ordered before
+/// it).
+fn fork_hooks() {
+    // The hooks only lock and unlock a process-global mutex held for short stretches,
+    // never touch Python and never unwind (poisoning is recovered from). The value guarded
+    // is left as it is (nothing is dropped in the child but the guard).
+    process::on_fork(
+        ForkLock::Arenas,
+        ForkHooks {
+            before: || {
+                let arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
+                HELD.with(|h| *h.borrow_mut() = Some(arenas));
+            },
+            after_parent: release_held,
+            after_child: release_held,
+        },
+    );
+}
+
+/// [`ARENAS`], locked, with the fork hooks registered.
+fn arenas() -> MutexGuard<'static, Vec<Owned>> {
+    fork_hooks();
+    ARENAS.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// Let go of this process's arenas (and of the arena it last read from): no new object goes
@@ -600,7 +596,7 @@ pub(crate) fn fork_handlers() {
 /// before keep working). For tests and for long-lived processes done with small objects.
 #[pyfunction]
 pub(crate) fn _arena_release(py: Python<'_>) -> usize {
-    let gone = py.detach(|| std::mem::take(&mut *ARENAS.lock().unwrap_or_else(|p| p.into_inner())));
+    let gone = py.detach(|| std::mem::take(&mut *arenas()));
     let n = gone.len();
     // Dropping sends the supervisor a DROP for each (queued, never blocks).
     drop(gone);
@@ -612,7 +608,7 @@ pub(crate) fn _arena_release(py: Python<'_>) -> usize {
 #[pyfunction]
 pub(crate) fn _arena_usage(py: Python<'_>) -> Vec<(String, u64, u64)> {
     py.detach(|| {
-        let arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
+        let arenas = arenas();
         arenas
             .iter()
             .filter(|a| a.writer.is_ours())

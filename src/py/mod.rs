@@ -1,20 +1,26 @@
-//! pyo3 binding layer (feature `python`): a thin adapter over `archive`, `segment` and
-//! `supervisor`. One file per Python class; what they share lives once:
+//! pyo3 binding layer (feature `python`): a thin adapter over the layers below it. One file
+//! per Python class; what they share lives once:
 //!
 //! - `errors`: the exception hierarchy and the one `From<Error> for PyErr`;
-//! - `store`: one mapped archive (`Store`), the attach cache, building and saving;
-//! - `keys`: dict keys between Python and the archive; `write`: Python -> archive values;
+//! - `logging`: Rust log records -> Python loggers;
+//! - `keys`: dict keys between Python and the archive;
+//! - `store`: one mapped archive (`Store`), the attach cache, arena chunks' uses, building
+//!   and saving;
 //! - `read/`: archive values -> Python (`ListView`, `DictView`, `ArrayOwner`) and
 //!   `read::protocol`, the Sequence/Mapping behaviour that handles and views share;
-//! - `handles/`: `StoreHandle`, `SharedList`, `SharedDict`, `Ref` + `put`;
-//! - `fetch`: a store's content digest, and importing one fetched from another machine;
-//! - `pickle`: unpickling handles and views; `admin`: supervisor entry points, sweep,
-//!   listing, store facts; `graph`: the leaks engine's snapshot; `logging`: Rust log
-//!   records -> Python loggers.
+//! - `write`: Python -> archive values; `arena`: `put` of small objects into this
+//!   process's arenas;
+//! - `handles/`: `StoreHandle`, `SharedList`, `SharedDict`, `Ref` + `put` (their free
+//!   lists registered with `read` at init);
+//! - `channel`: `Channel`; `pickle`: unpickling handles and views; `fetch`: a store's
+//!   content digest, and importing one fetched from another machine; `graph`: the leaks
+//!   engine's snapshot; `admin`: supervisor entry points, sweep, listing, store facts.
 //!
-//! Dependencies point one way: errors <- store, keys <- read <- write <- handles <- pickle,
-//! admin, fetch. (Inside `read/`, the conversion and the view types refer to each other: a
-//! lazy view is made by the conversion and converts its items.)
+//! Dependencies point one way, down this order (lowest first; `.ci/check-layers` checks
+//! it): errors, logging, keys, store, read, write, arena, handles, channel, pickle, fetch,
+//! graph, admin. This file, the index, names them all. (Inside `read/`, the conversion and
+//! the view types refer to each other: a lazy view is made by the conversion and converts
+//! its items.)
 
 mod admin;
 mod arena;
@@ -39,10 +45,14 @@ mod _native {
 
     #[pymodule_export]
     use super::admin::{
-        _cleanup_at_exit, _crafted_archive, _crafted_names, _flush_drops, _fuzz_case,
-        _remove_segment, _search_dirs, _segment_name, _segment_paths, _segment_users, _state_dir,
-        _store_info, _supervisor_main, supervisor_info, sweep,
+        _cleanup_at_exit, _flush_drops, _remove_segment, _search_dirs, _segment_name,
+        _segment_paths, _segment_users, _state_dir, _store_info, _supervisor_main, supervisor_info,
+        sweep,
     };
+    // The fuzzer's testing hooks: in test builds only (feature `fuzzing`, `make build`).
+    #[cfg(feature = "fuzzing")]
+    #[pymodule_export]
+    use super::admin::{_crafted_archive, _crafted_names, _fuzz_case};
     #[pymodule_export]
     use super::arena::{_arena_info, _arena_release, _arena_simulate, _arena_usage};
     #[pymodule_export]
@@ -61,6 +71,17 @@ mod _native {
         logging::install(m.py())?;
         m.add("__version__", env!("CARGO_PKG_VERSION"))?;
         m.add("_SEGMENT_PREFIX", crate::segment::PREFIX)?;
+        // What `_segments.py` reads in an arena's or a channel's header (the magic, and
+        // where the creator's pid is): said once, here.
+        m.add(
+            "_ARENA_MAGIC",
+            pyo3::types::PyBytes::new(m.py(), crate::arena::MAGIC),
+        )?;
+        m.add(
+            "_CHANNEL_MAGIC",
+            pyo3::types::PyBytes::new(m.py(), crate::channel::MAGIC),
+        )?;
+        m.add("_CREATOR_PID_AT", crate::segment::CREATOR_PID_AT)?;
         errors::register(m)?;
         graph::register(m)?;
         admin::configure(m.py())?;
@@ -68,7 +89,7 @@ mod _native {
         crate::segment::install_fork_handlers();
         // Connect to a running supervisor now (never waits): see `client::prepare`.
         m.py().detach(crate::supervisor::client::prepare);
-        read::install_freelists(m.py())?;
+        read::install_freelists(m.py(), &[handles::install_freelists])?;
         Ok(())
     }
 }

@@ -4,11 +4,12 @@ use std::collections::BTreeSet;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, MutexGuard, Once};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use memmap2::{Mmap, MmapRaw};
 
 use super::SegmentError;
+use crate::process::{self, ForkHooks, ForkLock};
 
 type Owned = BTreeSet<(PathBuf, u32)>;
 
@@ -19,10 +20,11 @@ static OWNED: Mutex<Owned> = Mutex::new(BTreeSet::new());
 /// [`OWNED`], with the fork handlers installed.
 ///
 /// Fork safety: the set is locked with the GIL released (a segment made or unlinked without
-/// a supervisor), so a thread may hold it while another thread forks. A `pthread_atfork`
-/// prepare handler takes the lock, so the fork waits for that thread's short insert or
+/// a supervisor), so a thread may hold it while another thread forks. The fork hook
+/// (`crate::process`) takes the lock, so the fork waits for that thread's short insert or
 /// remove, and the child gets the set unlocked: before, a child forked at that moment hung
-/// at its first unsupervised segment. No code holds this lock while taking another one.
+/// at its first unsupervised segment. No code holds this lock while taking another one
+/// (it is the last of `crate::process`'s order).
 fn owned() -> &'static Mutex<Owned> {
     install_fork_handlers();
     &OWNED
@@ -34,30 +36,33 @@ thread_local! {
         const { std::cell::RefCell::new(None) };
 }
 
-extern "C" fn before_fork() {
+fn before_fork() {
     let guard = OWNED.lock().unwrap_or_else(|p| p.into_inner());
     HELD.with(|h| *h.borrow_mut() = Some(guard));
 }
 
-extern "C" fn after_fork() {
+fn after_fork() {
     HELD.with(|h| drop(h.borrow_mut().take()));
 }
 
-/// Install the fork handlers of the owned-names set (once per process). The Python module
-/// does it at import, before any thread of the program can be in the middle of it: a fork
-/// while another thread runs this for the first time would leave the child a `Once` that
-/// never completes.
+/// Register the fork hooks of the owned-names set ([`ForkLock::OwnedNames`]: taken last,
+/// see `crate::process`). The Python module does it at import, before any thread of the
+/// program can be in the middle of it: a fork while another thread runs the process
+/// module's registration for the first time would leave the child a `Once` that never
+/// completes.
 pub fn install_fork_handlers() {
-    static ONCE: Once = Once::new();
-    ONCE.call_once(|| {
-        // SAFETY: the handlers only lock and unlock a process-global mutex that is held
-        // for short stretches by threads that take no other lock meanwhile; they never
-        // touch Python, never allocate besides what `Mutex::lock` does, and never unwind
-        // (poisoning is recovered from).
-        unsafe {
-            libc::pthread_atfork(Some(before_fork), Some(after_fork), Some(after_fork));
-        }
-    });
+    // The hooks only lock and unlock a process-global mutex that is held for short
+    // stretches by threads that take no other lock meanwhile; they never touch Python,
+    // never allocate besides what `Mutex::lock` does, and never unwind (poisoning is
+    // recovered from).
+    process::on_fork(
+        ForkLock::OwnedNames,
+        ForkHooks {
+            before: before_fork,
+            after_parent: after_fork,
+            after_child: after_fork,
+        },
+    );
 }
 
 /// Unlink every segment this process (pid) created and still owns. Forked children

@@ -5,11 +5,15 @@
 //! Why files + memmap2 rather than the `shared_memory` crate: see docs/architecture.md.
 
 mod mapping;
+mod preallocated;
 mod writer;
 
 use std::path::{Path, PathBuf};
 
 pub use mapping::{cleanup_owned, install_fork_handlers, open_owned_rw, Mapping};
+#[cfg(test)]
+pub(crate) use preallocated::SmallTmpfs;
+pub use preallocated::{create_preallocated, CREATOR_PID_AT};
 pub use writer::{preflight, save_file, SaveError, SegmentWriter};
 
 /// Every segment name starts with this, so sweeps and listings can find ours.

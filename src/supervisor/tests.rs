@@ -1,4 +1,6 @@
 //! Tests of the supervisor (server + client protocol) with real processes and files.
+//!
+//! (Over 800 lines: tests only, one per behaviour of the server and client.)
 
 use std::collections::HashSet;
 use std::io;

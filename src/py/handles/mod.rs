@@ -28,6 +28,33 @@ use super::read::{new_untracked, ArrayOwner, StoreRef};
 use super::store::{self, Source, Store};
 use crate::archive::Kind;
 
+super::read::recycled! {
+    RECORD_ITERS: RecordIter,
+    KEY_ITERS: KeyIter,
+}
+
+/// The handles' part of `read::install_freelists`: the free lists of their iterators, and
+/// the fast slots of the handle types.
+///
+/// # Safety
+/// As `read::install_free_list`: the GIL is held, the interpreter has one and no instance of
+/// these types exists yet (module init).
+pub(crate) unsafe fn install_freelists(py: Python<'_>) {
+    #[cfg(not(feature = "abi3"))]
+    // SAFETY: the caller's contract. None of these types is subclassable.
+    unsafe {
+        use super::read::{install_free_list, slots};
+        install_free_list::<RecordIter>(py);
+        install_free_list::<KeyIter>(py);
+        slots::install::<SharedList>(py);
+        slots::install::<SharedDict>(py);
+        slots::install_next::<RecordIter>(py);
+        slots::install_next::<KeyIter>(py);
+    }
+    #[cfg(feature = "abi3")]
+    let _ = py;
+}
+
 /// What every store handle has. Holds only a `StoreRef` (a Python reference to an object
 /// that holds none, so no cycle can pass through a handle).
 #[pyclass(name = "StoreHandle", module = "shmstore", frozen, weakref, subclass)]

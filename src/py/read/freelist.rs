@@ -89,7 +89,6 @@ pub(crate) mod imp {
 
     use super::super::{DictIter, DictView, ListIter, ListView};
     use super::Recycled;
-    use crate::py::handles::{KeyIter, RecordIter};
 
     /// Dropped views kept per type: enough for the views alive at once in any usual loop
     /// (a record's nested containers), few enough to be negligible memory.
@@ -154,7 +153,7 @@ pub(crate) mod imp {
     unsafe impl Sync for FreeList {}
 
     impl FreeList {
-        const fn new() -> Self {
+        pub(crate) const fn new() -> Self {
             FreeList {
                 ty: UnsafeCell::new(std::ptr::null_mut()),
                 items: UnsafeCell::new(Vec::new()),
@@ -361,84 +360,78 @@ pub(crate) mod imp {
         }
     }
 
-    macro_rules! lists {
-        ($($list:ident, $alloc:ident, $free:ident, $t:ty;)*) => {
-            $(
-                static $list: FreeList = FreeList::new();
-
-                unsafe extern "C" fn $alloc(
-                    subtype: *mut ffi::PyTypeObject,
-                    nitems: ffi::Py_ssize_t,
-                ) -> *mut ffi::PyObject {
-                    // SAFETY: CPython calls tp_alloc with the GIL held and a valid type.
-                    unsafe { $list.alloc(subtype, nitems) }
-                }
-
-                unsafe extern "C" fn $free(obj: *mut c_void) {
-                    // SAFETY: CPython (pyo3's dealloc) calls tp_free with the GIL held, on
-                    // an instance of a type whose tp_free this is.
-                    unsafe { $list.free(obj) }
-                }
-
-                impl Recycled for $t {
-                    #[inline(always)]
-                    fn init(self) -> pyo3::PyClassInitializer<Self> {
-                        self.into()
-                    }
-
-                    #[inline(always)]
-                    fn list() -> &'static FreeList {
-                        &$list
-                    }
-                }
-            )*
-
-            pub(crate) fn install(py: Python<'_>) -> PyResult<()> {
-                if free_threaded(py)? {
-                    return Ok(());
-                }
-                $(
-                    let ty = <$t as PyTypeInfo>::type_object_raw(py);
-                    // SAFETY: the GIL is held and no instance exists yet (this runs in the
-                    // module's init, before any view is made), so no alloc or free of this
-                    // type is under way. The type is a heap type that pyo3 made for this
-                    // module; it is not subclassable, and its allocation and release go
-                    // through these two slots only (pyo3 reads them from the type).
-                    unsafe {
-                        *$list.ty.get() = ty;
-                        (*ty).tp_alloc = Some($alloc);
-                        (*ty).tp_free = Some($free);
-                    }
-                )*
-                super::INSTALLED.store(true, Ordering::Relaxed);
-                // SAFETY: the GIL is held, the interpreter has one (checked above) and no
-                // instance exists yet (module init). None of these types is subclassable.
-                unsafe {
-                    super::super::slots::install::<ListView>(py);
-                    super::super::slots::install::<DictView>(py);
-                    super::super::slots::install::<crate::py::handles::SharedList>(py);
-                    super::super::slots::install::<crate::py::handles::SharedDict>(py);
-                    super::super::slots::install_len::<ListView>(py);
-                    super::super::slots::install_len::<DictView>(py);
-                    super::super::slots::install_iter::<ListView>(py);
-                    super::super::slots::install_iter::<DictView>(py);
-                    super::super::slots::install_next::<ListIter>(py);
-                    super::super::slots::install_next::<DictIter>(py);
-                    super::super::slots::install_next::<RecordIter>(py);
-                    super::super::slots::install_next::<KeyIter>(py);
-                }
-                Ok(())
-            }
-        };
+    /// `tp_alloc` of a recycled type.
+    unsafe extern "C" fn alloc<T: Recycled>(
+        subtype: *mut ffi::PyTypeObject,
+        nitems: ffi::Py_ssize_t,
+    ) -> *mut ffi::PyObject {
+        // SAFETY: CPython calls tp_alloc with the GIL held and a valid type.
+        unsafe { T::list().alloc(subtype, nitems) }
     }
 
-    lists! {
-        LIST_VIEWS, list_view_alloc, list_view_free, ListView;
-        DICT_VIEWS, dict_view_alloc, dict_view_free, DictView;
-        LIST_ITERS, list_iter_alloc, list_iter_free, ListIter;
-        DICT_ITERS, dict_iter_alloc, dict_iter_free, DictIter;
-        RECORD_ITERS, record_iter_alloc, record_iter_free, RecordIter;
-        KEY_ITERS, key_iter_alloc, key_iter_free, KeyIter;
+    /// `tp_free` of a recycled type.
+    unsafe extern "C" fn free<T: Recycled>(obj: *mut c_void) {
+        // SAFETY: CPython (pyo3's dealloc) calls tp_free with the GIL held, on an instance
+        // of a type whose tp_free this is.
+        unsafe { T::list().free(obj) }
+    }
+
+    /// Put `T`'s free list in place (its `tp_alloc` and `tp_free`).
+    ///
+    /// # Safety
+    /// The GIL is held, the interpreter has one (`install` checks) and no instance of `T`
+    /// exists yet (module init), so no alloc or free of this type is under way.
+    pub(crate) unsafe fn install_type<T: Recycled>(py: Python<'_>) {
+        let ty = <T as PyTypeInfo>::type_object_raw(py);
+        // SAFETY: the caller's contract. The type is a heap type that pyo3 made for this
+        // module; it is not subclassable, and its allocation and release go through these
+        // two slots only (pyo3 reads them from the type).
+        unsafe {
+            *T::list().ty.get() = ty;
+            (*ty).tp_alloc = Some(alloc::<T>);
+            (*ty).tp_free = Some(free::<T>);
+        }
+    }
+
+    super::recycled! {
+        LIST_VIEWS: ListView,
+        DICT_VIEWS: DictView,
+        LIST_ITERS: ListIter,
+        DICT_ITERS: DictIter,
+    }
+
+    /// Install the free lists of the view types, and of the types that `more` installs
+    /// (with [`install_type`]: the handles' iterators, which this layer does not name), then
+    /// the views' fast slots.
+    pub(crate) fn install(py: Python<'_>, more: &[unsafe fn(Python<'_>)]) -> PyResult<()> {
+        if free_threaded(py)? {
+            return Ok(());
+        }
+        // SAFETY: the GIL is held, the interpreter has one (checked above) and no instance
+        // exists yet (this runs in the module's init, before any view is made).
+        unsafe {
+            install_type::<ListView>(py);
+            install_type::<DictView>(py);
+            install_type::<ListIter>(py);
+            install_type::<DictIter>(py);
+            for f in more {
+                f(py);
+            }
+        }
+        super::INSTALLED.store(true, Ordering::Relaxed);
+        // SAFETY: the GIL is held, the interpreter has one (checked above) and no instance
+        // exists yet (module init). None of these types is subclassable.
+        unsafe {
+            super::super::slots::install::<ListView>(py);
+            super::super::slots::install::<DictView>(py);
+            super::super::slots::install_len::<ListView>(py);
+            super::super::slots::install_len::<DictView>(py);
+            super::super::slots::install_iter::<ListView>(py);
+            super::super::slots::install_iter::<DictView>(py);
+            super::super::slots::install_next::<ListIter>(py);
+            super::super::slots::install_next::<DictIter>(py);
+        }
+        Ok(())
     }
 
     /// Whether this interpreter runs without a GIL (then the lists stay off).
@@ -451,33 +444,47 @@ pub(crate) mod imp {
 }
 
 #[cfg(not(feature = "abi3"))]
-pub(crate) use imp::install;
+pub(crate) use imp::{install, install_type, FreeList};
 
-#[cfg(feature = "abi3")]
-macro_rules! generic {
-    ($($t:ty),*) => {
+/// Make each `$t` a [`Recycled`] type with a free list of its own (the static `$list`),
+/// put in place by [`install`] (through [`install_type`]). Used here for the views and by
+/// `handles` for its iterators, which this layer does not name.
+macro_rules! recycled {
+    ($($list:ident: $t:ty),* $(,)?) => {
         $(
-            impl Recycled for $t {
+            #[cfg(not(feature = "abi3"))]
+            static $list: $crate::py::read::FreeList = $crate::py::read::FreeList::new();
+
+            impl $crate::py::read::Recycled for $t {
+                #[inline(always)]
                 fn init(self) -> pyo3::PyClassInitializer<Self> {
                     self.into()
+                }
+
+                #[cfg(not(feature = "abi3"))]
+                #[inline(always)]
+                fn list() -> &'static $crate::py::read::FreeList {
+                    &$list
                 }
             }
         )*
     };
 }
+pub(crate) use recycled;
 
 #[cfg(feature = "abi3")]
-generic!(
-    super::ListView,
-    super::DictView,
-    super::ListIter,
-    super::DictIter,
-    crate::py::handles::RecordIter,
-    crate::py::handles::KeyIter
-);
+recycled! {
+    LIST_VIEWS: super::ListView,
+    DICT_VIEWS: super::DictView,
+    LIST_ITERS: super::ListIter,
+    DICT_ITERS: super::DictIter,
+}
 
 /// The stable ABI hides the slots: views use the generic allocator.
 #[cfg(feature = "abi3")]
-pub(crate) fn install(_py: pyo3::Python<'_>) -> pyo3::PyResult<()> {
+pub(crate) fn install(
+    _py: pyo3::Python<'_>,
+    _more: &[unsafe fn(pyo3::Python<'_>)],
+) -> pyo3::PyResult<()> {
     Ok(())
 }

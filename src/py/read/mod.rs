@@ -15,7 +15,9 @@ pub(crate) mod slots;
 
 pub(crate) use array::ArrayOwner;
 pub(crate) use dict_view::{DictIter, DictView};
-pub(crate) use freelist::{install as install_freelists, new_view, HoldsStore};
+pub(crate) use freelist::{install as install_freelists, new_view, recycled, HoldsStore, Recycled};
+#[cfg(not(feature = "abi3"))]
+pub(crate) use freelist::{install_type as install_free_list, FreeList};
 pub(crate) use list_view::{ListIter, ListView};
 pub(crate) use owner::StoreRef;
 

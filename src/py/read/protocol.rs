@@ -7,6 +7,8 @@
 //! Python protocol on top of them: indexing (ints, numpy integers, anything with
 //! `__index__`, slices), `in`, `index`, `count`, `get`, iteration, `repr`. The pyclasses in
 //! `handles/` and `read/` only forward to them.
+//!
+//! (Over 800 lines: the Sequence and Mapping protocols are one piece of behaviour, written once.)
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 

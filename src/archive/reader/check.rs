@@ -1,0 +1,634 @@
+//! The checks of an archive's bytes (security-critical): a block's checksum, the tree walk
+//! of each record, the tables parsed at open (symbols, shapes, blocks), and payload
+//! verification. Nothing is read through `access`/`lookup` before these passed.
+
+use super::*;
+
+impl<B: AsRef<[u8]>> Reader<B> {
+    #[inline(always)]
+    pub(crate) fn is_validated(&self, rec: u64) -> bool {
+        let (word, bit) = ((rec / 64) as usize, 1u64 << (rec % 64));
+        self.validated[word].load(Ordering::Acquire) & bit != 0
+    }
+
+    /// Run the checks of record `rec`'s block now (normally done on first access).
+    #[inline(always)]
+    pub fn validate_record(&self, rec: u64) -> Result<(), ArchiveError> {
+        if rec >= self.header.count {
+            return Err(ArchiveError::Invalid(format!("record {rec} out of range")));
+        }
+        if self.is_validated(rec) {
+            return Ok(());
+        }
+        self.validate_block(rec)
+    }
+
+    /// Check the block holding record `rec` (its first access in this process).
+    #[cold]
+    #[inline(never)]
+    pub(super) fn validate_block(&self, rec: u64) -> Result<(), ArchiveError> {
+        let b = self.block_of(rec);
+        let (first, last) = if self.alone() {
+            (rec, rec + 1) // a block per record
+        } else {
+            let first = self.block_first[b];
+            let next = self.block_first.get(b + 1).copied();
+            (first, next.unwrap_or(self.header.count))
+        };
+        // This thread's scratch vectors (the checks of a block never re-enter), so that a
+        // block's check allocates nothing once the thread has checked one.
+        SCRATCH.with(|scratch| match scratch.try_borrow_mut() {
+            Ok(mut scratch) => {
+                let (spans, queue) = &mut *scratch;
+                self.validate_block_with(rec, b, first, last, spans, queue)
+            }
+            Err(_) => {
+                self.validate_block_with(rec, b, first, last, &mut Vec::new(), &mut Vec::new())
+            }
+        })
+    }
+
+    pub(super) fn validate_block_with(
+        &self,
+        rec: u64,
+        b: usize,
+        first: u64,
+        last: u64,
+        spans: &mut Vec<(usize, usize)>,
+        queue: &mut Vec<(usize, usize, usize)>,
+    ) -> Result<(), ArchiveError> {
+        // The records' spans, read once (a block written by us holds at most
+        // BLOCK_RECORDS; a forged one that claims more is read span by span instead).
+        let k = (last - first) as usize;
+        let cached = k <= BLOCK_RECORDS as usize;
+        spans.clear();
+        let span = |r: u64, spans: &[(usize, usize)]| -> Result<(usize, usize), ArchiveError> {
+            if cached {
+                Ok(spans[(r - first) as usize])
+            } else {
+                self.span(r)
+            }
+        };
+        if cached {
+            for r in first..last {
+                spans.push(self.span(r)?);
+            }
+        }
+        // The checksum of the block's records, one after another. They usually lie back to
+        // back (no payload or long-record length between them): then one call over the
+        // whole range, which is the same hash and faster than feeding them one by one.
+        let (s0, mut end) = span(first, spans)?;
+        let mut contiguous = true;
+        for r in first + 1..last {
+            let (s, e) = span(r, spans)?;
+            contiguous &= s == end;
+            end = e;
+        }
+        let sum = if contiguous {
+            xxh3_64(&self.bytes()[s0..end])
+        } else {
+            let mut h = Xxh3Default::new();
+            for r in first..last {
+                let (s, e) = span(r, spans)?;
+                h.update(&self.bytes()[s..e]);
+            }
+            h.digest()
+        };
+        let at = self.header.blocks_off as usize + b * BLOCK_ENTRY;
+        if sum != u64_at(self.bytes(), at + 8) {
+            return corrupt(format!(
+                "record {rec}: checksum mismatch in records {first}..{last} (the data was \
+                 modified)"
+            ));
+        }
+        for r in first..last {
+            let (s, e) = span(r, spans)?;
+            self.walk_with(queue, s, e, |_, _| Ok(()))
+                .map_err(|e| ArchiveError::Corrupt(format!("record {r}: {}", msg(e))))?;
+        }
+        // The block's bits, a word at a time (a block spans at most two words).
+        let mut r = first;
+        while r < last {
+            let (word, lo) = ((r / 64) as usize, r % 64);
+            let hi = (last - r + lo).min(64);
+            let mask = if hi - lo == 64 {
+                u64::MAX
+            } else {
+                ((1u64 << (hi - lo)) - 1) << lo
+            };
+            self.validated[word].fetch_or(mask, Ordering::AcqRel);
+            r += hi - lo;
+        }
+        // Read in order (this block follows the one checked before it): load the next
+        // block ahead. In random order (a doc store's lookups) that would be ~4.6 KB of
+        // loads of a neighbour that is not read next.
+        if self.last_checked.swap(b, Ordering::Relaxed).wrapping_add(1) == b {
+            self.prefetch_next_block(b, end);
+        }
+        Ok(())
+    }
+
+    /// After block `b` (whose records end at `end`) was checked: start loading the bytes the
+    /// next block's check reads first, its checksum and its records, which in order follow
+    /// this block's. A pass in order then hashes bytes that are already on their way from
+    /// memory instead of waiting for each line in the hash's tight loop (the pass's Python
+    /// code between two checks gives them the time). Only when the blocks are checked in
+    /// order: in random order it would load a block that is not read next.
+    #[inline]
+    pub(super) fn prefetch_next_block(&self, b: usize, end: usize) {
+        if b + 1 >= self.blocks() {
+            return;
+        }
+        let bytes = self.bytes();
+        prefetch(
+            bytes,
+            self.header.blocks_off as usize + (b + 1) * BLOCK_ENTRY + 8,
+        );
+        let stop = end.saturating_add(NEXT_BLOCK_PREFETCH).min(self.rec_end);
+        let mut at = end;
+        while at < stop {
+            prefetch(bytes, at);
+            at += 64;
+        }
+    }
+
+    /// The block holding record `rec` (< count). Blocks hold similar numbers of records, so
+    /// the search starts where `rec` would be if they were all alike and widens from there
+    /// (a few cache misses instead of a binary search over a table that may be megabytes).
+    pub(crate) fn block_of(&self, rec: u64) -> usize {
+        if self.alone() {
+            // Every record is a block of its own (a store of documents): no table to read,
+            // which in random order is a cache miss less on a record's first read.
+            return rec as usize;
+        }
+        let f = &self.block_first;
+        let n = f.len();
+        let guess = self.block_guess(rec);
+        // Widen a window around the guess until it holds the answer, then search it.
+        let (mut lo, mut hi) = (guess, guess + 1);
+        let mut step = 1;
+        while lo > 0 && f[lo] > rec {
+            lo = lo.saturating_sub(step);
+            step *= 2;
+        }
+        step = 1;
+        while hi < n && f[hi] <= rec {
+            hi = (hi + step).min(n);
+            step *= 2;
+        }
+        lo + f[lo..hi].partition_point(|&x| x <= rec) - 1
+    }
+
+    /// Whether every record is a block of its own (no table of blocks is kept then; an
+    /// archive without records has neither blocks nor a table).
+    #[inline]
+    pub(super) fn alone(&self) -> bool {
+        self.block_first.is_empty()
+    }
+
+    /// The number of blocks.
+    #[inline]
+    pub(super) fn blocks(&self) -> usize {
+        if self.alone() {
+            self.header.count as usize
+        } else {
+            self.block_first.len()
+        }
+    }
+
+    /// Where record `rec`'s block would be if every block held as many records (a block
+    /// table is never empty when there are records).
+    pub(super) fn block_guess(&self, rec: u64) -> usize {
+        let n = self.blocks();
+        let guess = (rec as u128 * n as u128) / self.header.count.max(1) as u128;
+        (guess as usize).min(n - 1)
+    }
+
+    /// Walk the record at [start, end) breadth first, as it was written: every reference
+    /// must point forward of the one before it and inside the record, no value may overlap
+    /// the one written after it (so the record is a tree of disjoint values and the walk
+    /// ends), containers nest at most `MAX_VALUE_DEPTH` deep. `visit` sees
+    /// every tagged value (its position and tag).
+    pub(super) fn walk(
+        &self,
+        start: usize,
+        end: usize,
+        visit: impl FnMut(usize, u8) -> Result<(), ArchiveError>,
+    ) -> Result<(), ArchiveError> {
+        self.walk_with(&mut Vec::new(), start, end, visit)
+    }
+
+    /// `walk` with the caller's queue (emptied first), so that checking a block of records
+    /// allocates it once. Queued positions only grow (each reference points past the one
+    /// before), so the queue is a vector read from the front, never shifted.
+    pub(super) fn walk_with(
+        &self,
+        queue: &mut Vec<(usize, usize, usize)>,
+        start: usize,
+        end: usize,
+        mut visit: impl FnMut(usize, u8) -> Result<(), ArchiveError>,
+    ) -> Result<(), ArchiveError> {
+        // A record that is one value without references (a document, a label): no queue.
+        let tag = self.byte(start)?;
+        if let Some(stop) = self.leaf_end(tag, start + 1)? {
+            visit(start, tag)?;
+            return if stop <= end {
+                Ok(())
+            } else {
+                corrupt("a value runs past its record")
+            };
+        }
+        queue.clear();
+        let mut w = Walk {
+            queue,
+            last: start,
+            end,
+            prev: Prev::Queued(0),
+            payloads: Vec::new(),
+        };
+        w.queue.push((start, 0, end));
+        let mut next = 0;
+        while let Some(&(pos, depth, _)) = w.queue.get(next) {
+            next += 1;
+            // Only containers are queued: a reference to a leaf is checked where it is
+            // found (`Walk::push`).
+            let tag = self.byte(pos)?;
+            visit(pos, tag)?;
+            let body = pos + 1;
+            let stop = match tag {
+                T_LIST | T_TUPLE => {
+                    let (n, after) = self.count(body, REF)?;
+                    for i in 0..n {
+                        w.push(self, after + i * REF, true, depth + 1, &mut visit)?;
+                    }
+                    after + n * REF
+                }
+                T_LIST_STRUCT | T_TUPLE_STRUCT => {
+                    let (id, after) = self.varint(body)?;
+                    let sh = self.shape(id)?;
+                    let size = sh.shape.size as usize;
+                    let (n, after) = self.count(after, size)?;
+                    if size == 0 && n > end.saturating_sub(after) {
+                        // Rows of no bytes: writers never make more of them than there are
+                        // bytes left (they write such lists as references), and reading a
+                        // crafted count of 2^60 whole would never end.
+                        return corrupt(format!(
+                            "a list of {n} rows of no bytes in a record of {} bytes",
+                            end - pos
+                        ));
+                    }
+                    if sh.refs.is_empty() {
+                        // Rows of plain slots (numbers, packed fields): nothing to follow.
+                        w.depth(depth + 2)?;
+                    } else {
+                        for i in 0..n {
+                            w.slots(self, sh, after + i * size, depth + 2, &mut visit)?;
+                        }
+                    }
+                    after + n * size
+                }
+                T_DICT_SHAPED => {
+                    let (id, after) = self.varint(body)?;
+                    let sh = self.shape(id)?;
+                    w.slots(self, sh, after, depth + 1, &mut visit)?;
+                    after + sh.shape.size as usize
+                }
+                T_DICT => {
+                    let (n, after) = self.count(body, 2 * REF)?;
+                    for i in 0..2 * n {
+                        w.push(self, after + i * REF, true, depth + 1, &mut visit)?;
+                    }
+                    let mut stop = after + 2 * n * REF;
+                    if crate::archive::value::dict_has_index(n) {
+                        let cap = table::record_index_capacity(n);
+                        let idx = self.get(stop, cap * 4)?;
+                        if idx.chunks_exact(4).any(|s| u32_at(s, 0) as usize > n) {
+                            return corrupt("a dict index names an entry it does not have");
+                        }
+                        stop += cap * 4;
+                    }
+                    stop
+                }
+                // Leaves are never queued (a leaf root is checked at the top).
+                t => return corrupt(format!("unknown tag {t}")),
+            };
+            // Where the value written after this one starts (the record's end for the last).
+            let limit = w.queue[next - 1].2;
+            if stop > limit {
+                return corrupt(if limit == end {
+                    "a value runs past its record"
+                } else {
+                    "a value overlaps the value written after it"
+                });
+            }
+        }
+        w.finish()
+    }
+
+    /// The out-of-line extent of a big bytes value or an array (`tag`) whose in-record part
+    /// ends at `stop` ([`Self::leaf_end`]): the extent is its last 24 bytes. `None` for
+    /// any other value.
+    #[inline]
+    pub(super) fn out_of_line(&self, tag: u8, stop: usize) -> Result<Option<Extent>, ArchiveError> {
+        if tag == T_BYTES_EXT || tag == T_ARRAY {
+            Ok(Some(self.ext_at(stop - 24)?))
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// Where a value without references ends (`tag` at `body - 1`), its bounds checked
+    /// against the records region (the caller checks it against the record); `None` for a
+    /// container or an unknown tag.
+    #[inline(always)]
+    pub(super) fn leaf_end(&self, tag: u8, body: usize) -> Result<Option<usize>, ArchiveError> {
+        Ok(Some(match tag {
+            T_NONE | T_FALSE | T_TRUE => body,
+            T_I8 => body + 1,
+            T_I16 => body + 2,
+            T_I32 => body + 4,
+            T_I64 | T_F64 => body + 8,
+            T_COMPLEX => body + 16,
+            T_BYTES_EXT => body + 24,
+            T_BIGINT | T_STR | T_BYTES => {
+                let (n, after) = self.count(body, 1)?;
+                after + n
+            }
+            T_SYM => {
+                let (id, after) = self.varint(body)?;
+                if id >= self.symbols.len() as u64 {
+                    return corrupt(format!("symbol {id} out of range"));
+                }
+                after
+            }
+            T_ARRAY => self.array_meta_end(body)?,
+            T_LIST_PACKED | T_TUPLE_PACKED => {
+                let elem = Elem::from_u8(self.byte(body)?)
+                    .ok_or_else(|| ArchiveError::Corrupt("bad packed element".into()))?;
+                let (n, after) = self.count(body + 1, elem.size())?;
+                after + n * elem.size()
+            }
+            _ => return Ok(None),
+        }))
+    }
+
+    /// Run the checks of every record now, and verify every out-of-line payload against
+    /// its checksum: O(archive size). Readers never need this for safety.
+    pub fn validate_all(&self) -> Result<(), ArchiveError> {
+        for r in 0..self.header.count {
+            self.validate_record(r)?;
+        }
+        self.verify_payloads()
+    }
+
+    /// Check the checksum of every out-of-line payload (array data, big bytes).
+    pub fn verify_payloads(&self) -> Result<(), ArchiveError> {
+        for r in 0..self.header.count {
+            let (s, e) = self.span(r)?;
+            let mut found = Vec::new();
+            self.walk(s, e, |pos, tag| {
+                if let Some(stop) = self.leaf_end(tag, pos + 1)? {
+                    found.extend(self.out_of_line(tag, stop)?);
+                }
+                Ok(())
+            })?;
+            for ext in found {
+                let data = self.payload(ext)?;
+                if xxh3_64(data) != ext.checksum {
+                    return corrupt(format!(
+                        "record {r}: the out-of-line data at {} ({} bytes) was modified",
+                        ext.offset, ext.len
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The state of a tree walk: the containers still to visit, the last reference target seen,
+/// where the value found last ends, and the record's out-of-line extents.
+pub(super) struct Walk<'q> {
+    /// The containers still to walk, in the order they were written: (position, depth,
+    /// where the value written after it starts, or the record's end).
+    queue: &'q mut Vec<(usize, usize, usize)>,
+    /// The position of the value found last.
+    last: usize,
+    end: usize,
+    /// The value found last, whose end the next value's start must not precede.
+    prev: Prev,
+    /// The out-of-line extents of the record's big bytes and arrays (offset, length).
+    payloads: Vec<(u64, u64)>,
+}
+
+/// The value a walk found last: a leaf (its end is known) or a queued container (its end is
+/// known when it is walked, and checked against the start of the value after it then).
+#[derive(Clone, Copy)]
+enum Prev {
+    Leaf(usize),
+    Queued(usize),
+}
+
+impl Walk<'_> {
+    /// The reference at `at`, `depth` containers down: it must point forward of the one
+    /// before it and inside the record, at or after the end of the value written before it
+    /// (values never overlap, so no byte is read as part of two values: a crafted record
+    /// cannot make one string of its bytes into many). A container it points to is queued;
+    /// anything else (numbers, strings, packed sequences, the slot of an untagged string)
+    /// is checked now, which spares the queue the many small leaves of a record.
+    #[inline]
+    pub(super) fn push<B: AsRef<[u8]>>(
+        &mut self,
+        r: &Reader<B>,
+        at: usize,
+        tagged: bool,
+        depth: usize,
+        visit: &mut impl FnMut(usize, u8) -> Result<(), ArchiveError>,
+    ) -> Result<(), ArchiveError> {
+        let t = r.follow(at)?;
+        if t <= self.last || t >= self.end {
+            return corrupt("a reference does not point forward inside the record");
+        }
+        match self.prev {
+            Prev::Leaf(stop) if t < stop => {
+                return corrupt("a value overlaps the value written after it");
+            }
+            Prev::Leaf(_) => {}
+            Prev::Queued(i) => self.queue[i].2 = t,
+        }
+        self.depth(depth)?;
+        self.last = t;
+        let stop = if tagged {
+            let tag = r.byte(t)?;
+            match r.leaf_end(tag, t + 1)? {
+                Some(stop) => {
+                    visit(t, tag)?;
+                    if let Some(ext) = r.out_of_line(tag, stop)? {
+                        self.payloads.push((ext.offset, ext.len));
+                    }
+                    stop
+                }
+                None => {
+                    self.prev = Prev::Queued(self.queue.len());
+                    self.queue.push((t, depth, self.end));
+                    return Ok(());
+                }
+            }
+        } else {
+            let (n, after) = r.count(t, 1)?;
+            after + n
+        };
+        if stop > self.end {
+            return corrupt("a value runs past its record");
+        }
+        self.prev = Prev::Leaf(stop);
+        Ok(())
+    }
+
+    /// After the last value: the record's out-of-line extents must not overlap either (a
+    /// crafted record must not name one big payload many times).
+    pub(super) fn finish(mut self) -> Result<(), ArchiveError> {
+        if self.payloads.len() > 1 {
+            self.payloads.sort_unstable();
+            for w in self.payloads.windows(2) {
+                if w[0].0.saturating_add(w[0].1) > w[1].0 {
+                    return corrupt("two values of the record share out-of-line bytes");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Values `depth` containers down are within the format's limit.
+    #[inline]
+    pub(super) fn depth(&self, depth: usize) -> Result<(), ArchiveError> {
+        if depth > MAX_VALUE_DEPTH + 1 {
+            return corrupt(format!(
+                "values nested deeper than {MAX_VALUE_DEPTH} levels"
+            ));
+        }
+        Ok(())
+    }
+
+    /// The references of a dict's slots (shape `sh`, at `at`); `depth` of its values.
+    #[inline]
+    pub(super) fn slots<B: AsRef<[u8]>>(
+        &mut self,
+        r: &Reader<B>,
+        sh: &ShapeInfo,
+        at: usize,
+        depth: usize,
+        visit: &mut impl FnMut(usize, u8) -> Result<(), ArchiveError>,
+    ) -> Result<(), ArchiveError> {
+        self.depth(depth)?;
+        for &f in sh.refs.iter() {
+            let f = f as usize;
+            let tagged = sh.shape.encs[f] == Enc::Ref;
+            self.push(r, at + sh.shape.offsets[f] as usize, tagged, depth, visit)?;
+        }
+        Ok(())
+    }
+}
+
+pub(super) fn msg(e: ArchiveError) -> String {
+    match e {
+        ArchiveError::Corrupt(m) => m,
+        e => e.to_string(),
+    }
+}
+
+pub(super) fn parse_symbols(bytes: &[u8], h: &Header) -> Result<Vec<(usize, usize)>, ArchiveError> {
+    let so = h.symbols_off as usize;
+    let sl = h.symbols_len() as usize;
+    if sl < 8 {
+        return corrupt("symbol table truncated");
+    }
+    let n = u32_at(bytes, so) as usize;
+    let offs = so + 4;
+    if n > crate::archive::encode::MAX_SYMBOLS || offs + (n + 1) * 4 > so + sl {
+        return corrupt("symbol table malformed");
+    }
+    let blob = offs + (n + 1) * 4;
+    let mut out = Vec::with_capacity(n);
+    let mut prev = u32_at(bytes, offs) as usize;
+    for i in 0..n {
+        let next = u32_at(bytes, offs + (i + 1) * 4) as usize;
+        if next < prev || blob + next > so + sl {
+            return corrupt("symbol table offsets malformed");
+        }
+        let s = &bytes[blob + prev..blob + next];
+        if std::str::from_utf8(s).is_err() {
+            return corrupt(format!("symbol {i} is not UTF-8"));
+        }
+        out.push((blob + prev, blob + next));
+        prev = next;
+    }
+    Ok(out)
+}
+
+pub(super) fn parse_shapes(
+    bytes: &[u8],
+    h: &Header,
+    nsym: usize,
+) -> Result<Vec<ShapeInfo>, ArchiveError> {
+    let start = h.shapes_off as usize;
+    let end = h.keys_off as usize;
+    let region = &bytes[start..end];
+    if region.len() < 4 {
+        return corrupt("shape table truncated");
+    }
+    let n = u32_at(region, 0) as usize;
+    if n > MAX_SHAPES {
+        return corrupt("shape table malformed");
+    }
+    let mut at = 4;
+    let mut out = Vec::with_capacity(n.min(region.len() / 2));
+    for s in 0..n {
+        let bad = || ArchiveError::Corrupt(format!("shape {s} malformed"));
+        let nf = region.get(at..at + 2).ok_or_else(bad)?;
+        let nf = u16::from_le_bytes([nf[0], nf[1]]) as usize;
+        at += 2;
+        if nf == 0 || nf > MAX_SHAPE_FIELDS {
+            return Err(bad());
+        }
+        let fields = region.get(at..at + nf * 8).ok_or_else(bad)?;
+        at += nf * 8;
+        let mut keys = Vec::with_capacity(nf);
+        let mut encs = Vec::with_capacity(nf);
+        for f in fields.chunks_exact(8) {
+            let k = u32_at(f, 0);
+            if k as usize >= nsym {
+                return Err(bad());
+            }
+            keys.push(k);
+            encs.push(Enc::decode(f[4..8].try_into().unwrap()).ok_or_else(bad)?);
+        }
+        let shape = Shape::new(keys.into(), encs.into());
+        let refs = (0..nf as u16)
+            .filter(|&i| shape.encs[i as usize].is_ref())
+            .collect();
+        out.push(ShapeInfo { shape, refs });
+    }
+    Ok(out)
+}
+
+pub(super) fn parse_blocks(bytes: &[u8], h: &Header) -> Result<Vec<u64>, ArchiveError> {
+    let n = h.blocks() as usize;
+    let mut out = Vec::with_capacity(n);
+    for b in 0..n {
+        let first = u64_at(bytes, h.blocks_off as usize + b * BLOCK_ENTRY);
+        let ok = if b == 0 {
+            first == 0
+        } else {
+            first > out[b - 1] && first < h.count
+        };
+        if !ok {
+            return corrupt("block table malformed");
+        }
+        out.push(first);
+    }
+    if (h.count > 0) != (n > 0) {
+        return corrupt("block table malformed");
+    }
+    Ok(out)
+}
