@@ -2,7 +2,8 @@
 //! per Python class; what they share lives once:
 //!
 //! - `errors`: the exception hierarchy and the one `From<Error> for PyErr`;
-//! - `logging`: Rust log records -> Python loggers;
+//! - `stack`: how much of the thread's stack is left, checked before each level of a deep
+//!   conversion; `logging`: Rust log records -> Python loggers;
 //! - `keys`: dict keys between Python and the archive;
 //! - `store`: one mapped archive (`Store`), the attach cache, arena chunks' uses, building
 //!   and saving;
@@ -17,7 +18,7 @@
 //!   engine's snapshot; `admin`: supervisor entry points, sweep, listing, store facts.
 //!
 //! Dependencies point one way, down this order (lowest first; `.ci/check-layers` checks
-//! it): errors, logging, keys, store, read, write, arena, handles, channel, pickle, fetch,
+//! it): errors, stack, logging, keys, store, read, write, arena, handles, channel, pickle, fetch,
 //! graph, admin. This file, the index, names them all. (Inside `read/`, the conversion and
 //! the view types refer to each other: a lazy view is made by the conversion and converts
 //! its items.)
