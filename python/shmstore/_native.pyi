@@ -43,6 +43,7 @@ __all__ = [
     "_cluster_identity",
     "_crafted_archive",
     "_crafted_names",
+    "_fast_paths",
     "_flush_drops",
     "_fuzz_case",
     "_import_archive",

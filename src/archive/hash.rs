@@ -87,10 +87,11 @@ impl<'a> Resumable<'a> {
             #[cfg(target_arch = "x86_64")]
             if std::is_x86_feature_detected!("avx2") {
                 // SAFETY: the CPU has AVX2 (just checked).
+                let acc = unsafe { avx2::Acc::new() };
                 return Resumable {
                     data,
                     done: 0,
-                    state: ResumableState::Avx2(unsafe { avx2::Acc::new() }),
+                    state: ResumableState::Avx2(acc),
                 };
             }
             ResumableState::Crate(Box::default())

@@ -104,10 +104,11 @@ pub(crate) fn enforce() -> PyResult<()> {
     if off.is_empty() {
         return Ok(());
     }
-    Err(pyo3::exceptions::PyImportError::new_err(format!(
+    Err(crate::py::errors::Error::FastPathsOff(format!(
         "shmstore: SHMSTORE_REQUIRE_FAST_PATHS=1 and these fast paths are off: {}",
         off.join(", ")
-    )))
+    ))
+    .into())
 }
 
 /// `{name: True | "why it is off"}` for every fast path of this process (see the module's
