@@ -4,9 +4,10 @@
 
 Run: .venv/bin/python benchmarks/bench_arrays.py  ->  benchmarks/results/arrays.md
 (`--sizes 256,1024` in MiB; `--repeats 5`). Every ratio is measured side by side in one run:
-the approaches alternate within each repeat and the table shows medians. On a VM whose
-balloon hands freed pages back to the host, the large-put rounds hold that while they run,
-when root may (`--leave-reporting` not to; the results say which).
+the approaches alternate within each repeat and the table shows medians. The machine is
+measured as it is: no kernel or VM setting is changed unless `--hold-reporting` asks (on a VM
+whose balloon hands freed pages back to the host, run as root, that holds the reports while
+the large-put rounds run and restores them after). The results say how the machine was.
 """
 
 from __future__ import annotations
@@ -85,7 +86,8 @@ def page_reporting_held(hold: bool) -> Iterator[str]:
     Without this, on such a VM a round that lands on pages the host must supply again takes
     2-4x as long, for either way of filling, at random: the ratio of medians then says which
     approach met more of those rounds. Holding the reports removes that noise from both
-    sides alike; `--leave-reporting` measures the machine as it is.
+    sides alike. Only with `--hold-reporting` (`hold`): by default the machine is measured as
+    it is and nothing is written.
     """
     knob = REPORTING / "min_free_ms"
     if not REPORTING.is_dir():
@@ -102,12 +104,16 @@ def page_reporting_held(hold: bool) -> Iterator[str]:
     # A note left means a run was killed while holding: what it found is the machine's.
     own = saved if saved is not None else found
     if not hold:
-        if saved is not None and os.geteuid() == 0:
-            knob.write_text(own)
-            SAVED.unlink(missing_ok=True)
+        left = (
+            f" (an earlier `--hold-reporting` run was killed holding it; its setting was {saved}:"
+            " rerun with `--hold-reporting` to restore it)"
+            if saved is not None
+            else ""
+        )
         yield (
-            f"Free page reporting was left on (`min_free_ms` {own}, `--leave-reporting`): "
-            "rounds that land on pages the host must supply again take 2-4x as long."
+            f"Free page reporting was on, as the machine has it (`min_free_ms` {found}){left}; "
+            "not changed (`--hold-reporting` holds it during the large puts): rounds that land "
+            "on pages the host must supply again take 2-4x as long."
         )
         return
     try:
@@ -136,7 +142,7 @@ def page_reporting_held(hold: bool) -> Iterator[str]:
             f"The VM's free page reporting was held during these rounds: `{knob}` {own} -> "
             f"{HOLD_MS} (no page freed less than 5 minutes ago handed back to the host), then "
             f"put back to {own}{killed}. Both ways of filling then reuse pages the guest "
-            "already has; `--leave-reporting` measures with it on."
+            "already has (`--hold-reporting`; by default it is left as it is)."
         )
     finally:
         knob.write_text(own)
@@ -660,10 +666,10 @@ def main() -> None:
         help="run only the first-attach table and replace it in --out (the rest is kept)",
     )
     ap.add_argument(
-        "--leave-reporting",
+        "--hold-reporting",
         action="store_true",
-        help="measure large puts with the VM's free page reporting as it is (by default, "
-        "when run as root, it is held during those rounds and restored after)",
+        help="as root on a VM with free page reporting, hold it during the large-put rounds "
+        "and restore it after (by default no kernel or VM setting is changed)",
     )
     ap.add_argument("--skip-small", action="store_true")
     ap.add_argument("--skip-fragmentation", action="store_true")
@@ -679,7 +685,7 @@ def main() -> None:
     parts = ["# Arrays and small objects\n", machine_md(), ""]
     raw: list[str] = []
     if not args.skip_large:
-        text, r = bench_large(sizes, args.repeats, not args.leave_reporting)
+        text, r = bench_large(sizes, args.repeats, args.hold_reporting)
         parts.append(text)
         raw += r
     if not args.skip_small:

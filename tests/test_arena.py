@@ -123,7 +123,12 @@ def test_by_default_small_objects_go_to_the_arena_and_large_ones_to_a_segment() 
     small = [shmstore.put(b"x" * 1000), shmstore.put(np.arange(10)), shmstore.put({"a": 1})]
     assert all("@" in r.name for r in small)
     assert len({chunk_of(r)[0] for r in small}) == 1, "one arena for all of them"
-    limit = 1 << 20  # docs/arena.md: archives of at most 1 MiB
+    limit = 1 << 20  # docs/arena.md: payloads of at most 1 MiB, that size included
+    at_limit = [shmstore.put(np.zeros(limit, dtype=np.uint8)), shmstore.put(b"z" * limit)]
+    assert all("@" in r.name for r in at_limit), "1 MiB exactly is an arena object"
+    assert at_limit[1].get() == b"z" * limit
+    for r in at_limit:
+        r.close()
     large = shmstore.put(np.zeros(limit + 1, dtype=np.uint8))
     unknown_size = shmstore.put({"rows": ["y" * 100] * 20_000})  # > 1 MiB, found encoding
     forced = shmstore.put(b"x" * 1000, arena=False)

@@ -431,3 +431,50 @@ def test_without_a_supervisor_a_channel_says_what_it_needs(tmp_path: Path) -> No
     )
     assert "needs the supervisor" in out.stdout, out
     assert not [p for p in segment_dir().iterdir() if p.name.startswith("shmstore-")]
+
+
+def _busy(stop: Any) -> None:
+    """A busy loop until `stop` is set (at most 120 s)."""
+    import time
+
+    end = time.monotonic() + 120
+    x = 0
+    while not stop.is_set() and time.monotonic() < end:
+        x = (x * 31 + 1) & 0xFFFF
+
+
+def _echo(inbox: shmstore.Channel, outbox: shmstore.Channel, n: int) -> None:
+    for _ in range(n):
+        outbox.put(inbox.get(timeout=600), timeout=600)
+
+
+def test_a_ping_pong_between_processes_under_busy_loops_delivers_every_round() -> None:
+    """With more busy processes than cores, two processes answer each other object by
+    object: every wait ends by its spin or a wake-up (none is lost: a lost one would hang
+    until the 600 s timeout), and a timed-out get on the empty channel still raises
+    `queue.Empty`. The busy loops are stopped whatever happens."""
+    ctx = mp.get_context("forkserver")
+    stop = ctx.Event()
+    busy = [ctx.Process(target=_busy, args=(stop,)) for _ in range((os.cpu_count() or 2) + 2)]
+    for p in busy:
+        p.start()
+    try:
+        ab, ba = shmstore.Channel(capacity=2), shmstore.Channel(capacity=2)
+        rounds = 100
+        echo = ctx.Process(target=_echo, args=(ab, ba, rounds))
+        echo.start()
+        for i in range(rounds):
+            ab.put(np.full(1024, i % 251, dtype=np.uint8), timeout=600)
+            got = ba.get(timeout=600)
+            assert int(got[0]) == i % 251 and got.shape == (1024,)
+        echo.join(600)
+        assert echo.exitcode == 0
+        with pytest.raises(queue.Empty):
+            ba.get(timeout=0.01)
+    finally:
+        stop.set()
+        for p in busy:
+            p.join(130)
+            if p.exitcode is None:
+                p.kill()
+                p.join()

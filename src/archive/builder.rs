@@ -28,10 +28,13 @@ pub const ALONE_BYTES: u64 = 512;
 /// Payloads are hashed and written in pieces of this size (the piece is hashed while it is
 /// in cache, then written).
 const PAYLOAD_PIECE: usize = 1 << 20;
-/// Payloads of at least this size are hashed on a second thread while this one writes them,
-/// when the process may run on more than one CPU: the write (the kernel giving the file its
-/// pages) is the long part, and the hash then costs no time of its own.
+/// Payloads of at least this size may be hashed on a second thread while this one writes
+/// them, when the process may run on more than one CPU: the write (the kernel giving the
+/// file its pages) is the long part, and the hash then costs no time of its own — if a core
+/// is free for the helper. See [`hash_beside`].
 const HASH_BESIDE: usize = 16 << 20;
+/// Bytes the helper hashes between two looks at whether the write failed.
+const HELPER_STEP: usize = 16 << 20;
 
 /// What a [`Builder`] writes into.
 pub trait Sink: Write + Seek {
@@ -47,29 +50,80 @@ pub trait Sink: Write + Seek {
 
 impl Sink for io::Cursor<Vec<u8>> {}
 
-/// Write `bytes` into `out` while a second thread hashes them; the checksum, or `None`
-/// (nothing written) when the payload is too small for that to pay, when only one CPU is
-/// available, or when no thread can be started.
+/// Write `bytes` into `out` while they are hashed, on a helper thread if one gets a core:
+/// the checksum, or `None` (nothing written) when the payload is too small for a helper to
+/// pay, when only one CPU is available, or when no thread can be started.
+///
+/// Whether a core is free is not guessed from load figures: the writing thread hashes each
+/// piece itself (while it is in cache, then writes it) until the helper has actually started
+/// running, and from then on only writes, the helper hashing the rest. On an idle machine
+/// the helper starts within microseconds and the hash costs no time of its own; on a
+/// machine with no free core it may never run before the write ends, and the writer has
+/// then done the single-thread path's work (hash each piece, then write it), not waited for
+/// a time slice. Either way the checksum is the same ([`super::hash::Resumable`] carries the
+/// hash from one thread to the other between pieces).
 fn hash_beside<W: Write>(out: &mut W, bytes: &[u8]) -> io::Result<Option<u64>> {
     if bytes.len() < HASH_BESIDE
         || std::thread::available_parallelism().map_or(true, |n| n.get() < 2)
     {
         return Ok(None);
     }
-    std::thread::scope(|s| {
-        let Ok(hasher) = std::thread::Builder::new()
+    hash_handing_over(out, bytes, || {})
+}
+
+/// [`hash_beside`]'s work; `helper_starts` runs on the helper thread before it announces
+/// itself (tests hold it back there, as a busy machine would).
+fn hash_handing_over<W: Write>(
+    out: &mut W,
+    bytes: &[u8],
+    helper_starts: impl Fn() + Sync,
+) -> io::Result<Option<u64>> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Mutex;
+    let state = Mutex::new(super::hash::Resumable::new(bytes));
+    let lock = || state.lock().unwrap_or_else(|e| e.into_inner());
+    // Set by the helper once it runs: from then on the writer leaves the hash to it.
+    let running = AtomicBool::new(false);
+    // Set by the writer when the write failed: the helper stops.
+    let stop = AtomicBool::new(false);
+    let written = std::thread::scope(|s| {
+        let helper = std::thread::Builder::new()
             .name("shmstore-hash".into())
-            .spawn_scoped(s, || super::hash::xxh3_64(bytes))
-        else {
-            return Ok(None);
-        };
-        // The scope joins the hasher before returning, also when the write fails.
-        out.write_all(bytes)?;
-        hasher
-            .join()
-            .map(Some)
-            .map_err(|_| io::Error::other("the payload's hashing thread failed"))
-    })
+            .spawn_scoped(s, || {
+                helper_starts();
+                running.store(true, Ordering::Release);
+                let mut at = 0;
+                while at < bytes.len() && !stop.load(Ordering::Relaxed) {
+                    at = at.saturating_add(HELPER_STEP).min(bytes.len());
+                    lock().advance(at);
+                }
+            });
+        if helper.is_err() {
+            return Ok(false);
+        }
+        for (k, piece) in bytes.chunks(PAYLOAD_PIECE).enumerate() {
+            if !running.load(Ordering::Acquire) {
+                // No helper running yet: hash the piece here, while it is about to be
+                // read for the write anyway.
+                lock().advance(k * PAYLOAD_PIECE + piece.len());
+            }
+            if let Err(e) = out.write_all(piece) {
+                stop.store(true, Ordering::Relaxed);
+                return Err(e);
+            }
+        }
+        // The scope joins the helper (done with the hash, or with nothing left to do).
+        Ok(true)
+    })?;
+    if !written {
+        return Ok(None);
+    }
+    Ok(Some(
+        state
+            .into_inner()
+            .unwrap_or_else(|e| e.into_inner())
+            .finish(),
+    ))
 }
 
 /// Builds one archive into `W`.
@@ -419,5 +473,80 @@ impl KeyTable {
                 .write(&mut out[i * table::SLOT..(i + 1) * table::SLOT]);
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod hand_over_tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// A sink that counts the pieces written to it.
+    struct Counting<'a> {
+        out: Vec<u8>,
+        pieces: &'a AtomicUsize,
+    }
+
+    impl Write for Counting<'_> {
+        fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+            self.out.extend_from_slice(buf);
+            self.pieces.fetch_add(1, Ordering::SeqCst);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn payload(len: usize) -> Vec<u8> {
+        (0..len)
+            .map(|i| (i.wrapping_mul(2_654_435_761) >> 7) as u8)
+            .collect()
+    }
+
+    #[test]
+    fn the_checksum_is_the_same_whoever_hashes_which_piece() {
+        // A payload of 5.5 pieces, its hash taken over by the helper at once, after the
+        // writer hashed some pieces itself, or only once the write is over (a machine with
+        // no free core): always the hash of the whole, and every byte written in order.
+        let bytes = payload(5 * PAYLOAD_PIECE + PAYLOAD_PIECE / 2 + 7);
+        let want = super::super::hash::xxh3_64(&bytes);
+        for hold_until in [0usize, 1, 3, usize::MAX] {
+            let pieces = AtomicUsize::new(0);
+            let mut sink = Counting {
+                out: Vec::new(),
+                pieces: &pieces,
+            };
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+            let sum = hash_handing_over(&mut sink, &bytes, || {
+                // Held back until the writer has written `hold_until` pieces (all of them
+                // for usize::MAX: the helper only starts once the writer is done).
+                let want_pieces = hold_until.min(6);
+                while pieces.load(Ordering::SeqCst) < want_pieces
+                    && std::time::Instant::now() < deadline
+                {
+                    std::thread::yield_now();
+                }
+            })
+            .unwrap();
+            assert_eq!(sum, Some(want), "helper held until piece {hold_until}");
+            assert!(sink.out == bytes, "written in order");
+        }
+    }
+
+    #[test]
+    fn a_failed_write_stops_the_helper_and_is_the_error() {
+        struct Failing;
+        impl Write for Failing {
+            fn write(&mut self, _: &[u8]) -> io::Result<usize> {
+                Err(io::Error::other("disk full"))
+            }
+            fn flush(&mut self) -> io::Result<()> {
+                Ok(())
+            }
+        }
+        let bytes = payload(3 * PAYLOAD_PIECE);
+        let err = hash_handing_over(&mut Failing, &bytes, || {}).unwrap_err();
+        assert_eq!(err.to_string(), "disk full");
     }
 }

@@ -60,6 +60,80 @@ pub fn xxh3_64_pieces<E>(
     Ok(h.digest())
 }
 
+/// xxh3-64 of one buffer computed in steps that any thread may take in turn
+/// ([`Resumable::advance`]), so that a payload's hashing can move from the thread that
+/// writes it to a helper thread part-way (src/archive/builder.rs). The value is always
+/// [`xxh3_64`]'s.
+pub struct Resumable<'a> {
+    data: &'a [u8],
+    /// Bytes of `data` mixed in so far (whole blocks with AVX2, anything with the crate).
+    done: usize,
+    state: ResumableState,
+}
+
+enum ResumableState {
+    /// Inputs of up to [`MID_MAX`] bytes: hashed whole at the end.
+    Short,
+    #[cfg(target_arch = "x86_64")]
+    Avx2(avx2::Acc),
+    Crate(Box<xxhash_rust::xxh3::Xxh3Default>),
+}
+
+impl<'a> Resumable<'a> {
+    pub fn new(data: &'a [u8]) -> Self {
+        let state = if data.len() <= MID_MAX {
+            ResumableState::Short
+        } else {
+            #[cfg(target_arch = "x86_64")]
+            if std::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU has AVX2 (just checked).
+                let acc = unsafe { avx2::Acc::new() };
+                return Resumable {
+                    data,
+                    done: 0,
+                    state: ResumableState::Avx2(acc),
+                };
+            }
+            ResumableState::Crate(Box::default())
+        };
+        Resumable {
+            data,
+            done: 0,
+            state,
+        }
+    }
+
+    /// Mix in the input up to byte `upto` (at least; the AVX2 loop takes whole blocks).
+    pub fn advance(&mut self, upto: usize) {
+        let upto = upto.min(self.data.len());
+        match &mut self.state {
+            ResumableState::Short => {}
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the state exists only where the CPU has AVX2 (`new`), and the input
+            // is longer than MID_MAX.
+            ResumableState::Avx2(acc) => unsafe { acc.advance(self.data, upto) },
+            ResumableState::Crate(h) => {
+                if upto > self.done {
+                    h.update(&self.data[self.done..upto]);
+                    self.done = upto;
+                }
+            }
+        }
+    }
+
+    /// The checksum (the rest of the input is mixed in first).
+    pub fn finish(mut self) -> u64 {
+        self.advance(self.data.len());
+        match self.state {
+            ResumableState::Short => xxhash_rust::xxh3::xxh3_64(self.data),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as in `advance`.
+            ResumableState::Avx2(acc) => unsafe { acc.finish(self.data) },
+            ResumableState::Crate(h) => h.digest(),
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
@@ -261,6 +335,87 @@ mod avx2 {
         }
         // SAFETY: AVX2 is the caller's promise.
         Ok(unsafe { finish(acc, len) })
+    }
+
+    /// [`long_pieces`]'s state between pieces, for [`super::Resumable`]: the accumulators
+    /// and how many whole blocks are mixed in.
+    pub(super) struct Acc {
+        acc: [__m256i; 2],
+        blocks_done: usize,
+    }
+
+    impl Acc {
+        /// # Safety
+        /// The CPU has AVX2.
+        pub(super) unsafe fn new() -> Acc {
+            Acc {
+                // SAFETY: the caller's promise.
+                acc: unsafe { start() },
+                blocks_done: 0,
+            }
+        }
+
+        /// Mix in the whole blocks of `data` that end at or before `upto` (and before the
+        /// input's last byte, as in `long_pieces`).
+        ///
+        /// # Safety
+        /// The CPU has AVX2; `data.len() > 240`, the same `data` on every call.
+        #[target_feature(enable = "avx2")]
+        pub(super) unsafe fn advance(&mut self, data: &[u8], upto: usize) {
+            let len = data.len();
+            let blocks = (len - 1) / BLOCK;
+            let (p, s) = (data.as_ptr(), SECRET.as_ptr());
+            while self.blocks_done < blocks && (self.blocks_done + 1) * BLOCK <= upto {
+                let n = self.blocks_done;
+                // SAFETY: as in `long_pieces`: block n (< blocks) lies in [0, len - 1).
+                unsafe {
+                    for i in 0..STRIPES {
+                        let o = n * BLOCK + i * STRIPE;
+                        accumulate::<false>(
+                            &mut self.acc,
+                            p.add(o),
+                            s.add(i * 8),
+                            std::ptr::null_mut(),
+                        );
+                    }
+                    scramble(&mut self.acc, s.add(SECRET.len() - STRIPE));
+                }
+                self.blocks_done += 1;
+            }
+        }
+
+        /// The hash, once every whole block is mixed in (`advance` to `data.len()`).
+        ///
+        /// # Safety
+        /// As `advance`.
+        #[target_feature(enable = "avx2")]
+        pub(super) unsafe fn finish(mut self, data: &[u8]) -> u64 {
+            let len = data.len();
+            // SAFETY: as `advance` (the caller's promise).
+            unsafe { self.advance(data, len) };
+            let blocks = (len - 1) / BLOCK;
+            let stripes = ((len - 1) - blocks * BLOCK) / STRIPE;
+            let (p, s) = (data.as_ptr(), SECRET.as_ptr());
+            // SAFETY: as in `long_pieces` (every block is mixed in).
+            unsafe {
+                for i in 0..stripes {
+                    let o = blocks * BLOCK + i * STRIPE;
+                    accumulate::<false>(
+                        &mut self.acc,
+                        p.add(o),
+                        s.add(i * 8),
+                        std::ptr::null_mut(),
+                    );
+                }
+                accumulate::<false>(
+                    &mut self.acc,
+                    p.add(len - STRIPE),
+                    s.add(LAST_AT),
+                    std::ptr::null_mut(),
+                );
+                finish(self.acc, len)
+            }
+        }
     }
 
     /// The accumulators' starting values.
@@ -535,6 +690,43 @@ mod tests {
     }
 
     #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn a_resumable_hash_gives_the_crate_s_value_whatever_the_steps() {
+        for (i, len) in [
+            0usize,
+            17,
+            240,
+            241,
+            1023,
+            1024,
+            1025,
+            65_536,
+            1 << 20,
+            3_000_001,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let d = bytes(len, i as u64 + 40);
+            let want = xxhash_rust::xxh3::xxh3_64(&d);
+            assert_eq!(Resumable::new(&d).finish(), want, "{len}: no step");
+            for step in [1usize, 63, 1000, 1024, 4096, 1 << 20] {
+                let mut h = Resumable::new(&d);
+                let mut at = 0;
+                while at < len {
+                    at = (at + step).min(len);
+                    h.advance(at);
+                }
+                assert_eq!(h.finish(), want, "{len} in steps of {step}");
+            }
+            // Part of it, then the rest at once (as when a helper thread takes over).
+            let mut h = Resumable::new(&d);
+            h.advance(len / 3);
+            h.advance(len / 3);
+            assert_eq!(h.finish(), want, "{len}: a third, then the rest");
+        }
+    }
+
     #[test]
     fn the_avx2_loop_is_the_one_tested_here() {
         // The comparisons above test the AVX2 loop only on a CPU that has AVX2; say so if

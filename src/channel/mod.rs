@@ -107,6 +107,8 @@ pub struct Ring {
     _file: File,
     path: PathBuf,
     capacity: u64,
+    /// This process's spin budget before a wait sleeps, in nanoseconds ([`Ring::adapt`]).
+    spin_ns: AtomicU32,
 }
 
 impl Ring {
@@ -200,6 +202,7 @@ impl Ring {
             _file: file,
             path,
             capacity,
+            spin_ns: AtomicU32::new(SPIN_START.as_nanos() as u32),
         })
     }
 
@@ -491,11 +494,20 @@ impl Ring {
         }
     }
 
-    /// Look again for up to [`SPIN_FOR`] (the other side is usually a few microseconds
-    /// away), then sleep on the futex word at `epoch`, having said so in `waiters`: the other side bumps the word
-    /// after each change and wakes sleepers only when `waiters` says there are some. The
-    /// word is read before `ready` is looked at, so a change after that look makes the
-    /// futex wait return at once: no wake-up is lost.
+    /// Look again in a short busy loop (pause instructions, for at most this process's
+    /// current spin budget: the other side is usually a few microseconds away), then sleep
+    /// on the futex word at `epoch`, having said so in `waiters`: the other side bumps the
+    /// word after each change and makes the wake-up system call only when `waiters` says
+    /// somebody sleeps. The word is read before `ready` is looked at the last time, so a
+    /// change after that look makes the futex wait return at once: no wake-up is lost.
+    ///
+    /// The loop never yields the CPU (`sched_yield`): on a machine with more runnable
+    /// threads than cores each yield hands a whole time slice to another thread, which
+    /// made a round trip cost milliseconds; a sleeper on the futex, by contrast, is woken
+    /// with the scheduler's preference for tasks that slept. The budget adapts
+    /// ([`Ring::adapt`]): it grows while the other side answers just after the spin gave
+    /// up, and shrinks while it answers much later (its process not running: spinning only
+    /// takes a core it may need).
     fn wait(
         &self,
         epoch: usize,
@@ -504,21 +516,21 @@ impl Ring {
         ready: impl Fn() -> bool,
     ) -> Waited {
         let start = Instant::now();
+        let budget = Duration::from_nanos(u64::from(self.spin_ns.load(Ordering::Relaxed)));
         let mut looks = 0u32;
-        while looks < SPINS || start.elapsed() < SPIN_FOR {
+        loop {
             if ready() {
                 return Waited::Again;
             }
-            if Instant::now() >= deadline {
-                break;
+            looks = looks.wrapping_add(1);
+            // The clock is read every few looks only (it costs more than a look).
+            if looks % SPIN_CHECK == 0 {
+                let spent = start.elapsed();
+                if spent >= budget || looks >= SPIN_LOOKS_MAX || Instant::now() >= deadline {
+                    break;
+                }
             }
-            // Busy for the first looks, then giving the CPU to whoever else wants it.
-            if looks < SPINS {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
-            }
-            looks = looks.saturating_add(1);
+            std::hint::spin_loop();
         }
         let word = self.u32_at(epoch);
         let count = self.u32_at(waiters);
@@ -540,7 +552,23 @@ impl Ring {
             }
         };
         count.fetch_sub(1, Ordering::SeqCst);
+        self.adapt(start.elapsed(), budget);
         outcome
+    }
+
+    /// After a wait that had to sleep and took `waited` in all: a longer spin would have
+    /// caught an answer that came within [`SPIN_MAX`], so the budget doubles; an answer
+    /// that came later means the other side was not running, so it halves (within
+    /// [`SPIN_MIN`]..=[`SPIN_MAX`]). The budget is this process's (not shared): a hostile
+    /// peer can only make it spin less.
+    fn adapt(&self, waited: Duration, budget: Duration) {
+        let next = if waited <= SPIN_MAX {
+            (budget * 2).min(SPIN_MAX)
+        } else {
+            (budget / 2).max(SPIN_MIN)
+        };
+        self.spin_ns
+            .store(next.as_nanos() as u32, Ordering::Relaxed);
     }
 
     fn wake(&self, epoch: usize, waiters: usize) {
@@ -565,13 +593,19 @@ impl Ring {
 /// position it contends for within a few tries; only a corrupt ring keeps a position behind
 /// cells that are already past it.
 const SPIN_LIMIT: u32 = 1 << 16;
-/// Looks in a busy loop before a wait yields the CPU between looks.
-const SPINS: u32 = 64;
-/// How long a wait keeps looking before it sleeps: a sleeper costs the other side a
-/// wake-up system call per object and itself a scheduler round trip (together ~5-10 µs
-/// on the machines measured, more than the wait it would save), while a stream of
-/// objects a few microseconds apart never waits this long.
-const SPIN_FOR: Duration = Duration::from_micros(50);
+/// The shortest and longest busy spin of a wait before it sleeps (see [`Ring::wait`]). The
+/// longest covers the other side's usual answer on an idle machine (a Python round trip
+/// of a few microseconds); a sleeper instead costs the other side a wake-up system call
+/// and itself a scheduler round trip (together ~5-10 µs on the machines measured).
+const SPIN_MIN: Duration = Duration::from_micros(1);
+const SPIN_MAX: Duration = Duration::from_micros(50);
+/// Where the spin budget starts.
+const SPIN_START: Duration = Duration::from_micros(20);
+/// Looks between two reads of the clock in a spin.
+const SPIN_CHECK: u32 = 32;
+/// Looks of one spin at most, whatever the clock says (a clock that stalls cannot make a
+/// wait spin for ever).
+const SPIN_LOOKS_MAX: u32 = 1 << 20;
 /// The longest sleep of one wait: a caller waiting longer waits again (and meanwhile
 /// notices a signal, or a peer that went away).
 const MAX_SLEEP: Duration = Duration::from_millis(100);

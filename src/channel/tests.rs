@@ -322,3 +322,147 @@ fn a_channel_in_a_full_directory_says_how_much_is_needed_and_what_to_do() {
     );
     assert_eq!(std::fs::read_dir(fs.dir.path()).unwrap().count(), 0);
 }
+
+/// Threads that keep every core busy until `stop` is set (bounded by the caller's scope),
+/// so that the waits below run with more runnable threads than cores.
+fn busy_loops<'s>(
+    s: &'s std::thread::Scope<'s, '_>,
+    stop: &'s std::sync::atomic::AtomicBool,
+) -> usize {
+    let n = std::thread::available_parallelism().map_or(2, |n| n.get()) + 2;
+    for _ in 0..n {
+        s.spawn(move || {
+            let end = Instant::now() + Duration::from_secs(60);
+            let mut x = 0u64;
+            while !stop.load(Ordering::Relaxed) && Instant::now() < end {
+                x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(1));
+            }
+        });
+    }
+    n
+}
+
+#[test]
+fn a_ping_pong_under_busy_loops_loses_no_wake_up() {
+    // Two mappings answer each other one handle at a time while busy threads take every
+    // core: each wait ends by its spin, by a futex wake-up, or by the futex word having
+    // moved; a lost wake-up would leave one side asleep until the far deadline (60 s) and
+    // fail the `Waited::Again` assertions.
+    let d = dir();
+    let ab = Ring::create(d.path(), "shmstore-ab", 2).unwrap();
+    let ba = Ring::create(d.path(), "shmstore-ba", 2).unwrap();
+    let (ab_path, ba_path) = (d.path().join("shmstore-ab"), d.path().join("shmstore-ba"));
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let rounds = 300u64;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let take = |r: &Ring| loop {
+        if let Some((p, h)) = r.try_pop().unwrap() {
+            r.release(p);
+            return h.unwrap();
+        }
+        assert_eq!(
+            r.wait_to_get(deadline),
+            Waited::Again,
+            "woken before the deadline"
+        );
+    };
+    std::thread::scope(|s| {
+        busy_loops(s, &stop);
+        let echo = s.spawn(|| {
+            let (inbox, outbox) = (Ring::open(&ab_path).unwrap(), Ring::open(&ba_path).unwrap());
+            for _ in 0..rounds {
+                let h = take(&inbox);
+                outbox.try_push(&h).unwrap().unwrap();
+            }
+        });
+        for i in 0..rounds {
+            ab.try_push(&chunk(i)).unwrap().unwrap();
+            assert_eq!(take(&ba), chunk(i));
+        }
+        echo.join().unwrap();
+        stop.store(true, Ordering::Relaxed);
+    });
+    // The spin budget stays within its bounds whatever the waits measured.
+    let ns = u64::from(ab.spin_ns.load(Ordering::Relaxed));
+    assert!((SPIN_MIN.as_nanos() as u64..=SPIN_MAX.as_nanos() as u64).contains(&ns));
+}
+
+#[test]
+fn putters_and_getters_under_busy_loops_all_progress_in_order_and_time_out_when_due() {
+    // Several putters (each in order) and getters share a small ring while busy threads
+    // take every core: every handle comes out exactly once, each putter's in the order it
+    // put them (the ring is first in, first out), every putter and getter finishes (none
+    // is starved for ever: all end before the far deadline), and then a wait on the empty
+    // ring ends `TimedOut` once its near deadline has passed, not earlier.
+    let d = dir();
+    let path = d.path().join("shmstore-ch");
+    drop(Ring::create(d.path(), "shmstore-ch", 4).unwrap());
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (putters, getters, per) = (3u64, 3usize, 200u64);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let got = std::sync::Mutex::new(Vec::new());
+    let total = putters * per;
+    let taken = std::sync::atomic::AtomicU64::new(0);
+    std::thread::scope(|s| {
+        busy_loops(s, &stop);
+        let mut joins = vec![];
+        for p in 0..putters {
+            let path = &path;
+            joins.push(s.spawn(move || {
+                let r = Ring::open(path).unwrap();
+                for i in 0..per {
+                    let h = chunk(p * 1_000_000 + i);
+                    while r.try_push(&h).unwrap().is_none() {
+                        assert_eq!(r.wait_to_put(deadline), Waited::Again);
+                    }
+                }
+            }));
+        }
+        for _ in 0..getters {
+            let (path, got, taken) = (&path, &got, &taken);
+            joins.push(s.spawn(move || {
+                let r = Ring::open(path).unwrap();
+                let mut mine = vec![];
+                while taken.load(Ordering::SeqCst) < total {
+                    if let Some((p, h)) = r.try_pop().unwrap() {
+                        r.release(p);
+                        taken.fetch_add(1, Ordering::SeqCst);
+                        mine.push(h.unwrap().offset);
+                        continue;
+                    }
+                    let slice = (Instant::now() + Duration::from_millis(50)).min(deadline);
+                    let _ = r.wait_to_get(slice);
+                    assert!(Instant::now() < deadline, "a getter was starved");
+                }
+                got.lock().unwrap().push(mine);
+            }));
+        }
+        for j in joins {
+            j.join().unwrap();
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+    let got = got.into_inner().unwrap();
+    let mut all: Vec<u64> = got.iter().flatten().copied().collect();
+    // Within each getter, each putter's handles come in the order put.
+    for mine in &got {
+        for p in 0..putters {
+            let seq: Vec<u64> = mine
+                .iter()
+                .copied()
+                .filter(|&o| (o - 4096) / 64 / 1_000_000 == p)
+                .collect();
+            assert!(seq.windows(2).all(|w| w[0] < w[1]), "out of order");
+        }
+    }
+    all.sort_unstable();
+    let mut want: Vec<u64> = (0..putters)
+        .flat_map(|p| (0..per).map(move |i| chunk(p * 1_000_000 + i).offset))
+        .collect();
+    want.sort_unstable();
+    assert_eq!(all, want, "every handle exactly once");
+    let r = Ring::open(&path).unwrap();
+    let near = Instant::now() + Duration::from_millis(30);
+    assert_eq!(r.wait_to_get(near), Waited::TimedOut);
+    assert!(Instant::now() >= near, "a timeout never comes early");
+}

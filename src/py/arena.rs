@@ -20,8 +20,13 @@ use crate::arena::{alloc, ArenaFile, ArenaWriter, PartState, Reservation};
 use crate::process::{self, ForkHooks, ForkLock};
 use crate::segment;
 
-/// Largest object archive that goes into an arena (bigger ones get a segment of their own).
-pub(crate) const MAX_OBJECT: usize = 1 << 20;
+/// Largest payload of a known size (an array's data, bytes) that goes into an arena: up to
+/// and including 1 MiB (bigger ones get a segment of their own).
+pub(crate) const MAX_PAYLOAD: usize = 1 << 20;
+/// Largest object archive that goes into an arena: a payload of [`MAX_PAYLOAD`] with its
+/// archive's own bytes ([`ARCHIVE_ROOM`]), so that a 1 MiB array or bytes object is an
+/// arena object, as documented ("<= 1 MiB"), and not a segment of its own.
+pub(crate) const MAX_OBJECT: usize = MAX_PAYLOAD + ARCHIVE_ROOM;
 /// Bytes of chunks of the largest arena segment, unless `SHMSTORE_ARENA_SIZE` says otherwise.
 const DEFAULT_CAPACITY: u64 = 64 << 20;
 /// Bytes of chunks of a process's first arena; each next one is twice the last, up to
@@ -228,10 +233,10 @@ fn new_arena(py: Python<'_>, dir: PathBuf, made: usize) -> PyResult<Option<Owned
 const MAX_ITEMS: usize = 1 << 16;
 
 /// Whether `obj` may have an archive small enough for an arena: its known size
-/// (`size_hint`) is at most [`MAX_OBJECT`], or, unknown, it holds at most [`MAX_ITEMS`] items.
+/// (`size_hint`) is at most [`MAX_PAYLOAD`], or, unknown, it holds at most [`MAX_ITEMS`] items.
 pub(crate) fn may_fit(obj: &Bound<'_, PyAny>, size_hint: Option<u64>) -> bool {
     match size_hint {
-        Some(n) => n <= MAX_OBJECT as u64,
+        Some(n) => n <= MAX_PAYLOAD as u64,
         None => obj.len().map_or(true, |n| n <= MAX_ITEMS),
     }
 }
@@ -280,7 +285,7 @@ pub(crate) fn encode_small(
     let over = std::sync::atomic::AtomicBool::new(false);
     let room = size_hint
         .and_then(|n| usize::try_from(n).ok())
-        .map_or(0, |n| n.min(MAX_OBJECT).saturating_add(ARCHIVE_ROOM));
+        .map_or(0, |n| n.min(MAX_PAYLOAD).saturating_add(ARCHIVE_ROOM));
     let sink = Bounded {
         out: Cursor::new(Vec::with_capacity(room)),
         over: &over,

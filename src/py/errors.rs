@@ -215,6 +215,9 @@ pub(crate) enum Error {
     /// Something needed that is not there: a module (numpy to read arrays), the supervisor
     /// (a channel).
     Missing(String),
+    /// `SHMSTORE_REQUIRE_FAST_PATHS=1` and a fast path is off (src/py/read/fastpaths.rs):
+    /// `ImportError`, raised by the module's init.
+    FastPathsOff(String),
     /// A channel's put found no room (`queue.Full`) or its get nothing (`queue.Empty`)
     /// within its timeout: the standard library's classes, as `multiprocessing.Queue`
     /// raises them.
@@ -242,6 +245,7 @@ impl From<Error> for PyErr {
         let (class, msg) = match e {
             Error::Python(e) => return e,
             Error::MissingKey(key) => return pyo3::exceptions::PyKeyError::new_err(key),
+            Error::FastPathsOff(msg) => return pyo3::exceptions::PyImportError::new_err(msg),
             Error::Save(err) => return save(err),
             Error::QueueFull => return queue_error("Full"),
             Error::QueueEmpty => return queue_error("Empty"),

@@ -65,6 +65,8 @@ mod _native {
     #[pymodule_export]
     use super::pickle::{_rebuild, _rebuild_chunk, _rebuild_view};
     #[pymodule_export]
+    use super::read::fastpaths::_fast_paths;
+    #[pymodule_export]
     use super::read::{ArrayOwner, DictIter, DictView, ListIter, ListView};
 
     #[pymodule_init]
@@ -91,6 +93,8 @@ mod _native {
         // Connect to a running supervisor now (never waits): see `client::prepare`.
         m.py().detach(crate::supervisor::client::prepare);
         read::install_freelists(m.py(), &[handles::install_freelists])?;
+        read::fastpaths::report_hashing();
+        read::fastpaths::enforce()?;
         Ok(())
     }
 }

@@ -43,13 +43,23 @@ pub(crate) unsafe fn install_freelists(py: Python<'_>) {
     #[cfg(not(feature = "abi3"))]
     // SAFETY: the caller's contract. None of these types is subclassable.
     unsafe {
+        use super::read::fastpaths::report;
         use super::read::{install_free_list, slots};
         install_free_list::<RecordIter>(py);
         install_free_list::<KeyIter>(py);
-        slots::install::<SharedList>(py);
-        slots::install::<SharedDict>(py);
-        slots::install_next::<RecordIter>(py);
-        slots::install_next::<KeyIter>(py);
+        report(
+            "slots.SharedList.subscript",
+            slots::install::<SharedList>(py),
+        );
+        report(
+            "slots.SharedDict.subscript",
+            slots::install::<SharedDict>(py),
+        );
+        report(
+            "slots.RecordIter.next",
+            slots::install_next::<RecordIter>(py),
+        );
+        report("slots.KeyIter.next", slots::install_next::<KeyIter>(py));
     }
     #[cfg(feature = "abi3")]
     let _ = py;

@@ -25,9 +25,11 @@
 //! counters, a panic guard) for every dealloc: together about a third of the cost of
 //! `view[k]`. `new_view` writes the value straight into a recycled object and the types'
 //! `tp_dealloc` is ours. Both rely on where pyo3 puts the value inside the object, which is
-//! not a public interface, so it is measured on the first object pyo3 makes of each type
-//! and checked against the type's size and weak-reference slot (`Layout::learn`); if
-//! anything does not match, that type keeps pyo3's path.
+//! not a public interface, so it is checked at module init against each type object's size
+//! and weak-reference slot (`Layout::of_type`): the object must be exactly its header, the
+//! value and (if any) the weak-reference list, in that order. A type whose layout differs
+//! keeps pyo3's path, and that is reported (`_fast_paths()`, a warning at import:
+//! src/py/read/fastpaths.rs), never silent.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -103,46 +105,46 @@ pub(crate) mod imp {
     }
 
     impl Layout {
-        /// The layout of `obj`, a live object of type `T` that pyo3 made, if it is the one
-        /// this module relies on: the object is its header, the value and (for a type with
-        /// weak references) the list pointer, with nothing else that needs initialising.
+        /// The layout of `T`'s objects, from its type object, if it is the one this module
+        /// relies on: the object is its header, the value right after it and (for a type
+        /// with weak references) the list pointer right after the value, with nothing else
+        /// (pyo3 0.30's `#[repr(C)]` object for a frozen, `Sync` class without `__dict__`).
+        /// What differs otherwise.
         ///
         /// # Safety
-        /// The GIL is held.
-        unsafe fn learn<T: Recycled>(obj: &Bound<'_, T>) -> Option<Layout> {
-            let base = obj.as_ptr() as usize;
-            let value = (obj.get() as *const T as usize).checked_sub(base)?;
-            let ty = obj.as_any().get_type();
-            let ty = ty.as_type_ptr();
-            // SAFETY: `ty` is the live type object of `obj` (the GIL is held).
+        /// The GIL is held and `ty` is `T`'s live type object.
+        unsafe fn of_type<T: Recycled>(ty: *mut ffi::PyTypeObject) -> Result<Layout, String> {
+            // SAFETY: `ty` is a live type object (the caller's contract).
             let (size, weak) = unsafe { ((*ty).tp_basicsize, (*ty).tp_weaklistoffset) };
-            let (size, weak) = (usize::try_from(size).ok()?, usize::try_from(weak).ok()?);
             let header = std::mem::size_of::<ffi::PyObject>();
             let t = std::mem::size_of::<T>();
-            let weak_bytes = if weak == 0 {
-                0
-            } else {
-                std::mem::size_of::<usize>()
-            };
-            let fits = size == header + t + weak_bytes
-                && value >= header
-                && value + t <= size
-                && (weak == 0
-                    || (weak >= header
-                        && weak + weak_bytes <= size
-                        && (weak + weak_bytes <= value || weak >= value + t)));
-            fits.then_some(Layout { value, weak })
+            let word = std::mem::size_of::<usize>();
+            let value = header;
+            let want_weak = if weak == 0 { 0 } else { value + t };
+            let want_size = value + t + if weak == 0 { 0 } else { word };
+            let aligned = std::mem::align_of::<T>() <= std::mem::align_of::<ffi::PyObject>();
+            if aligned
+                && usize::try_from(size).ok() == Some(want_size)
+                && usize::try_from(weak).ok() == Some(want_weak)
+            {
+                return Ok(Layout {
+                    value,
+                    weak: want_weak,
+                });
+            }
+            Err(format!(
+                "unexpected object layout: tp_basicsize {size} (expected {want_size}), \
+                 tp_weaklistoffset {weak} (expected {want_weak}), value {t} bytes aligned to {}",
+                std::mem::align_of::<T>()
+            ))
         }
     }
 
     pub(crate) struct FreeList {
         ty: UnsafeCell<*mut ffi::PyTypeObject>,
         items: UnsafeCell<Vec<*mut ffi::PyObject>>,
-        /// Known once pyo3 has made the first object of the type (`make`); `None` before
-        /// that, or for good if the layout did not match.
+        /// Set by `install` if the type's layout is the expected one (`None`: pyo3's path).
         layout: UnsafeCell<Option<Layout>>,
-        /// Whether the first object was looked at (so a mismatch is not retried).
-        learned: UnsafeCell<bool>,
     }
 
     // SAFETY: a list is read and written only by `alloc`, `free`, `make` and the type's
@@ -158,7 +160,6 @@ pub(crate) mod imp {
                 ty: UnsafeCell::new(std::ptr::null_mut()),
                 items: UnsafeCell::new(Vec::new()),
                 layout: UnsafeCell::new(None),
-                learned: UnsafeCell::new(false),
             }
         }
 
@@ -186,7 +187,7 @@ pub(crate) mod imp {
             // SAFETY: `obj` is a new object of `T`'s type with a reference count of 1,
             // either fresh from the generic allocator (zeroed) or recycled by `dealloc`
             // below (its value moved out, its weak-reference list cleared). `layout` was
-            // checked against this type's objects (`Layout::learn`): the value goes at
+            // checked against this type at init (`Layout::of_type`): the value goes at
             // `layout.value` and the weak-reference list, set empty, is the only other
             // field. The object is then complete, as pyo3 would have made it.
             unsafe {
@@ -201,7 +202,8 @@ pub(crate) mod imp {
             }
         }
 
-        /// The first object of the type, made by pyo3, whose layout is then learnt.
+        /// An object made by pyo3's generic path: for a type whose layout is not the
+        /// expected one (reported at init), still allocated by `alloc` (born untracked).
         ///
         /// # Safety
         /// As `make`.
@@ -212,24 +214,7 @@ pub(crate) mod imp {
             py: Python<'py>,
             value: T,
         ) -> PyResult<Bound<'py, T>> {
-            let obj = Bound::new(py, value.init())?;
-            // SAFETY: the GIL is held (the caller's contract).
-            let learned = unsafe { &mut *self.learned.get() };
-            if !*learned {
-                *learned = true;
-                // SAFETY: the GIL is held; `obj` is a live object of `T` made by pyo3.
-                if let Some(layout) = unsafe { Layout::learn(&obj) } {
-                    // SAFETY: the GIL is held. From now on objects of this type are made
-                    // by `make` and released by `dealloc::<T>`, which undoes exactly what
-                    // pyo3's dealloc would for this layout; objects pyo3 made before (such
-                    // as `obj`) have the same layout.
-                    unsafe {
-                        *self.layout.get() = Some(layout);
-                        (*obj.as_any().get_type().as_type_ptr()).tp_dealloc = Some(dealloc::<T>);
-                    }
-                }
-            }
-            Ok(obj)
+            Bound::new(py, value.init())
         }
 
         /// # Safety
@@ -376,21 +361,34 @@ pub(crate) mod imp {
         unsafe { T::list().free(obj) }
     }
 
-    /// Put `T`'s free list in place (its `tp_alloc` and `tp_free`).
+    /// Put `T`'s free list in place (its `tp_alloc` and `tp_free`), and with them our
+    /// dealloc if `T`'s layout is the expected one; reported as `freelist.<type>`.
     ///
     /// # Safety
     /// The GIL is held, the interpreter has one (`install` checks) and no instance of `T`
-    /// exists yet (module init), so no alloc or free of this type is under way.
+    /// exists yet (module init), so no alloc, free or dealloc of this type is under way.
     pub(crate) unsafe fn install_type<T: Recycled>(py: Python<'_>) {
         let ty = <T as PyTypeInfo>::type_object_raw(py);
+        // SAFETY: the GIL is held and `ty` is `T`'s live type object.
+        let layout = unsafe { Layout::of_type::<T>(ty) };
         // SAFETY: the caller's contract. The type is a heap type that pyo3 made for this
         // module; it is not subclassable, and its allocation and release go through these
-        // two slots only (pyo3 reads them from the type).
+        // slots only (pyo3 reads them from the type). Our dealloc goes in only with the
+        // layout checked above, for every object of the type (none was made before).
         unsafe {
             *T::list().ty.get() = ty;
             (*ty).tp_alloc = Some(alloc::<T>);
             (*ty).tp_free = Some(free::<T>);
+            if let Ok(layout) = layout {
+                *T::list().layout.get() = Some(layout);
+                (*ty).tp_dealloc = Some(dealloc::<T>);
+            }
         }
+        let name = std::any::type_name::<T>()
+            .rsplit("::")
+            .next()
+            .unwrap_or("?");
+        super::super::fastpaths::report(format!("freelist.{name}"), layout.map(drop));
     }
 
     super::recycled! {
@@ -404,7 +402,12 @@ pub(crate) mod imp {
     /// (with [`install_type`]: the handles' iterators, which this layer does not name), then
     /// the views' fast slots.
     pub(crate) fn install(py: Python<'_>, more: &[unsafe fn(Python<'_>)]) -> PyResult<()> {
+        use super::super::fastpaths::{report, FREE_THREADED, NAMES};
+        use super::super::slots;
         if free_threaded(py)? {
+            for name in NAMES {
+                report(*name, Err(FREE_THREADED.to_owned()));
+            }
             return Ok(());
         }
         // SAFETY: the GIL is held, the interpreter has one (checked above) and no instance
@@ -422,14 +425,14 @@ pub(crate) mod imp {
         // SAFETY: the GIL is held, the interpreter has one (checked above) and no instance
         // exists yet (module init). None of these types is subclassable.
         unsafe {
-            super::super::slots::install::<ListView>(py);
-            super::super::slots::install::<DictView>(py);
-            super::super::slots::install_len::<ListView>(py);
-            super::super::slots::install_len::<DictView>(py);
-            super::super::slots::install_iter::<ListView>(py);
-            super::super::slots::install_iter::<DictView>(py);
-            super::super::slots::install_next::<ListIter>(py);
-            super::super::slots::install_next::<DictIter>(py);
+            report("slots.ListView.subscript", slots::install::<ListView>(py));
+            report("slots.DictView.subscript", slots::install::<DictView>(py));
+            report("slots.ListView.len", slots::install_len::<ListView>(py));
+            report("slots.DictView.len", slots::install_len::<DictView>(py));
+            report("slots.ListView.iter", slots::install_iter::<ListView>(py));
+            report("slots.DictView.iter", slots::install_iter::<DictView>(py));
+            report("slots.ListIter.next", slots::install_next::<ListIter>(py));
+            report("slots.DictIter.next", slots::install_next::<DictIter>(py));
         }
         Ok(())
     }
@@ -486,5 +489,8 @@ pub(crate) fn install(
     _py: pyo3::Python<'_>,
     _more: &[unsafe fn(pyo3::Python<'_>)],
 ) -> pyo3::PyResult<()> {
+    for name in super::fastpaths::NAMES {
+        super::fastpaths::report(*name, Err(super::fastpaths::ABI3.to_owned()));
+    }
     Ok(())
 }

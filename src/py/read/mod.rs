@@ -6,6 +6,7 @@
 
 mod array;
 mod dict_view;
+pub(crate) mod fastpaths;
 mod freelist;
 mod list_view;
 mod ndarray;

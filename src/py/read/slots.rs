@@ -19,7 +19,9 @@
 //! - an error they return (a corrupt record) is raised as pyo3 would raise it.
 //!
 //! The slots are replaced only where the view free lists are installed (an interpreter with
-//! a GIL, not the stable ABI): the same conditions, checked in the same place.
+//! a GIL, not the stable ABI): the same conditions, checked in the same place. Each
+//! `install*` says whether it replaced the slot or why not, which init reports
+//! (src/py/read/fastpaths.rs): a slot left as pyo3 made it is never silent.
 
 #[cfg(not(feature = "abi3"))]
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -151,7 +153,7 @@ unsafe extern "C" fn subscript<T: FastGet>(
 /// The GIL is held, the interpreter has one (not free-threaded), and no instance of `T` is
 /// being indexed (this runs in the module's init).
 #[cfg(not(feature = "abi3"))]
-pub(crate) unsafe fn install<T: FastGet>(py: Python<'_>) {
+pub(crate) unsafe fn install<T: FastGet>(py: Python<'_>) -> Result<(), String> {
     let ty = T::type_object_raw(py);
     // SAFETY: `ty` is the live heap type pyo3 made for `T` (its mapping methods live in the
     // heap type object and are writable); the GIL is held and nothing indexes an instance
@@ -159,17 +161,18 @@ pub(crate) unsafe fn install<T: FastGet>(py: Python<'_>) {
     unsafe {
         let mapping = (*ty).tp_as_mapping;
         if mapping.is_null() {
-            return;
+            return Err("the type has no mapping methods".into());
         }
         let Some(original) = (*mapping).mp_subscript else {
-            return;
+            return Err("the type has no mp_subscript".into());
         };
         if T::original().set(original).is_err() {
-            return;
+            return Err("installed twice".into());
         }
         (*mapping).mp_subscript = Some(subscript::<T>);
         ffi::PyType_Modified(ty);
     }
+    Ok(())
 }
 
 /// An iterator whose `__next__` runs without the trampoline: it is all Rust, so the whole
@@ -200,17 +203,18 @@ unsafe extern "C" fn iternext<T: FastNext>(slf: *mut ffi::PyObject) -> *mut ffi:
 /// # Safety
 /// As [`install`].
 #[cfg(not(feature = "abi3"))]
-pub(crate) unsafe fn install_next<T: FastNext>(py: Python<'_>) {
+pub(crate) unsafe fn install_next<T: FastNext>(py: Python<'_>) -> Result<(), String> {
     let ty = T::type_object_raw(py);
     // SAFETY: as in `install`: `ty` is `T`'s live heap type, nothing iterates an instance
     // yet, and the GIL is held.
     unsafe {
         if (*ty).tp_iternext.is_none() {
-            return;
+            return Err("the type has no tp_iternext".into());
         }
         (*ty).tp_iternext = Some(iternext::<T>);
         ffi::PyType_Modified(ty);
     }
+    Ok(())
 }
 
 /// A type whose `iter(obj)` runs without the trampoline (making the iterator is all Rust).
@@ -237,16 +241,17 @@ unsafe extern "C" fn iter<T: FastIter>(slf: *mut ffi::PyObject) -> *mut ffi::PyO
 /// # Safety
 /// As [`install`].
 #[cfg(not(feature = "abi3"))]
-pub(crate) unsafe fn install_iter<T: FastIter>(py: Python<'_>) {
+pub(crate) unsafe fn install_iter<T: FastIter>(py: Python<'_>) -> Result<(), String> {
     let ty = T::type_object_raw(py);
     // SAFETY: as in `install`.
     unsafe {
         if (*ty).tp_iter.is_none() {
-            return;
+            return Err("the type has no tp_iter".into());
         }
         (*ty).tp_iter = Some(iter::<T>);
         ffi::PyType_Modified(ty);
     }
+    Ok(())
 }
 
 /// A type whose `len(obj)` runs without the trampoline (it cannot fail).
@@ -273,19 +278,27 @@ unsafe extern "C" fn length<T: FastLen>(slf: *mut ffi::PyObject) -> ffi::Py_ssiz
 /// # Safety
 /// As [`install`].
 #[cfg(not(feature = "abi3"))]
-pub(crate) unsafe fn install_len<T: FastLen>(py: Python<'_>) {
+pub(crate) unsafe fn install_len<T: FastLen>(py: Python<'_>) -> Result<(), String> {
     let ty = T::type_object_raw(py);
+    let mut replaced = false;
     // SAFETY: as in `install`.
     unsafe {
         let seq = (*ty).tp_as_sequence;
         if !seq.is_null() && (*seq).sq_length.is_some() {
             (*seq).sq_length = Some(length::<T>);
+            replaced = true;
         }
         let map = (*ty).tp_as_mapping;
         if !map.is_null() && (*map).mp_length.is_some() {
             (*map).mp_length = Some(length::<T>);
+            replaced = true;
         }
         ffi::PyType_Modified(ty);
+    }
+    if replaced {
+        Ok(())
+    } else {
+        Err("the type has neither sq_length nor mp_length".into())
     }
 }
 
