@@ -19,6 +19,11 @@ wheels=${WHEELS:-.whl}
 cores=$(nproc)
 busy=${BUSY:-$(( cores * 3 / 2 ))}
 parts=${MATRIX_PARTS:-format,channel,arrays}
+nparts=$(( $(tr -cd , <<<"$parts" | wc -c) + 1 ))
+part_timeout=${PART_TIMEOUT:-60}
+# matrix.py bounds each part; this bounds the whole run a little above that (it writes its
+# markdown only at the end).
+matrix_timeout=$(( part_timeout * nparts + 30 ))
 stamp() { date +%H:%M:%S; }
 say() { echo "[$(stamp)] $*"; }
 
@@ -43,12 +48,12 @@ timeout "${GPU_TIMEOUT:-150}" $py benchmarks/device/gpu_pin.py --out "$out/gpu-p
     || say "gpu_pin.py ended with $?"
 
 say "matrix idle ($parts)"
-timeout $(( ${PART_TIMEOUT:-60} * 4 + 60 )) $py benchmarks/matrix.py --device --busy 0 \
-    --label "device-idle" --only "$parts" --part-timeout "${PART_TIMEOUT:-60}" \
+timeout "$matrix_timeout" $py benchmarks/matrix.py --device --busy 0 \
+    --label "device-idle" --only "$parts" --part-timeout "$part_timeout" \
     --out "$out/matrix-idle.md" || say "matrix idle ended with $?"
 
 say "matrix with $busy busy loops ($parts)"
-timeout $(( ${PART_TIMEOUT:-60} * 4 + 60 )) $py benchmarks/matrix.py --device --busy "$busy" \
-    --label "device-busy$busy" --only "$parts" --part-timeout "${PART_TIMEOUT:-60}" \
+timeout "$matrix_timeout" $py benchmarks/matrix.py --device --busy "$busy" \
+    --label "device-busy$busy" --only "$parts" --part-timeout "$part_timeout" \
     --out "$out/matrix-busy$busy.md" || say "matrix busy ended with $?"
 say "done"
