@@ -261,6 +261,12 @@ def main() -> int:
                 )
             )
         del pinned
+        # torch keeps freed pinned blocks for reuse (its caching host allocator): without
+        # this, every pin_memory() after the first is a plain copy into the block the last
+        # one left, not what a process or a DataLoader pays to pin its data.
+        empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
+        if empty_host_cache is not None and not dry:
+            empty_host_cache()
     tb_pin, tb_copy = median(pin_t), median(copy_t)
     m = mem[len(mem) // 2]
     rows.append(
