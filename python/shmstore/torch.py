@@ -48,6 +48,7 @@ from typing import (
 )
 
 import shmstore
+from shmstore._util import HANDLE_CLASSES
 
 _T = TypeVar("_T")
 _T_co = TypeVar("_T_co", covariant=True)
@@ -227,13 +228,6 @@ def file_broadcast(
     return broadcast
 
 
-_KINDS: dict[str, Any] = {
-    "list": shmstore.SharedList,
-    "dict": shmstore.SharedDict,
-    "object": shmstore.Ref,
-}
-
-
 def _payload(handle: shmstore.StoreHandle) -> Payload:
     path = str(handle.path)
     if handle.name == path:  # opened from a saved archive: share the file path
@@ -243,7 +237,7 @@ def _payload(handle: shmstore.StoreHandle) -> Payload:
 
 def _from_payload(payload: Payload) -> Any:
     kind, name, where, how = payload
-    cls = _KINDS[kind]
+    cls = HANDLE_CLASSES[kind]
     return cls.open(where) if how == "file" else cls.attach(name, dir=where)
 
 
