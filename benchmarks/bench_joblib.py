@@ -28,15 +28,10 @@ import time
 from pathlib import Path
 
 import _common as C
+from shmstore._util import parse_size
 
 SHM = Path("/dev/shm")
 GiB = 1 << 30
-
-
-def parse_size(s: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    s = s.strip().upper().removesuffix("IB").removesuffix("B")
-    return int(float(s[:-1]) * units[s[-1]]) if s[-1] in units else int(s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,7 +202,11 @@ TITLES = {
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--run", nargs=5, metavar=("APPROACH", "BACKEND", "NBYTES", "S", "T"))
-    ap.add_argument("--sizes", default="2G,256M", help="array sizes (comma-separated)")
+    ap.add_argument(
+        "--sizes",
+        default="2G,256M",
+        help="array sizes (comma-separated; 2G = 2 GiB, 2GB = 2*10**9)",
+    )
     ap.add_argument("--backends", default="loky,multiprocessing")
     ap.add_argument("--approaches", default="joblib,joblib-whole,shmstore")
     ap.add_argument("--slices", type=int, default=8)

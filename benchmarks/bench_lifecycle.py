@@ -39,6 +39,7 @@ from typing import Any
 import shmstore
 from _common import RESULTS_DIR, machine_md, md_table, verdict, write_result
 from shmstore import _native
+from shmstore._util import pid_alive
 
 HERE = Path(__file__).resolve()
 POLL_S = 0.001  # the polling period of the latency measurement
@@ -77,14 +78,6 @@ def wait_until(pred: Any, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out waiting until {what}")
         time.sleep(0.005)
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 def proc_status(pid: int) -> dict[str, int]:

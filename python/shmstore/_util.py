@@ -1,5 +1,5 @@
 """Small helpers every part of shmstore shares: one size grammar, one byte formatter, one
-answer to "is this process alive?".
+answer to "is this process alive?", one map from a store's kind to its handle class.
 
 Sizes (:func:`parse_size`) — one grammar everywhere a size is accepted (the pytest plugin's
 ``memory=``, ``shmstore.joblib``'s ``threshold``):
@@ -18,7 +18,20 @@ from __future__ import annotations
 import os
 import re
 
-__all__ = ["format_bytes", "parse_size", "pid_alive"]
+from shmstore._native import Ref, SharedDict, SharedList, StoreHandle
+
+__all__ = ["HANDLE_CLASSES", "format_bytes", "parse_size", "pid_alive"]
+
+#: The handle class of each store kind (``StoreHandle.kind``), for the code that rebuilds a
+#: handle from a kind it received (cluster, torch, dask).
+#:
+#: >>> HANDLE_CLASSES["dict"].__name__
+#: 'SharedDict'
+HANDLE_CLASSES: dict[str, type[StoreHandle]] = {
+    "list": SharedList,
+    "dict": SharedDict,
+    "object": Ref,
+}
 
 _UNITS = {
     "": 1,

@@ -63,6 +63,7 @@ from typing import Any, Iterable, Iterator, Optional, Protocol, Union, runtime_c
 
 import shmstore
 from shmstore import _native
+from shmstore._util import HANDLE_CLASSES
 
 __all__ = [
     "FileSource",
@@ -80,13 +81,6 @@ log = logging.getLogger("shmstore.cluster")
 
 #: Bytes read from a source at a time.
 CHUNK = 16 << 20
-
-_CLASSES: dict[str, Any] = {
-    "list": shmstore.SharedList,
-    "dict": shmstore.SharedDict,
-    "object": shmstore.Ref,
-}
-_CLASS_NAMES = {"list": "SharedList", "dict": "SharedDict", "object": "Ref"}
 
 
 @runtime_checkable
@@ -329,7 +323,7 @@ def _same_archive_file(path: str, ident: dict[str, Any]) -> bool:
     if not os.path.exists(path):
         return False
     try:
-        h = _CLASSES[str(ident["kind"])].open(path)
+        h = HANDLE_CLASSES[str(ident["kind"])].open(path)
     except shmstore.ShmStoreError:
         return False
     mine = _native._cluster_identity(h, False)
@@ -394,7 +388,7 @@ def _attach_local(ref: NodeRef, d: Path) -> Any:
     """The copy in ``d`` if there is one (None if not); a different store under that name is
     an error, never used."""
     try:
-        h = _CLASSES[ref.kind].attach(ref.name, dir=d)
+        h = HANDLE_CLASSES[ref.kind].attach(ref.name, dir=d)
     except shmstore.StoreNotFoundError:
         return None
     if not _matches(h, ref):
@@ -415,7 +409,7 @@ def resolve(ref: Any, *, timeout: Optional[float] = None, fetch: bool = True) ->
         ref = ref.ref
     if not isinstance(ref, NodeRef):
         raise TypeError(f"resolve() takes a NodeRef, not {type(ref).__name__}")
-    if ref.kind not in _CLASSES:
+    if ref.kind not in HANDLE_CLASSES:
         raise shmstore.InvalidInputError(f"unknown store kind {ref.kind!r}")
     with _lock:
         h = _held.get(ref.digest)
@@ -433,7 +427,7 @@ def _resolve(ref: NodeRef, timeout: float, fetch: bool = True) -> tuple[str, Any
     if ref.origin_path and ref.origin_node == node_id():
         flag = "s" if os.path.basename(ref.origin_path) == ref.name else ""  # segment or file
         try:
-            h = _native._rebuild(_CLASS_NAMES[ref.kind], ref.origin_path, flag)
+            h = _native._rebuild(HANDLE_CLASSES[ref.kind].__name__, ref.origin_path, flag)
             if _matches(h, ref):
                 return "origin", h
             h.close()
@@ -441,7 +435,7 @@ def _resolve(ref: NodeRef, timeout: float, fetch: bool = True) -> tuple[str, Any
             pass
     for s in ref.sources:
         if isinstance(s, FileSource) and s.mode == "map":
-            h = _CLASSES[ref.kind].open(s.path)
+            h = HANDLE_CLASSES[ref.kind].open(s.path)
             if not _matches(h, ref):
                 h.close()
                 raise shmstore.CorruptStoreError(
@@ -478,7 +472,7 @@ def _fetch(ref: NodeRef, d: Path) -> Any:
     for s in ref.sources:
         try:
             return _native._import_archive(
-                _CLASS_NAMES[ref.kind], ref.name, d, ref.nbytes, ref.digest, s.chunks()
+                HANDLE_CLASSES[ref.kind].__name__, ref.name, d, ref.nbytes, ref.digest, s.chunks()
             )
         except (OSError, shmstore.ShmStoreError, ValueError) as e:
             if isinstance(e, shmstore.OutOfSharedMemoryError):

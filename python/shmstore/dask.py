@@ -56,6 +56,7 @@ from typing import Any, Callable, Iterator, Optional, Union, cast
 
 import shmstore
 from shmstore import _versions, cluster
+from shmstore._util import HANDLE_CLASSES
 
 _versions.require("dask", "shmstore.dask")
 _versions.require("distributed", "shmstore.dask")
@@ -192,7 +193,7 @@ def _read_range(state: tuple[Any, ...], offset: int, size: int) -> bytes:
     """On a worker of a machine holding the store: ``size`` bytes of its archive at
     ``offset`` (the NodeRef has no sources: this attaches, it never fetches)."""
     h = cluster.resolve(cluster.NodeRef._from_state(state))
-    path = str(shmstore._native._store_info(h)["path"])
+    path = str(h.path)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
     try:
         out = os.pread(fd, size, offset)
@@ -252,10 +253,7 @@ _by_path_lock = threading.Lock()
 def _reduce_handle(h: Any) -> Any:
     if not _by_path:  # no share open: the handle pickles by name, as always
         return h.__reduce__()
-    try:
-        path = shmstore._native._store_info(h)["path"]
-    except shmstore.ShmStoreError:
-        path = None
+    path = None if h.closed else str(h.path)  # a closed handle pickles as it always does
     if path is not None and cluster._is_arena_chunk(h):
         path = h.name  # a chunk of an arena: its own name, not the arena's path
     with _by_path_lock:
@@ -265,7 +263,7 @@ def _reduce_handle(h: Any) -> Any:
     return h.__reduce__()
 
 
-for _cls in (shmstore.SharedList, shmstore.SharedDict, shmstore.Ref):
+for _cls in HANDLE_CLASSES.values():
     copyreg.pickle(_cls, _reduce_handle)
 
 
@@ -493,8 +491,7 @@ def share(
         ref = cluster.share(h, path=path, mode=mode)
         if scatter:
             futures = []
-            info = shmstore._native._store_info(h)
-            with open(str(info["path"]), "rb", buffering=0) as f:
+            with open(str(h.path), "rb", buffering=0) as f:
                 for _ in range(1 << 30):
                     b = f.read(chunk)
                     if not b:

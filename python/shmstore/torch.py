@@ -50,6 +50,7 @@ from typing import (
 )
 
 import shmstore
+from shmstore._util import HANDLE_CLASSES
 
 _T = TypeVar("_T")
 _T_co = TypeVar("_T_co", covariant=True)
@@ -261,13 +262,6 @@ def _payload_exists(payload: Payload) -> bool:
     return os.path.exists(where if how == "file" else os.path.join(where, name))
 
 
-_KINDS: dict[str, Any] = {
-    "list": shmstore.SharedList,
-    "dict": shmstore.SharedDict,
-    "object": shmstore.Ref,
-}
-
-
 def _payload(handle: shmstore.StoreHandle) -> Payload:
     path = str(handle.path)
     if handle.name == path:  # opened from a saved archive: share the file path
@@ -277,7 +271,7 @@ def _payload(handle: shmstore.StoreHandle) -> Payload:
 
 def _from_payload(payload: Payload) -> Any:
     kind, name, where, how = payload
-    cls = _KINDS[kind]
+    cls = HANDLE_CLASSES[kind]
     return cls.open(where) if how == "file" else cls.attach(name, dir=where)
 
 
