@@ -61,6 +61,7 @@ test-torch: venv ## the integration tests with real torch, in .venv-torch (~6 GB
 	$(VENV)/bin/maturin build --release -q -o target/torch-wheel -i $(TORCH_VENV)/bin/python
 	$(TORCH_VENV)/bin/python -m pip install -q --force-reinstall --no-deps target/torch-wheel/*.whl
 	$(TORCH_VENV)/bin/python -m pytest -q tests/test_integrations.py tests/test_examples.py \
+		tests/test_guides.py tests/test_torch_pin.py \
 		tests/test_cluster.py
 
 # The interpreter matrix (CI): a release wheel per CPython (MATRIX: versions, and abi3 = the

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -46,6 +47,15 @@ def imported_packages(code: str) -> set[str]:
     return names
 
 
+def cuda_available() -> bool:
+    """Whether torch is installed and sees a CUDA device (asked in a child: importing torch
+    here would slow every other test of this process)."""
+    if importlib.util.find_spec("torch") is None:
+        return False
+    probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    return subprocess.run([sys.executable, "-c", probe], timeout=300).returncode == 0
+
+
 def test_the_marker_is_rare_and_says_why() -> None:
     reasons = [r for g in GUIDES for r in guide_script(g.read_text())[1]]
     assert len(reasons) <= 2, reasons
@@ -67,6 +77,8 @@ def test_guide_code_runs_as_written(guide: Path, tmp_path: Path) -> None:
     missing = sorted(p for p in imported_packages(code) if importlib.util.find_spec(p) is None)
     if missing:
         pytest.skip(f"{guide.name} needs {', '.join(missing)}, not installed")
+    if re.search(r"[\"']cuda[\"':]", code) and not cuda_available():
+        pytest.skip(f"{guide.name} needs a CUDA device (its code copies to one)")
     script = tmp_path / f"test_guide_{guide.stem}.py"
     script.write_text(code)
     if re.search(r"^def test_", code, re.M):
