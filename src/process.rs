@@ -13,7 +13,8 @@
 //! The order, as the prepare hook takes them:
 //!
 //! 1. [`ForkLock::ArenaFiles`]: the arena files opened in this process (`arena::file`);
-//! 2. [`ForkLock::Arenas`]: this process's own arenas (`ARENAS`, `py::arena`);
+//! 2. [`ForkLock::Arenas`]: this process's own arenas (`ARENAS`, `py::arena`, an
+//!    `arena::owned::Arenas`);
 //! 3. [`ForkLock::ArenaUses`]: the arena read from last, then the arenas used here
 //!    (`py::store`);
 //! 4. [`ForkLock::SupervisorClient`]: the supervisor client's conversation (`IO`), then its
@@ -49,7 +50,7 @@ static PID: AtomicU32 = AtomicU32::new(0);
 pub enum ForkLock {
     /// The arena files opened in this process (`arena::file`).
     ArenaFiles,
-    /// This process's own arenas (`py::arena`).
+    /// This process's own arenas (`ARENAS` of `py::arena`, an `arena::owned::Arenas`).
     Arenas,
     /// The arena read from last and the arenas used in this process (`py::store`).
     ArenaUses,

@@ -5,12 +5,14 @@
 //! file's layout (header, chunk headers with generations) and `ArenaError`; `writer.rs`: the
 //! creator's side (making the file, reserving, writing and reusing chunks); `file.rs`: every
 //! user's side (the file opened once per process, its leases, `survey`); `lease.rs`: leases
-//! (OFD byte-range locks) and `Lease`.
+//! (OFD byte-range locks) and `Lease`; `owned.rs`: this process's own arenas, the policy of
+//! a small `put` (which arena a chunk goes to, growth, idle release, after a fork).
 
 pub mod alloc;
 mod file;
 mod format;
 mod lease;
+pub mod owned;
 mod writer;
 
 #[cfg(test)]
@@ -20,4 +22,4 @@ pub use crate::process::pid;
 pub use file::{survey, ArenaFile, PartState};
 pub use format::{ArenaError, MAGIC};
 pub use lease::Lease;
-pub use writer::{ArenaWriter, Chunk, Reservation};
+pub use writer::{Chunk, Reservation};

@@ -1,12 +1,10 @@
 //! `put(obj, arena=True)`: small objects into this process's arena segments
 //! (docs/arena.md), and the allocator simulation of the fragmentation benchmark.
 
-use std::collections::HashSet;
 use std::io::Cursor;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, MutexGuard};
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -16,7 +14,8 @@ use super::store::{self, ArenaUse, Registration, Store};
 use super::write::Encoder;
 use crate::archive::builder::Sink;
 use crate::archive::{Builder, Kind};
-use crate::arena::{alloc, ArenaFile, ArenaWriter, PartState, Reservation};
+use crate::arena::owned::{self, ArenaUser, Arenas, InArena, Owned};
+use crate::arena::{alloc, PartState, Reservation};
 use crate::process::{self, ForkHooks, ForkLock};
 use crate::segment;
 
@@ -27,156 +26,24 @@ pub(crate) const MAX_PAYLOAD: usize = 1 << 20;
 /// archive's own bytes ([`ARCHIVE_ROOM`]), so that a 1 MiB array or bytes object is an
 /// arena object, as documented ("<= 1 MiB"), and not a segment of its own.
 pub(crate) const MAX_OBJECT: usize = MAX_PAYLOAD + ARCHIVE_ROOM;
-/// Bytes of chunks of the largest arena segment, unless `SHMSTORE_ARENA_SIZE` says otherwise.
-const DEFAULT_CAPACITY: u64 = 64 << 20;
-/// Bytes of chunks of a process's first arena; each next one is twice the last, up to
-/// [`capacity`]: a process that puts a few small objects reserves 4 MiB, not 64.
-const FIRST_CAPACITY: u64 = 4 << 20;
 
 /// A chunk reserved in an arena of this process: the arena's path, the reservation, and
 /// this process's use of the arena.
-type Placed = (PathBuf, Reservation, Arc<ArenaUse>);
+type Placed = owned::Placed<ArenaUse>;
 
-/// One arena of this process: the writer, this process's use of it (the opened file, whose
-/// releases say which chunks this process no longer holds, and the supervisor
-/// registration), and chunks released since the last reclaim (the writer keeps those found
-/// leased elsewhere).
-struct Owned {
-    dir: PathBuf,
-    writer: ArenaWriter,
-    arena: Arc<ArenaUse>,
-    pending: HashSet<u64>,
-    /// Since when no object has used it (seen by [`take_idle`]; reset when a chunk is placed
-    /// in it).
-    idle_since: Option<Instant>,
-}
+/// This process's arenas (`crate::arena::owned`: which arena a chunk goes to, growth, idle
+/// release, a forked child's copies), with the fork hooks of their lock.
+static ARENAS: Arenas<ArenaUse> = Arenas::new(fork_hooks);
 
-static ARENAS: Mutex<Vec<Owned>> = Mutex::new(Vec::new());
-
-/// Every this many small `put`s, the process looks for older arenas of its own that no
-/// object has used for [`idle_limit`] and hands them back ([`take_idle`]).
-const IDLE_SWEEP_EVERY: u64 = 64;
-/// How long an older arena stays reserved with no object in it, unless
-/// `SHMSTORE_ARENA_IDLE` (seconds) says otherwise.
-const DEFAULT_IDLE: Duration = Duration::from_secs(10);
-/// Chunks that other processes held at their last try, tried again at each small `put`
-/// (in the arena it goes to; all of them when that arena has no room left) ...
-const RETRIES_PER_PUT: usize = 1;
-/// ... and at each sweep for idle arenas, in each older arena.
-const RETRIES_PER_SWEEP: usize = 64;
-/// Small `put`s so far (for [`IDLE_SWEEP_EVERY`]).
-static PUTS: AtomicU64 = AtomicU64::new(0);
-
-/// The largest arena's capacity: `SHMSTORE_ARENA_SIZE`, read once per process (at its first
-/// small `put`), or [`DEFAULT_CAPACITY`].
-fn capacity() -> u64 {
-    static CAPACITY: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
-    *CAPACITY.get_or_init(|| {
-        std::env::var("SHMSTORE_ARENA_SIZE")
-            .ok()
-            .and_then(|s| s.parse::<u64>().ok())
-            .filter(|&n| n >= 4096)
-            .unwrap_or(DEFAULT_CAPACITY)
-    })
-}
-
-/// How long an older arena may go unused before it is handed back: `SHMSTORE_ARENA_IDLE`
-/// (seconds, read once per process), or [`DEFAULT_IDLE`].
-fn idle_limit() -> Duration {
-    static IDLE: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
-    *IDLE.get_or_init(|| {
-        std::env::var("SHMSTORE_ARENA_IDLE")
-            .ok()
-            .and_then(|s| s.parse::<f64>().ok())
-            .and_then(|s| Duration::try_from_secs_f64(s).ok())
-            .unwrap_or(DEFAULT_IDLE)
-    })
-}
-
-/// A chunk for an archive of up to `max_len` bytes in one of this process's arenas in
-/// `dir`; `None` when none has room.
-fn place(arenas: &mut [Owned], dir: &Path, max_len: u64) -> Result<Option<Placed>, Error> {
-    for a in arenas
-        .iter_mut()
-        .rev()
-        .filter(|a| a.writer.is_ours() && a.dir == dir)
-    {
-        let released = a.arena.file.take_released();
-        a.pending.extend(released);
-        let path = a.writer.path().to_owned();
-        let arena_err = |err| arena_error(&path, err);
-        a.writer
-            .reclaim_some(&mut a.pending, RETRIES_PER_PUT)
-            .map_err(arena_err)?;
-        let mut reserved = a.writer.reserve(max_len).map_err(arena_err)?;
-        if reserved.is_none() && a.writer.refused_count() > 0 {
-            // No room: every chunk held elsewhere at its last try is tried again before
-            // the next arena is made (once per time this arena fills up).
-            a.writer.reclaim(&mut a.pending).map_err(arena_err)?;
-            reserved = a.writer.reserve(max_len).map_err(arena_err)?;
-        }
-        if let Some(r) = reserved {
-            a.idle_since = None;
-            return Ok(Some((path, r, a.arena.clone())));
-        }
+impl ArenaUser for ArenaUse {
+    fn file(&self) -> &crate::arena::ArenaFile {
+        &self.file
     }
-    Ok(None)
-}
 
-/// This process's arenas that no object has used for [`idle_limit`] (every chunk free once
-/// the chunks no process holds are reclaimed, at this sweep and at the ones since it was
-/// first seen so, and nothing placed in it meanwhile), except the newest in each directory,
-/// where the next objects go: taken out of `arenas`, to be dropped (outside the lock), which
-/// hands their shared memory back once no process maps them. A burst of small objects grows
-/// a process's arenas (4, 8, 16 MiB...); without this they would stay reserved while it
-/// lives. The delay keeps a stream of objects that cycles through its arenas from handing
-/// one back and making it again (a 64 MiB arena takes tens of milliseconds to make).
-fn take_idle(arenas: &mut Vec<Owned>, now: Instant) -> Vec<Owned> {
-    let mut newest: HashSet<PathBuf> = HashSet::new();
-    let mut idle = vec![false; arenas.len()];
-    for (i, a) in arenas.iter_mut().enumerate().rev() {
-        if !a.writer.is_ours() || newest.insert(a.dir.clone()) {
-            continue;
-        }
-        let released = a.arena.file.take_released();
-        a.pending.extend(released);
-        if a.writer
-            .reclaim_some(&mut a.pending, RETRIES_PER_SWEEP)
-            .is_ok()
-            && a.writer.usage().0 == 0
-        {
-            let since = *a.idle_since.get_or_insert(now);
-            idle[i] = now.saturating_duration_since(since) >= idle_limit();
-        } else {
-            a.idle_since = None;
-        }
+    /// With the process's last-used arena if it is one of them.
+    fn letting_go(gone: &dyn Fn(&Arc<Self>) -> bool) {
+        store::forget_last_arena_if(gone);
     }
-    let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(arenas)
-        .into_iter()
-        .zip(idle)
-        .partition(|(_, idle)| *idle);
-    *arenas = kept.into_iter().map(|(a, _)| a).collect();
-    gone.into_iter().map(|(a, _)| a).collect()
-}
-
-/// Let go of `idle` arenas ([`take_idle`]), with the process's last-used arena if it is one
-/// of them (call without the arenas' lock: a drop queues a DROP, taking the client's lock).
-fn let_go(idle: Vec<Owned>) {
-    if idle.is_empty() {
-        return;
-    }
-    log::debug!("handing back {} arenas no object uses", idle.len());
-    store::forget_last_arena_if(|u| idle.iter().any(|a| Arc::ptr_eq(u, &a.arena)));
-    drop(idle);
-}
-
-/// The size of this process's next arena when it has `made` arenas already.
-fn next_capacity(made: usize) -> u64 {
-    let max = capacity();
-    let grown = FIRST_CAPACITY
-        .checked_shl(made.min(16) as u32)
-        .unwrap_or(max);
-    grown.min(max)
 }
 
 /// A new arena in the segment directory, registered with the supervisor before it exists.
@@ -184,16 +51,9 @@ fn next_capacity(made: usize) -> u64 {
 /// objects get segments of their own instead.
 /// Also `None` when the segment directory has no room for a whole arena: a small object
 /// that fits gets a segment of its own there (an arena is only a way to make puts cheaper).
-fn new_arena(py: Python<'_>, dir: PathBuf, made: usize) -> PyResult<Option<Owned>> {
-    let cap = next_capacity(made);
-    let full = |e: &crate::arena::ArenaError| {
-        matches!(
-            e,
-            crate::arena::ArenaError::Segment(segment::SegmentError::Full { .. })
-        )
-    };
-    let room = py.detach(|| ArenaWriter::preflight(&dir, cap));
-    if room.as_ref().is_err_and(full) {
+fn new_arena(py: Python<'_>, dir: PathBuf, made: usize) -> PyResult<Option<Owned<ArenaUse>>> {
+    let cap = ARENAS.next_capacity(made);
+    if py.detach(|| owned::no_room(&dir, cap)) {
         log::debug!(
             "no room for an arena in {}: a segment per object",
             dir.display()
@@ -205,27 +65,20 @@ fn new_arena(py: Python<'_>, dir: PathBuf, made: usize) -> PyResult<Option<Owned
     if !registration.is_active() {
         return Ok(None);
     }
-    let made = py.detach(|| {
-        let w = ArenaWriter::create(&dir, &name, cap)?;
-        let f = ArenaFile::open(w.path())?;
-        f.mark_owned();
-        Ok::<_, crate::arena::ArenaError>((w, f))
-    });
+    let made = py.detach(|| owned::make_arena(&dir, &name, cap));
     let (writer, file) = match made {
-        Err(e) if full(&e) => return Ok(None), // filled meanwhile
+        Err(e) if owned::is_full(&e) => return Ok(None), // filled meanwhile
         made => made.map_err(|err| Error::Arena {
             at: format!("new arena in {}", dir.display()),
             err,
         })?,
     };
     log::debug!("created arena {} ({cap} bytes)", writer.path().display());
-    Ok(Some(Owned {
+    Ok(Some(Owned::new(
         dir,
         writer,
-        arena: ArenaUse::created(file, registration),
-        pending: HashSet::new(),
-        idle_since: None,
-    }))
+        ArenaUse::created(file, registration),
+    )))
 }
 
 /// Containers with more items than this are not tried in an arena: their archive would
@@ -444,25 +297,13 @@ fn arena_error(path: &Path, err: crate::arena::ArenaError) -> Error {
     }
 }
 
-/// Whether an archive of up to `max_len` bytes may go into an arena at all.
-fn fits(max_len: u64) -> bool {
-    max_len <= MAX_OBJECT as u64 && max_len.saturating_add(64) <= capacity()
+fn in_arena(e: InArena) -> Error {
+    arena_error(&e.path, e.err)
 }
 
-/// Run `f` on this process's arena at `path` under the arenas' lock, without the GIL;
-/// `None` if the process let go of it.
-fn with_owned<R: Send>(
-    py: Python<'_>,
-    path: &Path,
-    f: impl FnOnce(&mut Owned) -> R + Send,
-) -> Option<R> {
-    py.detach(|| {
-        let mut arenas = arenas();
-        arenas
-            .iter_mut()
-            .find(|a| a.writer.path().as_os_str() == path.as_os_str())
-            .map(f)
-    })
+/// Whether an archive of up to `max_len` bytes may go into an arena at all.
+fn fits(max_len: u64) -> bool {
+    max_len <= MAX_OBJECT as u64 && ARENAS.room_for(max_len)
 }
 
 /// A chunk for an archive of up to `max_len` bytes in one of this process's arenas in `dir`
@@ -474,50 +315,24 @@ fn reserve(py: Python<'_>, max_len: u64, dir: Option<PathBuf>) -> PyResult<Optio
     }
     // Arena work needs no Python: done without the GIL (never wait for the lock with it).
     let dir = dir.unwrap_or_else(segment::default_dir);
-    let sweep = PUTS.fetch_add(1, Ordering::Relaxed) % IDLE_SWEEP_EVERY == IDLE_SWEEP_EVERY - 1;
-    let placed = py.detach(|| {
-        let mut arenas = arenas();
-        let placed = place(&mut arenas, &dir, max_len);
-        let idle = if sweep {
-            take_idle(&mut arenas, Instant::now())
-        } else {
-            Vec::new()
-        };
-        // With no room: how many arenas this process holds (the next one's size).
-        let made = arenas.iter().filter(|a| a.writer.is_ours()).count();
-        drop(arenas);
-        let_go(idle);
-        Ok::<_, Error>(placed?.ok_or(made))
-    })?;
+    let placed = py
+        .detach(|| ARENAS.place(&dir, max_len))
+        .map_err(in_arena)?;
     match placed {
         Ok(p) => Ok(Some(p)),
         Err(made) => {
             let Some(new) = new_arena(py, dir.clone(), made)? else {
                 return Ok(None);
             };
-            let placed = py.detach(|| {
-                let mut arenas = arenas();
-                // A forked child's copies of its parent's arenas are not ours to fill
-                // (dropped after the lock: a drop queues a DROP, taking the client's lock).
-                let (ours, inherited) = std::mem::take(&mut *arenas)
-                    .into_iter()
-                    .partition(|a| a.writer.is_ours());
-                *arenas = ours;
-                arenas.push(new);
-                let n = arenas.len();
-                let placed = place(&mut arenas[n - 1..], &dir, max_len);
-                drop(arenas);
-                drop::<Vec<Owned>>(inherited);
-                placed
-            })?;
-            Ok(placed)
+            let placed = py.detach(|| ARENAS.adopt(new, &dir, max_len));
+            Ok(placed.map_err(in_arena)?)
         }
     }
 }
 
 /// Give a reserved chunk back (nothing was given out from it).
 fn cancel(py: Python<'_>, path: &Path, r: &Reservation) {
-    with_owned(py, path, |a| a.writer.cancel(r));
+    py.detach(|| ARENAS.cancel(path, r));
 }
 
 /// Give out the chunk of `r`, holding an archive of `len` bytes, and map it for this
@@ -531,12 +346,10 @@ fn give_out(
     len: u64,
     arena: Arc<ArenaUse>,
 ) -> PyResult<Option<Arc<Store>>> {
-    let committed = with_owned(py, &path, |a| {
-        a.writer
-            .commit(&r, len)
-            .map_err(|err| arena_error(&path, err))
-    })
-    .transpose()?;
+    let committed = py
+        .detach(|| ARENAS.commit(&path, &r, len))
+        .transpose()
+        .map_err(in_arena)?;
     let Some(chunk) = committed else {
         log::debug!(
             "arena {} let go of while an object was written into it",
@@ -546,15 +359,10 @@ fn give_out(
     };
     let written = r.map().clone();
     let opened = store::open_chunk(py, path.clone(), chunk, Some((arena, len, written)));
-    let failed = opened.is_err();
     // Held by its handle now (or failed): the chunk is an ordinary one from here on; if the
     // handle was not made, this process holds no lease on it, so it is a reuse candidate.
-    with_owned(py, &path, |a| {
-        a.writer.settled(chunk.offset);
-        if failed {
-            a.pending.insert(chunk.offset);
-        }
-    });
+    let held = opened.is_ok();
+    py.detach(|| ARENAS.settled(&path, chunk.offset, held));
     opened.map(Some)
 }
 
@@ -562,7 +370,7 @@ thread_local! {
     /// [`ARENAS`], held by the forking thread from before the fork to after it: a child
     /// never inherits it locked by a thread that does not exist in it (it would hang at its
     /// first small `put`).
-    static HELD: std::cell::RefCell<Option<MutexGuard<'static, Vec<Owned>>>> =
+    static HELD: std::cell::RefCell<Option<MutexGuard<'static, Vec<Owned<ArenaUse>>>>> =
         const { std::cell::RefCell::new(None) };
 }
 
@@ -572,7 +380,7 @@ fn release_held() {
 
 /// Register the fork hooks of [`ARENAS`] ([`ForkLock::Arenas`]: after the arena files,
 /// before the arena uses of `store`; no code holds it while taking a lock ordered before
-/// it).
+/// it). [`ARENAS`] runs this before every lock of it.
 fn fork_hooks() {
     // The hooks only lock and unlock a process-global mutex held for short stretches,
     // never touch Python and never unwind (poisoning is recovered from). The value guarded
@@ -581,7 +389,7 @@ fn fork_hooks() {
         ForkLock::Arenas,
         ForkHooks {
             before: || {
-                let arenas = ARENAS.lock().unwrap_or_else(|p| p.into_inner());
+                let arenas = ARENAS.lock_for_fork();
                 HELD.with(|h| *h.borrow_mut() = Some(arenas));
             },
             after_parent: release_held,
@@ -590,18 +398,12 @@ fn fork_hooks() {
     );
 }
 
-/// [`ARENAS`], locked, with the fork hooks registered.
-fn arenas() -> MutexGuard<'static, Vec<Owned>> {
-    fork_hooks();
-    ARENAS.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// Let go of this process's arenas (and of the arena it last read from): no new object goes
 /// into them, and each is removed once no process uses a chunk of it any more (handles made
 /// before keep working). For tests and for long-lived processes done with small objects.
 #[pyfunction]
 pub(crate) fn _arena_release(py: Python<'_>) -> usize {
-    let gone = py.detach(|| std::mem::take(&mut *arenas()));
+    let gone = py.detach(|| ARENAS.take_all());
     let n = gone.len();
     // Dropping sends the supervisor a DROP for each (queued, never blocks).
     drop(gone);
@@ -613,14 +415,10 @@ pub(crate) fn _arena_release(py: Python<'_>) -> usize {
 #[pyfunction]
 pub(crate) fn _arena_usage(py: Python<'_>) -> Vec<(String, u64, u64)> {
     py.detach(|| {
-        let arenas = arenas();
-        arenas
-            .iter()
-            .filter(|a| a.writer.is_ours())
-            .map(|a| {
-                let (used, cap) = a.writer.usage();
-                (a.writer.path().display().to_string(), used, cap)
-            })
+        ARENAS
+            .usage()
+            .into_iter()
+            .map(|(path, used, cap)| (path.display().to_string(), used, cap))
             .collect()
     })
 }
