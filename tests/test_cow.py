@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 from typing import Any
 
 import pytest
 import shmstore
-from shmstore import cow
+from shmstore import _attribution, cow
 
 pytest_plugins = ["pytester"]
 
@@ -26,7 +27,12 @@ def records() -> list[dict[str, Any]]:
     return make_records()
 
 
-def test_plain_list_read_in_workers_fails_with_types(records: list[dict[str, Any]]) -> None:
+def test_plain_list_read_in_workers_fails_with_types(
+    records: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every object looked at (no sample however many this process holds): exact counts.
+    monkeypatch.setattr(_attribution, "_SAMPLE", 1 << 40)
+
     def read_all() -> None:
         for r in records:
             r["bbox"][0]
@@ -181,3 +187,23 @@ def test_pytest_marker_and_fixture(pytester: pytest.Pytester) -> None:
     assert "wrong in worker" in out
     result = pytester.runpytest("-p", "no:cacheprovider", "--shmstore-cow=1 GiB")
     result.assert_outcomes(passed=3, failed=2)  # spawn and the failing body still fail
+
+
+def test_a_sampled_attribution_estimates_every_type(
+    records: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the sample size the counts are estimates, from a random sample: the records'
+    dicts and lists (interleaved in the collector's list) are both found, near their counts."""
+    monkeypatch.setattr(_attribution, "_SAMPLE", max(1000, len(gc.get_objects()) // 4))
+
+    def read_all() -> None:
+        for r in records:
+            r["bbox"][0]
+            r["id"]
+
+    report = cow.measure(read_all, workers=1, max="1 MiB")
+    a = report.attribution
+    assert a is not None and a.sample > 1
+    by_type = {r.type: r for r in a.rows}
+    for t in ("dict", "list"):
+        assert 0.8 * N <= by_type[t].count <= 1.25 * N, (t, by_type[t].count, a.sample)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import gc
 import operator
+import random
 import sys
 import time
 from collections import Counter
@@ -97,10 +98,18 @@ def attribute(
         gc.freeze()
     else:
         everything = gc.get_objects()
-    # Beyond _SAMPLE containers, every k-th (and the untracked objects they hold): the cost
-    # stays bounded, and the types' shares of the pages are estimated from the sample.
-    step = -(-len(everything) // _SAMPLE)
-    tracked = everything[::step] if step > 1 else everything
+    # Beyond _SAMPLE containers, a random sample of _SAMPLE of them (and the untracked
+    # objects they hold): the cost stays bounded, and the types' counts and shares of the
+    # pages are estimated from the sample. Random, not every k-th: the collector's list
+    # interleaves the objects of each record (dict, list, dict, list, ...), and a stride
+    # would see some types and miss others.
+    total = len(everything)
+    step = -(-total // _SAMPLE)
+    if step > 1:
+        tracked = random.Random(total).sample(everything, _SAMPLE)
+        per_object = total / _SAMPLE
+    else:
+        tracked, per_object = everything, 1.0
     own = {id(tracked), id(everything), id(on), *map(id, exclude)}
     hits: dict[int, Any] = {
         a: o for o, a in zip(tracked, map(id, tracked)) if (a >> shift) in on and a not in own
@@ -143,7 +152,9 @@ def attribute(
     order = sorted(per_type, key=lambda t: -share[t])
     examples = _examples(named or {}, set(order[:_PATH_TYPES]), on, shift)
     rows = tuple(
-        TypeRow(_type_name(t), per_type[t] * step, round(share[t]), examples.get(t, ""))
+        TypeRow(
+            _type_name(t), round(per_type[t] * per_object), round(share[t]), examples.get(t, "")
+        )
         for t in order
     )
     return Attribution(page_bytes=len(on) * page_size, rows=rows, sample=step)
