@@ -268,3 +268,61 @@ def test_deep_values_in_a_thread_with_a_small_stack_raise_instead_of_crashing():
             assert got[f"{kib}:{name}"] in ("ok", "stack"), got
     assert got["64:to_python"] == "stack", got
     assert all(got[f"4096:{n}"] == "ok" for n in ("to_python", "eq", "put")), got
+
+
+# --- forged pickle arguments ---------------------------------------------------------------
+
+
+def test_forged_pickle_arguments_are_corrupt_store_errors():
+    """A pickle may come from anyone: the unpickling functions used to raise OverflowError
+    (a negative size) or TypeError (a str for an int) from the argument conversion. Every
+    forged argument is now CorruptStoreError naming it."""
+    import pickle
+
+    from shmstore import _native
+
+    big = shmstore.put(list(range(100)), arena=False)
+    view = shmstore.put([[1, 2], [3]], arena=False)
+    chunk = shmstore.put(b"x" * 100)
+    try:
+        _, (cls, path, flag) = big.__reduce__()
+        _, (cpath, off, size, gen) = chunk.__reduce__()
+        _, vargs = view.get()[0].__reduce__()
+        forged = [
+            (_native._rebuild_chunk, (cpath, -1, size, gen), "chunk offset"),
+            (_native._rebuild_chunk, (cpath, off, -5, gen), "chunk size"),
+            (_native._rebuild_chunk, (cpath, off, size, 1 << 64), "chunk generation"),
+            (_native._rebuild_chunk, (cpath, "0", size, gen), "chunk offset"),
+            (_native._rebuild_chunk, (7, off, size, gen), "path"),
+            (_native._rebuild_chunk, (cpath + "\0x", off, size, gen), "path"),
+            (_native._rebuild, (cls, path, 3), "kind flag"),
+            (_native._rebuild, (None, path, flag), "class name"),
+            (_native._rebuild_view, (vargs[0], vargs[1], -1, vargs[3]), "record"),
+            (_native._rebuild_view, (*vargs[:3], -(1 << 70)), "position"),
+            (_native._rebuild_view, (*vargs[:4], 256), "form"),
+            (_native._rebuild_view, (*vargs[:4], 0, -1), "form's argument"),
+            (_native._rebuild_view, (*vargs[:4], True), "form"),
+        ]
+        for fn, args, what in forged:
+            with pytest.raises(shmstore.CorruptStoreError, match=what):
+                fn(*args)
+            # The same through pickle.loads of a forged tuple.
+            data = pickle.dumps(_Forged(fn, args))
+            with pytest.raises(shmstore.CorruptStoreError, match="forged or corrupt pickle"):
+                pickle.loads(data)
+        # The genuine arguments still work.
+        assert _native._rebuild(cls, path, flag).get()[99] == 99
+        assert _native._rebuild_chunk(cpath, off, size, gen).get() == b"x" * 100
+        assert _native._rebuild_view(*vargs).to_python() == [1, 2]
+    finally:
+        for r in (big, view, chunk):
+            r.close()
+
+
+class _Forged:
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
