@@ -326,3 +326,38 @@ class _Forged:
     def __reduce__(self):
         return self.fn, self.args
 
+
+RELATIVE = r"""
+import logging, os, pickle, sys
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(levelname)s %(message)s")
+import shmstore
+from shmstore import _native
+os.makedirs("rel", exist_ok=True)
+os.environ["SHMSTORE_DIR"] = "rel"  # a relative segment directory
+chunk = shmstore.put(b"x" * 100)
+named = shmstore.put(list(range(5)), name="relative-test", arena=False)
+for r in (chunk, named):
+    path = r.__reduce__()[1][1 if r is named else 0]
+    print("absolute", os.path.isabs(path))
+os.chdir("/")  # another working directory: the pickles still name the same files
+print("again", pickle.loads(pickle.dumps(chunk)).get(), pickle.loads(pickle.dumps(named)).get()[4])
+_, (path, off, size, gen) = chunk.__reduce__()
+os.chdir(os.path.dirname(path))
+try:
+    _native._rebuild_chunk(os.path.basename(path), off, size, gen)
+except shmstore.CorruptStoreError as e:
+    print("refused", "not absolute" in str(e))
+named.unlink()
+"""
+
+
+def test_relative_paths_never_reach_the_supervisor(tmp_path):
+    """A relative path in a chunk pickle (or a relative SHMSTORE_DIR) was sent to the
+    supervisor, which refuses relative paths, and the process logged a false "runs without
+    its supervisor" warning. Segment directories are now made absolute, and a pickle with a
+    relative path is refused (CorruptStoreError); nothing is logged."""
+    out = run_checked([sys.executable, "-c", RELATIVE], cwd=tmp_path).stdout
+    assert out.count("absolute True") == 2, out
+    assert "again b'xxxxx" in out and " 4" in out, out
+    assert "refused True" in out, out
+    assert "WARNING" not in out, out

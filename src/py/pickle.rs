@@ -54,15 +54,22 @@ fn str_arg(func: &str, what: &str, v: &Bound<'_, PyAny>) -> PyResult<String> {
     }
 }
 
-/// A path argument: a str (what pickles of ours carry) or a path-like object (`Path`).
+/// A path argument: a str (what pickles of ours carry) or a path-like object (`Path`), and
+/// absolute, as every path a pickle of ours carries (a relative one would name another file
+/// in a process with another working directory, and the supervisor refuses it).
 fn path_arg(func: &str, v: &Bound<'_, PyAny>) -> PyResult<PathBuf> {
-    if v.is_instance_of::<PyString>() {
-        return str_arg(func, "the path", v).map(PathBuf::from);
+    let path = if v.is_instance_of::<PyString>() {
+        PathBuf::from(str_arg(func, "the path", v)?)
+    } else {
+        match v.extract::<PathBuf>() {
+            Ok(p) if !p.as_os_str().as_encoded_bytes().contains(&0) => p,
+            _ => return Err(forged(func, "the path is not a str or path:", v)),
+        }
+    };
+    if !path.is_absolute() {
+        return Err(forged(func, "the path is not absolute:", v));
     }
-    match v.extract::<PathBuf>() {
-        Ok(p) if !p.as_os_str().as_encoded_bytes().contains(&0) => Ok(p),
-        _ => Err(forged(func, "the path is not a str or path:", v)),
-    }
+    Ok(path)
 }
 
 /// Unpickle a handle: attach by path (segment or file).

@@ -99,16 +99,25 @@ impl SegmentError {
     }
 }
 
-/// The directory segments live in: `$SHMSTORE_DIR`, else `/dev/shm`.
+/// The directory segments live in: `$SHMSTORE_DIR`, else `/dev/shm`. Always absolute (a
+/// relative `$SHMSTORE_DIR` is taken from the current directory): a segment's path is what
+/// other processes (another working directory) and the supervisor (which refuses relative
+/// paths) know it by.
 pub fn default_dir() -> PathBuf {
     std::env::var_os("SHMSTORE_DIR")
         .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
+        .map(|v| absolute(PathBuf::from(v)))
         .unwrap_or_else(|| PathBuf::from("/dev/shm"))
 }
 
+/// `p` made absolute against the current directory (as is, if that cannot be known).
+fn absolute(p: PathBuf) -> PathBuf {
+    std::path::absolute(&p).unwrap_or(p)
+}
+
 /// Where segments go when the segment directory is too small: `$SHMSTORE_FALLBACK_DIR`,
-/// else `/var/tmp/shmstore-<uid>` (disk-backed). `None` when `SHMSTORE_FALLBACK=0`.
+/// else `/var/tmp/shmstore-<uid>` (disk-backed); absolute, as [`default_dir`]. `None` when
+/// `SHMSTORE_FALLBACK=0`.
 pub fn fallback_dir() -> Option<PathBuf> {
     if matches!(
         std::env::var("SHMSTORE_FALLBACK").as_deref(),
@@ -119,7 +128,7 @@ pub fn fallback_dir() -> Option<PathBuf> {
     Some(
         std::env::var_os("SHMSTORE_FALLBACK_DIR")
             .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
+            .map(|v| absolute(PathBuf::from(v)))
             .unwrap_or_else(|| {
                 PathBuf::from(format!(
                     "/var/tmp/shmstore-{}",
