@@ -270,6 +270,71 @@ def test_deep_values_in_a_thread_with_a_small_stack_raise_instead_of_crashing():
     assert all(got[f"4096:{n}"] == "ok" for n in ("to_python", "eq", "put")), got
 
 
+# --- swapped stores in a group-writable directory -----------------------------------------
+
+ATTACH_TRAIN = r"""
+import sys
+import shmstore
+try:
+    print("data", shmstore.SharedList.attach("train", dir=sys.argv[1])[0])
+except shmstore.StorePermissionError as e:
+    print("refused", str(e))
+"""
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777])
+def test_stores_swapped_in_a_shared_directory_are_not_attached(tmp_path, other_user, mode):
+    """In a team directory that group members may write (no sticky bit), a member renames
+    two of our sealed stores over each other (`mv`: owner and mode go with the file):
+    ``attach("train")`` silently returned the other store's data. Attaching from such a
+    directory is now refused, naming it and the fix; a sticky one is safe (only a file's
+    owner may rename it there) and works."""
+    team = tmp_path / "team"
+    team.mkdir()
+    os.chown(tmp_path, 0, other_user[1])
+    os.chmod(tmp_path, 0o755)
+    os.chown(team, 0, other_user[1])
+    os.chmod(team, mode)
+    train = shmstore.SharedList(["train"], name="train", dir=team)
+    val = shmstore.SharedList(["val"], name="val", dir=team)
+    try:
+        swap = "mv shmstore-train x && mv shmstore-val shmstore-train && mv x shmstore-val"
+        them = subprocess.run(
+            ["sh", "-c", swap],
+            cwd=team,
+            user=other_user[0],
+            group=other_user[1],
+            capture_output=True,
+            text=True,
+        )
+        out = run_checked([sys.executable, "-c", ATTACH_TRAIN, str(team)]).stdout
+        if mode & 0o1000:
+            # Sticky: the rename was refused, and the store is the one named.
+            assert them.returncode != 0, them
+            assert out.strip() == "data train", out
+        else:
+            assert them.returncode == 0, them.stderr
+            assert out.startswith("refused"), out
+            assert str(team) in out and "chmod +t" in out and "not sticky" in out, out
+    finally:
+        for r in (train, val):
+            r.close()
+        for p in team.iterdir():
+            p.unlink()
+
+
+def test_a_directory_owned_by_another_user_is_refused_for_attach(neighbour_dir):
+    """The owner of a directory may rename anything in it, sticky or not: a store of ours in
+    another user's directory cannot be attached by name either."""
+    os.chmod(neighbour_dir, 0o1777)
+    lst = shmstore.SharedList(["train"], name="train", dir=neighbour_dir)
+    try:
+        out = run_checked([sys.executable, "-c", ATTACH_TRAIN, str(neighbour_dir)]).stdout
+        assert out.startswith("refused") and "is owned by uid" in out, out
+    finally:
+        lst.unlink()
+
+
 # --- forged pickle arguments ---------------------------------------------------------------
 
 

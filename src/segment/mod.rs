@@ -40,6 +40,44 @@ pub fn mark_sealed(file: &impl std::os::fd::AsFd) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Refuse to attach a segment (`name`, at `path`) whose directory lets another user rename
+/// the files in it: a directory writable by group or others without the sticky bit (any
+/// member can `mv` one of our sealed segments over another: owner and mode travel with the
+/// file, so no check of the file can tell), or one owned by another user (its owner can
+/// always rename entries). Sticky directories (/dev/shm, /tmp) let only a file's owner
+/// rename it. A directory whose status cannot be read is left to the open, which fails.
+pub fn check_dir_of(path: &Path, name: &str) -> Result<(), SegmentError> {
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let Ok(st) = rustix::fs::stat(dir) else {
+        return Ok(());
+    };
+    let mode = st.st_mode & 0o7777;
+    let me = rustix::process::geteuid().as_raw();
+    let why = if st.st_uid != me && st.st_uid != 0 {
+        format!(
+            "is owned by uid {} (not by you, uid {me}, nor root)",
+            st.st_uid
+        )
+    } else if mode & 0o022 != 0 && mode & 0o1000 == 0 {
+        let who = match (mode & 0o020 != 0, mode & 0o002 != 0) {
+            (true, true) => "group and others",
+            (true, false) => "its group",
+            _ => "others",
+        };
+        format!("(mode {mode:o}) is writable by {who} and not sticky")
+    } else {
+        return Ok(());
+    };
+    Err(SegmentError::SwappableDir {
+        name: name.to_owned(),
+        dir: dir.to_owned(),
+        why,
+    })
+}
+
 /// Longest accepted name: keeps pickled handles (which carry the path) under 256 bytes.
 pub const MAX_NAME: usize = 128;
 
@@ -81,6 +119,14 @@ pub enum SegmentError {
         path: PathBuf,
         why: String,
         fix: &'static str,
+    },
+    /// The directory of a segment attached by name lets someone else rename the files in it
+    /// (docs/security.md, "More neighbours").
+    #[error("refusing to attach {name:?} from {dir}: the directory {why}, so they can rename, swap or replace the stores in it (attaching could silently give another store's data); attach only from a directory that is sticky (`chmod +t {dir}`, as /dev/shm and /tmp are) or that no one else can write (`chmod go-w {dir}`), or use a private SHMSTORE_DIR")]
+    SwappableDir {
+        name: String,
+        dir: PathBuf,
+        why: String,
     },
     #[error("{path}: {source}")]
     Io {
