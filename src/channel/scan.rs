@@ -1,5 +1,6 @@
 //! Reading a channel file from outside (the supervisor's orphan sweep), without mapping it
-//! and without trusting a byte: which files are channels whose header was overwritten.
+//! and without trusting a byte: which files are channels whose header was overwritten, and
+//! which objects a channel still holds (docs/channel.md, "Lifetime").
 //!
 //! Everything is read with `pread` through a descriptor opened `O_NOFOLLOW|O_NONBLOCK` and
 //! checked with `fstat` (a regular file of this user, mode 0600): a plain copy of the bytes,
@@ -8,9 +9,9 @@
 
 use std::fs::File;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use super::{CELL, CELL_WORDS, HEADER, MAGIC, MAX_CAPACITY, MAX_PATH, SEGMENT};
+use super::{CELL, CELL_WORDS, CHUNK, HEADER, MAGIC, MAX_CAPACITY, MAX_PATH, PATH_AT, SEGMENT};
 
 /// Open `path` for reading as a channel of ours could be: a regular file of this user of
 /// mode 0600 (no symlink followed, never blocking); with its size.
@@ -102,4 +103,43 @@ pub fn is_headless_channel(path: &Path, ident: (u64, u64)) -> bool {
         hi = hi.max(seq);
     });
     read && ok && hi - lo <= 2 * cap
+}
+
+/// The paths of the objects the channel at `path` still holds: every cell published and not
+/// yet handed back (waiting for a get, or claimed by a getter that has not released it),
+/// whose handle is an absolute path. Empty if the file is not a channel of ours with a
+/// valid header. What a cell says is only a claim: the caller keeps such files at most as
+/// long as the channel is in use, and removes nothing because of it.
+pub fn held_paths(path: &Path) -> Vec<PathBuf> {
+    let Some((file, len)) = open_ours(path) else {
+        return Vec::new();
+    };
+    let mut head = [0u8; 24];
+    if file.read_exact_at(&mut head, 0).is_err() || &head[..8] != MAGIC {
+        return Vec::new();
+    }
+    let cap = u64::from_le_bytes(head[16..24].try_into().unwrap_or_default());
+    if capacity_for(len) != Some(cap) {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    each_cell(&file, cap, |i, cell| {
+        let seq = word(cell, 0);
+        if seq == 0 || seq.wrapping_sub(1) & (cap - 1) != i {
+            return; // free (or claimed by a put not yet published)
+        }
+        let meta = word(cell, 1);
+        let (kind, n) = ((meta & 0xff) as u8, ((meta >> 8) & 0xffff) as usize);
+        if !(kind == CHUNK || kind == SEGMENT) || n == 0 || n > MAX_PATH {
+            return;
+        }
+        let at = PATH_AT * 8;
+        match std::str::from_utf8(&cell[at..at + n]) {
+            Ok(s) if s.starts_with('/') && !s.contains('\0') => out.push(PathBuf::from(s)),
+            _ => {}
+        }
+    });
+    out.sort();
+    out.dedup();
+    out
 }
