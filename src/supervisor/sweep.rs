@@ -77,7 +77,8 @@ pub fn remove_if_ours(path: &Path, id: FileId) -> std::io::Result<Removal> {
 /// Whether `path` (with status `st`) is a segment shmstore's writer made: named
 /// `shmstore-...`, a regular file owned by this user, and either sealed (read-only mode 0400,
 /// or 0500 for a fetched copy, with the writer's mark in its modification time, see
-/// `segment::SEALED_MTIME_NSEC`) or a `.part-` file still being written (mode 0600), or a
+/// `segment::SEALED_MTIME_NSEC`) or a `.part-` file still being written (mode 0600, or 0400
+/// and 0500 when its writer died between sealing its mode and marking it), or a
 /// channel (mode 0600): with a channel's header, or one whose header was overwritten (a
 /// random name, a channel's size and a ring's shape in its cells,
 /// `channel::scan::is_headless_channel`). A saved file (`save()`), a symlink, another user's
@@ -98,7 +99,11 @@ pub fn is_segment(path: &Path, st: &rustix::fs::Stat) -> bool {
     let marked = i128::from(st.st_mtime_nsec) == i128::from(SEALED_MTIME_NSEC);
     let sealed = matches!(mode, 0o400 | 0o500)
         && (marked || (mode == 0o400 && has_magic(path, st, crate::arena::MAGIC)));
+    // A writer killed between sealing a `.part-` file's mode and marking it leaves it 0400
+    // (or 0500) without the mark: still the writer's, by its name.
+    let part = name.contains(".part-") && matches!(mode, 0o400 | 0o500);
     sealed
+        || part
         || (mode == 0o600
             && (name.contains(".part-")
                 || has_magic(path, st, crate::channel::MAGIC)
@@ -427,6 +432,22 @@ mod tests {
         assert_eq!(holders_among(&want, [child.id()])[&open], vec![child.id()]);
         drop(child.stdin.take());
         child.wait().unwrap();
+    }
+
+    #[test]
+    fn a_part_file_sealed_but_not_marked_is_swept() {
+        let dir = tempfile::tempdir().unwrap();
+        let part = dir.path().join("shmstore-x.part-0123456789ab");
+        let saved = dir.path().join("shmstore-saved");
+        for p in [&part, &saved] {
+            std::fs::write(p, b"SHMSTOR\0").unwrap();
+            std::fs::set_permissions(p, std::os::unix::fs::PermissionsExt::from_mode(0o400))
+                .unwrap();
+        }
+        let done = sweep(&[dir.path().to_owned()], &HashSet::new(), false);
+        let removed: Vec<&PathBuf> = done.iter().filter(|s| s.removed).map(|s| &s.path).collect();
+        assert_eq!(removed, vec![&part]);
+        assert!(saved.exists());
     }
 
     #[test]
