@@ -10,6 +10,7 @@ import os
 import pickle
 import queue
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import shmstore
-from conftest import segment_dir
+from conftest import run_checked, segment_dir
 from shmstore import _native
 
 
@@ -282,6 +283,57 @@ def test_objects_outlive_the_process_that_put_them(how: str) -> None:
     got = [ch.get(timeout=600) for _ in range(3 * 4 + 1)]
     want = [v for i in range(3) for v in values(i)] + [LARGE]
     assert all(same(g, w) for g, w in zip(got, want))
+
+
+BOTH_KILLED = r"""
+import multiprocessing as mp, os, signal, sys, time
+from pathlib import Path
+import numpy as np
+import shmstore
+from shmstore import _native
+
+def put_then_die(ch):
+    ch.put(np.full(1024, 7, dtype=np.uint8))
+    ch.put({"id": 1})
+    ch.put(b"L" * (3 << 20))  # a segment of its own
+    os.kill(os.getpid(), signal.SIGKILL)
+
+ch = shmstore.Channel(capacity=16)
+p = mp.get_context("fork").Process(target=put_then_die, args=(ch,))
+p.start()
+p.join(600)
+assert p.exitcode == -signal.SIGKILL, p.exitcode
+_native._flush_drops()
+pid = int(_native.supervisor_info()["pid"])
+os.kill(pid, signal.SIGKILL)
+deadline = time.monotonic() + 60
+while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+    time.sleep(0.01)  # bounded: until the kernel has reaped it
+files = [f for f in Path(os.environ["SHMSTORE_DIR"]).iterdir() if f != ch.path]
+# The next conversation starts a new supervisor, whose start-up sweep settles each file
+# left: removed, or tracked (kept).
+shmstore.put({"start": "a supervisor"}, arena=False).close()
+while time.monotonic() < deadline:
+    now = _native.supervisor_info()
+    tracked = set(now["segments"]) if now else set()
+    if all(not f.exists() or str(f) in tracked for f in files):
+        break
+    time.sleep(0.05)  # bounded: polling the supervisor's state
+got = [ch.get(timeout=60) for _ in range(3)]
+print(int(got[0][-1]), got[1]["id"], len(got[2]))
+"""
+
+
+def test_objects_outlive_their_putter_and_the_supervisor_both_killed() -> None:
+    """The putter and then the supervisor are SIGKILLed before anything is taken: the pin
+    on the putter's arena lived in those two processes only, and the next supervisor's
+    orphan sweep removed the arena (no live process maps it), so get() raised
+    StoreNotFoundError. The sweep now reads what the channel's cells still hold and keeps
+    it while the channel is in use. (In a child process with a supervisor of its own: the
+    test kills it.)"""
+    env = {**os.environ, "SHMSTORE_SUPERVISOR_NAME": f"shmstore-both-{os.getpid()}"}
+    out = run_checked([sys.executable, "-c", BOTH_KILLED], env=env).stdout
+    assert out.split() == ["7", "1", str(3 << 20)], out
 
 
 def _hold_then_die(ch: shmstore.Channel, ready: Any) -> None:

@@ -268,3 +268,161 @@ def test_deep_values_in_a_thread_with_a_small_stack_raise_instead_of_crashing():
             assert got[f"{kib}:{name}"] in ("ok", "stack"), got
     assert got["64:to_python"] == "stack", got
     assert all(got[f"4096:{n}"] == "ok" for n in ("to_python", "eq", "put")), got
+
+
+# --- swapped stores in a group-writable directory -----------------------------------------
+
+ATTACH_TRAIN = r"""
+import sys
+import shmstore
+try:
+    print("data", shmstore.SharedList.attach("train", dir=sys.argv[1])[0])
+except shmstore.StorePermissionError as e:
+    print("refused", str(e))
+"""
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o1777])
+def test_stores_swapped_in_a_shared_directory_are_not_attached(tmp_path, other_user, mode):
+    """In a team directory that group members may write (no sticky bit), a member renames
+    two of our sealed stores over each other (`mv`: owner and mode go with the file):
+    ``attach("train")`` silently returned the other store's data. Attaching from such a
+    directory is now refused, naming it and the fix; a sticky one is safe (only a file's
+    owner may rename it there) and works."""
+    team = tmp_path / "team"
+    team.mkdir()
+    os.chown(tmp_path, 0, other_user[1])
+    os.chmod(tmp_path, 0o755)
+    os.chown(team, 0, other_user[1])
+    os.chmod(team, mode)
+    train = shmstore.SharedList(["train"], name="train", dir=team)
+    val = shmstore.SharedList(["val"], name="val", dir=team)
+    try:
+        swap = "mv shmstore-train x && mv shmstore-val shmstore-train && mv x shmstore-val"
+        them = subprocess.run(
+            ["sh", "-c", swap],
+            cwd=team,
+            user=other_user[0],
+            group=other_user[1],
+            capture_output=True,
+            text=True,
+        )
+        out = run_checked([sys.executable, "-c", ATTACH_TRAIN, str(team)]).stdout
+        if mode & 0o1000:
+            # Sticky: the rename was refused, and the store is the one named.
+            assert them.returncode != 0, them
+            assert out.strip() == "data train", out
+        else:
+            assert them.returncode == 0, them.stderr
+            assert out.startswith("refused"), out
+            assert str(team) in out and "chmod +t" in out and "not sticky" in out, out
+    finally:
+        for r in (train, val):
+            r.close()
+        for p in team.iterdir():
+            p.unlink()
+
+
+def test_a_directory_owned_by_another_user_is_refused_for_attach(neighbour_dir):
+    """The owner of a directory may rename anything in it, sticky or not: a store of ours in
+    another user's directory cannot be attached by name either."""
+    os.chmod(neighbour_dir, 0o1777)
+    lst = shmstore.SharedList(["train"], name="train", dir=neighbour_dir)
+    try:
+        out = run_checked([sys.executable, "-c", ATTACH_TRAIN, str(neighbour_dir)]).stdout
+        assert out.startswith("refused") and "is owned by uid" in out, out
+    finally:
+        lst.unlink()
+
+
+# --- forged pickle arguments ---------------------------------------------------------------
+
+
+def test_forged_pickle_arguments_are_corrupt_store_errors():
+    """A pickle may come from anyone: the unpickling functions used to raise OverflowError
+    (a negative size) or TypeError (a str for an int) from the argument conversion. Every
+    forged argument is now CorruptStoreError naming it."""
+    import pickle
+
+    from shmstore import _native
+
+    big = shmstore.put(list(range(100)), arena=False)
+    view = shmstore.put([[1, 2], [3]], arena=False)
+    chunk = shmstore.put(b"x" * 100)
+    try:
+        _, (cls, path, flag) = big.__reduce__()
+        _, (cpath, off, size, gen) = chunk.__reduce__()
+        _, vargs = view.get()[0].__reduce__()
+        forged = [
+            (_native._rebuild_chunk, (cpath, -1, size, gen), "chunk offset"),
+            (_native._rebuild_chunk, (cpath, off, -5, gen), "chunk size"),
+            (_native._rebuild_chunk, (cpath, off, size, 1 << 64), "chunk generation"),
+            (_native._rebuild_chunk, (cpath, "0", size, gen), "chunk offset"),
+            (_native._rebuild_chunk, (7, off, size, gen), "path"),
+            (_native._rebuild_chunk, (cpath + "\0x", off, size, gen), "path"),
+            (_native._rebuild, (cls, path, 3), "kind flag"),
+            (_native._rebuild, (None, path, flag), "class name"),
+            (_native._rebuild_view, (vargs[0], vargs[1], -1, vargs[3]), "record"),
+            (_native._rebuild_view, (*vargs[:3], -(1 << 70)), "position"),
+            (_native._rebuild_view, (*vargs[:4], 256), "form"),
+            (_native._rebuild_view, (*vargs[:4], 0, -1), "form's argument"),
+            (_native._rebuild_view, (*vargs[:4], True), "form"),
+        ]
+        for fn, args, what in forged:
+            with pytest.raises(shmstore.CorruptStoreError, match=what):
+                fn(*args)
+            # The same through pickle.loads of a forged tuple.
+            data = pickle.dumps(_Forged(fn, args))
+            with pytest.raises(shmstore.CorruptStoreError, match="forged or corrupt pickle"):
+                pickle.loads(data)
+        # The genuine arguments still work.
+        assert _native._rebuild(cls, path, flag).get()[99] == 99
+        assert _native._rebuild_chunk(cpath, off, size, gen).get() == b"x" * 100
+        assert _native._rebuild_view(*vargs).to_python() == [1, 2]
+    finally:
+        for r in (big, view, chunk):
+            r.close()
+
+
+class _Forged:
+    def __init__(self, fn, args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+RELATIVE = r"""
+import logging, os, pickle, sys
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(levelname)s %(message)s")
+import shmstore
+from shmstore import _native
+os.makedirs("rel", exist_ok=True)
+os.environ["SHMSTORE_DIR"] = "rel"  # a relative segment directory
+chunk = shmstore.put(b"x" * 100)
+named = shmstore.put(list(range(5)), name="relative-test", arena=False)
+for r in (chunk, named):
+    path = r.__reduce__()[1][1 if r is named else 0]
+    print("absolute", os.path.isabs(path))
+os.chdir("/")  # another working directory: the pickles still name the same files
+print("again", pickle.loads(pickle.dumps(chunk)).get(), pickle.loads(pickle.dumps(named)).get()[4])
+_, (path, off, size, gen) = chunk.__reduce__()
+os.chdir(os.path.dirname(path))
+try:
+    _native._rebuild_chunk(os.path.basename(path), off, size, gen)
+except shmstore.CorruptStoreError as e:
+    print("refused", "not absolute" in str(e))
+named.unlink()
+"""
+
+
+def test_relative_paths_never_reach_the_supervisor(tmp_path):
+    """A relative path in a chunk pickle (or a relative SHMSTORE_DIR) was sent to the
+    supervisor, which refuses relative paths, and the process logged a false "runs without
+    its supervisor" warning. Segment directories are now made absolute, and a pickle with a
+    relative path is refused (CorruptStoreError); nothing is logged."""
+    out = run_checked([sys.executable, "-c", RELATIVE], cwd=tmp_path).stdout
+    assert out.count("absolute True") == 2, out
+    assert "again b'xxxxx" in out and " 4" in out, out
+    assert "refused True" in out, out
+    assert "WARNING" not in out, out

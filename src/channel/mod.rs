@@ -25,6 +25,8 @@ use std::time::{Duration, Instant};
 
 use crate::segment::{self, SegmentError};
 
+pub mod scan;
+
 /// The first bytes of a channel file.
 pub const MAGIC: &[u8; 8] = b"SHMCHANL";
 const VERSION: u32 = 1;

@@ -375,7 +375,9 @@ fn segment(e: SegmentError) -> (Class, String) {
     let exc = match &e {
         SegmentError::NotFound { .. } => Exc::NotFound,
         SegmentError::Exists { .. } => Exc::Exists,
-        SegmentError::WrongOwner { .. } | SegmentError::UnsafeDir { .. } => Exc::Permission,
+        SegmentError::WrongOwner { .. }
+        | SegmentError::UnsafeDir { .. }
+        | SegmentError::SwappableDir { .. } => Exc::Permission,
         SegmentError::NameTaken { .. } => Exc::Exists,
         SegmentError::NotAFile { .. } => Exc::Io,
         SegmentError::Full { .. } => Exc::OutOfMemory,

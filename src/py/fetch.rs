@@ -15,7 +15,7 @@ use xxhash_rust::xxh3::Xxh3Default;
 
 use super::errors::Error;
 use super::handles::StoreHandle;
-use super::pickle::_rebuild;
+use super::pickle::rebuild;
 use super::store::{self, Store};
 
 /// xxh3-128 of every byte of the archive, as 32 hex digits.
@@ -158,7 +158,7 @@ pub(crate) fn _import_archive<'py>(
         want,
     );
     // `store` keeps the segment registered while the handle is made from the cache.
-    let handle = _rebuild(py, cls, store.source.path().to_owned(), "s".into())?;
+    let handle = rebuild(py, cls, store.source.path().to_owned(), "s")?;
     drop(store);
     Ok(handle)
 }

@@ -368,6 +368,9 @@ impl Mapping {
         // holding a lock on a file planted under the name cannot turn that clear error into
         // a wait.
         check_file(&meta, path, true)?;
+        // A directory where someone else can rename our segments cannot tell us that the
+        // file under this name is the store the name was given to.
+        super::check_dir_of(path, name)?;
         super::flock_shared(&file, path)?;
         // The name still leads to this file (so it still has a name): a removal, which
         // happens only under an exclusive lock, did not come first.

@@ -44,6 +44,44 @@ pub fn mark_sealed(file: &impl std::os::fd::AsFd) -> std::io::Result<()> {
     Ok(())
 }
 
+/// Refuse to attach a segment (`name`, at `path`) whose directory lets another user rename
+/// the files in it: a directory writable by group or others without the sticky bit (any
+/// member can `mv` one of our sealed segments over another: owner and mode travel with the
+/// file, so no check of the file can tell), or one owned by another user (its owner can
+/// always rename entries). Sticky directories (/dev/shm, /tmp) let only a file's owner
+/// rename it. A directory whose status cannot be read is left to the open, which fails.
+pub fn check_dir_of(path: &Path, name: &str) -> Result<(), SegmentError> {
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    let Ok(st) = rustix::fs::stat(dir) else {
+        return Ok(());
+    };
+    let mode = st.st_mode & 0o7777;
+    let me = rustix::process::geteuid().as_raw();
+    let why = if st.st_uid != me && st.st_uid != 0 {
+        format!(
+            "is owned by uid {} (not by you, uid {me}, nor root)",
+            st.st_uid
+        )
+    } else if mode & 0o022 != 0 && mode & 0o1000 == 0 {
+        let who = match (mode & 0o020 != 0, mode & 0o002 != 0) {
+            (true, true) => "group and others",
+            (true, false) => "its group",
+            _ => "others",
+        };
+        format!("(mode {mode:o}) is writable by {who} and not sticky")
+    } else {
+        return Ok(());
+    };
+    Err(SegmentError::SwappableDir {
+        name: name.to_owned(),
+        dir: dir.to_owned(),
+        why,
+    })
+}
+
 /// Longest accepted name: keeps pickled handles (which carry the path) under 256 bytes.
 pub const MAX_NAME: usize = 128;
 
@@ -86,6 +124,14 @@ pub enum SegmentError {
         why: String,
         fix: &'static str,
     },
+    /// The directory of a segment attached by name lets someone else rename the files in it
+    /// (docs/security.md, "More neighbours").
+    #[error("refusing to attach {name:?} from {dir}: the directory {why}, so they can rename, swap or replace the stores in it (attaching could silently give another store's data); attach only from a directory that is sticky (`chmod +t {dir}`, as /dev/shm and /tmp are) or that no one else can write (`chmod go-w {dir}`), or use a private SHMSTORE_DIR")]
+    SwappableDir {
+        name: String,
+        dir: PathBuf,
+        why: String,
+    },
     #[error("{path}: {source}")]
     Io {
         path: PathBuf,
@@ -103,16 +149,25 @@ impl SegmentError {
     }
 }
 
-/// The directory segments live in: `$SHMSTORE_DIR`, else `/dev/shm`.
+/// The directory segments live in: `$SHMSTORE_DIR`, else `/dev/shm`. Always absolute (a
+/// relative `$SHMSTORE_DIR` is taken from the current directory): a segment's path is what
+/// other processes (another working directory) and the supervisor (which refuses relative
+/// paths) know it by.
 pub fn default_dir() -> PathBuf {
     std::env::var_os("SHMSTORE_DIR")
         .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
+        .map(|v| absolute(PathBuf::from(v)))
         .unwrap_or_else(|| PathBuf::from("/dev/shm"))
 }
 
+/// `p` made absolute against the current directory (as is, if that cannot be known).
+fn absolute(p: PathBuf) -> PathBuf {
+    std::path::absolute(&p).unwrap_or(p)
+}
+
 /// Where segments go when the segment directory is too small: `$SHMSTORE_FALLBACK_DIR`,
-/// else `/var/tmp/shmstore-<uid>` (disk-backed). `None` when `SHMSTORE_FALLBACK=0`.
+/// else `/var/tmp/shmstore-<uid>` (disk-backed); absolute, as [`default_dir`]. `None` when
+/// `SHMSTORE_FALLBACK=0`.
 pub fn fallback_dir() -> Option<PathBuf> {
     if matches!(
         std::env::var("SHMSTORE_FALLBACK").as_deref(),
@@ -123,7 +178,7 @@ pub fn fallback_dir() -> Option<PathBuf> {
     Some(
         std::env::var_os("SHMSTORE_FALLBACK_DIR")
             .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
+            .map(|v| absolute(PathBuf::from(v)))
             .unwrap_or_else(|| {
                 PathBuf::from(format!(
                     "/var/tmp/shmstore-{}",

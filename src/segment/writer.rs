@@ -197,9 +197,12 @@ impl SegmentWriter {
         let tmp = self.tmp.clone();
         self.flush_buf().map_err(|e| SegmentError::io(&tmp, e))?;
         let file = self.file.take().expect("published twice");
+        // The mark first, then the mode (a mode change leaves the modification time as it
+        // is): a writer killed in between leaves a `.part-` file of mode 0600, which the
+        // sweep removes, never a read-only one without the mark.
+        super::mark_sealed(&file).map_err(|e| SegmentError::io(&tmp, e))?;
         file.set_permissions(std::fs::Permissions::from_mode(mode))
             .map_err(|e| SegmentError::io(&tmp, e))?;
-        super::mark_sealed(&file).map_err(|e| SegmentError::io(&tmp, e))?;
         let final_path = self.final_path();
         // link() fails with EEXIST instead of replacing, so two creators of one name cannot
         // silently swap the segment under a reader.

@@ -93,9 +93,16 @@ pub struct SegmentUse {
     pub pids: Vec<u32>,
 }
 
+/// A `SEG` line; a segment tracked without users of its own (kept only by a pin) has `-`
+/// for its pids (an empty list would leave a trailing space, which a line reader trims).
 pub fn encode_seg(path: &Path, pids: &[u32]) -> String {
     let pids: Vec<String> = pids.iter().map(u32::to_string).collect();
-    format!("SEG {} {}\n", path.display(), pids.join(","))
+    let pids = if pids.is_empty() {
+        "-".to_owned()
+    } else {
+        pids.join(",")
+    };
+    format!("SEG {} {pids}\n", path.display())
 }
 
 pub fn parse_seg(line: &str) -> Option<SegmentUse> {
@@ -103,7 +110,10 @@ pub fn parse_seg(line: &str) -> Option<SegmentUse> {
     let (path, pids) = rest.rsplit_once(' ')?;
     Some(SegmentUse {
         path: PathBuf::from(path),
-        pids: pids.split(',').filter_map(|p| p.parse().ok()).collect(),
+        pids: match pids {
+            "-" => Vec::new(),
+            pids => pids.split(',').filter_map(|p| p.parse().ok()).collect(),
+        },
     })
 }
 
@@ -165,6 +175,15 @@ mod tests {
             Some(SegmentUse {
                 path: "/dev/shm/shmstore-x".into(),
                 pids: vec![1, 2]
+            })
+        );
+        // Kept only by a pin: no users. The reply's line is read with its end trimmed.
+        let s = encode_seg(Path::new("/dev/shm/shmstore-arena"), &[]);
+        assert_eq!(
+            parse_seg(s.trim_end()),
+            Some(SegmentUse {
+                path: "/dev/shm/shmstore-arena".into(),
+                pids: vec![]
             })
         );
         assert_eq!(parse_end("END 3"), Some(3));

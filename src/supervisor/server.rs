@@ -850,10 +850,17 @@ impl State {
             }
         }
         let orphans: HashSet<PathBuf> = if std::mem::take(&mut self.sweep_needed) {
-            self.dirs
+            let found: HashSet<PathBuf> = self
+                .dirs
                 .iter()
                 .flat_map(|d| segment_files(d))
                 .filter(|p| !self.segments.contains_key(p) && !self.locked.contains(p))
+                .collect();
+            self.pin_held_by_channels(&found);
+            // What a channel holds is tracked now (pinned), and settled with it.
+            found
+                .into_iter()
+                .filter(|p| !self.segments.contains_key(p))
                 .collect()
         } else {
             HashSet::new()
@@ -896,6 +903,35 @@ impl State {
         for path in unused {
             if !self.pinned(&path) {
                 self.remove(&path, ids[&path]);
+            }
+        }
+    }
+
+    /// Pin each of `orphans` that a channel in a segment directory still holds (a cell
+    /// published and not handed back names it) to that channel, as its putter did (`PIN`):
+    /// after the putter and the supervisor that knew its pin were both killed, nothing else
+    /// says that the object is still wanted, and no live process maps it. A cell's claim
+    /// only keeps a file while the channel has users; it never removes anything.
+    fn pin_held_by_channels(&mut self, orphans: &HashSet<PathBuf>) {
+        if orphans.is_empty() {
+            return;
+        }
+        let dirs: Vec<PathBuf> = self.dirs.iter().cloned().collect();
+        for chan in dirs.iter().flat_map(|d| segment_files(d)) {
+            for held in crate::channel::scan::held_paths(&chan) {
+                if orphans.contains(&held) && held.parent() == chan.parent() {
+                    match self.pin(chan.clone(), held.clone()) {
+                        Ok(()) => self.note(
+                            Kind::Waiting,
+                            &format!(
+                                "{} is held by channel {}: kept while the channel is in use",
+                                held.display(),
+                                chan.display()
+                            ),
+                        ),
+                        Err(why) => self.note(Kind::Other, &format!("not pinned: {why}")),
+                    }
+                }
             }
         }
     }

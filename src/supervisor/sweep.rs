@@ -77,9 +77,12 @@ pub fn remove_if_ours(path: &Path, id: FileId) -> std::io::Result<Removal> {
 /// Whether `path` (with status `st`) is a segment shmstore's writer made: named
 /// `shmstore-...`, a regular file owned by this user, and either sealed (read-only mode 0400,
 /// or 0500 for a fetched copy, with the writer's mark in its modification time, see
-/// `segment::SEALED_MTIME_NSEC`) or a `.part-` file still being written (mode 0600). A saved
-/// file (`save()`), a symlink, another user's file or a file someone made by hand is never
-/// removed by the supervisor or the sweep.
+/// `segment::SEALED_MTIME_NSEC`) or a `.part-` file still being written (mode 0600, or 0400
+/// and 0500 when its writer died between sealing its mode and marking it), or a
+/// channel (mode 0600): with a channel's header, or one whose header was overwritten (a
+/// random name, a channel's size and a ring's shape in its cells,
+/// `channel::scan::is_headless_channel`). A saved file (`save()`), a symlink, another user's
+/// file or a file someone made by hand is never removed by the supervisor or the sweep.
 pub fn is_segment(path: &Path, st: &rustix::fs::Stat) -> bool {
     let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
         return false;
@@ -96,9 +99,27 @@ pub fn is_segment(path: &Path, st: &rustix::fs::Stat) -> bool {
     let marked = i128::from(st.st_mtime_nsec) == i128::from(SEALED_MTIME_NSEC);
     let sealed = matches!(mode, 0o400 | 0o500)
         && (marked || (mode == 0o400 && has_magic(path, st, crate::arena::MAGIC)));
+    // A writer killed between sealing a `.part-` file's mode and marking it leaves it 0400
+    // (or 0500) without the mark: still the writer's, by its name.
+    let part = name.contains(".part-") && matches!(mode, 0o400 | 0o500);
     sealed
+        || part
         || (mode == 0o600
-            && (name.contains(".part-") || has_magic(path, st, crate::channel::MAGIC)))
+            && (name.contains(".part-")
+                || has_magic(path, st, crate::channel::MAGIC)
+                || (random_named(name)
+                    && crate::channel::scan::is_headless_channel(path, (st.st_dev, st.st_ino)))))
+}
+
+/// Whether `name` is one `segment::random_name` makes (`shmstore-` and 32 lowercase hex
+/// digits): a channel's, or an unnamed store's, never a name a user chose.
+fn random_named(name: &str) -> bool {
+    name.strip_prefix(PREFIX).is_some_and(|hex| {
+        hex.len() == 32
+            && hex
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    })
 }
 
 /// Whether the file at `path` (the one `st` describes) starts with `magic`: an arena
@@ -411,5 +432,88 @@ mod tests {
         assert_eq!(holders_among(&want, [child.id()])[&open], vec![child.id()]);
         drop(child.stdin.take());
         child.wait().unwrap();
+    }
+
+    #[test]
+    fn a_part_file_sealed_but_not_marked_is_swept() {
+        let dir = tempfile::tempdir().unwrap();
+        let part = dir.path().join("shmstore-x.part-0123456789ab");
+        let saved = dir.path().join("shmstore-saved");
+        for p in [&part, &saved] {
+            std::fs::write(p, b"SHMSTOR\0").unwrap();
+            std::fs::set_permissions(p, std::os::unix::fs::PermissionsExt::from_mode(0o400))
+                .unwrap();
+        }
+        let done = sweep(&[dir.path().to_owned()], &HashSet::new(), false);
+        let removed: Vec<&PathBuf> = done.iter().filter(|s| s.removed).map(|s| &s.path).collect();
+        assert_eq!(removed, vec![&part]);
+        assert!(saved.exists());
+    }
+
+    #[test]
+    fn a_channel_whose_header_was_overwritten_is_swept() {
+        use crate::channel::{Handle, Ring, CHUNK};
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let name = crate::segment::random_name();
+        let path = dir.path().join(&name);
+        {
+            let ring = Ring::create(dir.path(), &name, 8).unwrap();
+            let h = Handle {
+                kind: CHUNK,
+                path: dir.path().join("shmstore-arena"),
+                offset: 4096,
+                size: 100,
+                generation: 1,
+            };
+            for _ in 0..3 {
+                ring.try_push(&h).unwrap().unwrap();
+            }
+            let (pos, _) = ring.try_pop().unwrap().unwrap();
+            ring.release(pos);
+        }
+        let garbage = [0x5au8; 64];
+        let overwrite = |p: &Path| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(p)
+                .unwrap()
+                .write_all_at(&garbage, 0)
+                .unwrap()
+        };
+        overwrite(&path);
+        assert!(crate::channel::Ring::open(&path).is_err());
+        // The same bytes under a name a user chose, a saved archive of a channel's size, a
+        // file of random bytes of a channel's size, and one of another mode: not ours to judge.
+        let chosen = dir.path().join("shmstore-mine");
+        std::fs::copy(&path, &chosen).unwrap();
+        let archive = dir.path().join(crate::segment::random_name());
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[..8].copy_from_slice(&crate::archive::header::MAGIC);
+        std::fs::write(&archive, &bytes).unwrap();
+        let noise = dir.path().join(crate::segment::random_name());
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let random: Vec<u8> = (0..bytes.len())
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        std::fs::write(&noise, &random).unwrap();
+        let public = dir.path().join(crate::segment::random_name());
+        std::fs::copy(&path, &public).unwrap();
+        for p in [&chosen, &archive, &noise] {
+            std::fs::set_permissions(p, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+                .unwrap();
+        }
+        std::fs::set_permissions(&public, std::os::unix::fs::PermissionsExt::from_mode(0o644))
+            .unwrap();
+        let done = sweep(&[dir.path().to_owned()], &HashSet::new(), false);
+        let removed: Vec<&PathBuf> = done.iter().filter(|s| s.removed).map(|s| &s.path).collect();
+        assert_eq!(removed, vec![&path]);
+        assert!(!path.exists());
+        assert!(chosen.exists() && archive.exists() && noise.exists() && public.exists());
     }
 }
