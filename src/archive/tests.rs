@@ -738,3 +738,50 @@ fn a_failing_write_of_a_large_payload_is_an_error() {
         assert!(err.to_string().contains("no room"), "length {len}: {err}");
     }
 }
+
+/// The reader refuses exactly what lies beyond the writer's limits (docs/format.md,
+/// "Depth"): containers 100 deep read (and `verify` passes them), 101 deep are corrupt,
+/// whatever the deepest one is (a list, packed numbers, a shaped dict or its packed field,
+/// the rows of a list of dicts); a key of 32 tuples in the deepest dict reads, one of 33 is
+/// corrupt. Before, anything up to 133 levels read, and `put(view)` of it was refused.
+#[test]
+fn the_depth_limits_are_the_writers() {
+    let nest = |n: usize, inner: Value| (0..n).fold(inner, |v, _| Value::List(vec![v]));
+    let ints = || Value::List(vec![Value::Int(1), Value::Int(2)]);
+    let row = |v: Value| dict(vec![("a", v)]);
+    // The innermost value, and how many containers deep it is.
+    let cases: Vec<(Value, usize)> = vec![
+        (Value::List(vec![]), 1),
+        (Value::List(vec![s("x"), Value::None]), 1),
+        (ints(), 1),
+        (Value::Tuple(vec![Value::Tuple(vec![])]), 2),
+        (row(Value::Int(1)), 1),
+        (row(ints()), 2),
+        (Value::List(vec![row(Value::Int(1)), row(Value::Int(2))]), 2),
+        (Value::List(vec![row(ints()), row(ints())]), 3),
+    ];
+    let check = |v: Value, ok: bool, limit: &str| {
+        let bytes = build(Kind::List, &[v]);
+        let r = Reader::open(&bytes[..]).unwrap();
+        if ok {
+            r.root(0).unwrap();
+            r.validate_all().unwrap();
+        } else {
+            let err = r.root(0).unwrap_err();
+            assert!(
+                matches!(err, ArchiveError::Corrupt(_))
+                    && err
+                        .to_string()
+                        .contains(&format!("deeper than {limit} levels")),
+                "{err}"
+            );
+            assert!(matches!(r.validate_all(), Err(ArchiveError::Corrupt(_))));
+        }
+    };
+    for (inner, deep) in cases {
+        check(nest(value::MAX_DEPTH - deep, inner.clone()), true, "");
+        check(nest(value::MAX_DEPTH - deep + 1, inner), false, "100");
+    }
+    check(fuzz::deep_key(value::MAX_KEY_DEPTH), true, "");
+    check(fuzz::deep_key(value::MAX_KEY_DEPTH + 1), false, "32");
+}

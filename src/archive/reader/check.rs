@@ -55,7 +55,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
         first: u64,
         last: u64,
         spans: &mut Vec<(usize, usize)>,
-        queue: &mut Vec<(usize, usize, usize)>,
+        queue: &mut Vec<(usize, Depth, usize)>,
     ) -> Result<(), ArchiveError> {
         // The records' spans, read once (a block written by us holds at most
         // BLOCK_RECORDS; a forged one that claims more is read span by span instead).
@@ -207,8 +207,8 @@ impl<B: AsRef<[u8]>> Reader<B> {
     /// Walk the record at [start, end) breadth first, as it was written: every reference
     /// must point forward of the one before it and inside the record, no value may overlap
     /// the one written after it (so the record is a tree of disjoint values and the walk
-    /// ends), containers nest at most `MAX_VALUE_DEPTH` deep. `visit` sees
-    /// every tagged value (its position and tag).
+    /// ends), containers nest at most as deep as a writer makes them ([`Depth`]). `visit`
+    /// sees every tagged value (its position and tag).
     pub(super) fn walk(
         &self,
         start: usize,
@@ -223,7 +223,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
     /// before), so the queue is a vector read from the front, never shifted.
     pub(super) fn walk_with(
         &self,
-        queue: &mut Vec<(usize, usize, usize)>,
+        queue: &mut Vec<(usize, Depth, usize)>,
         start: usize,
         end: usize,
         mut visit: impl FnMut(usize, u8) -> Result<(), ArchiveError>,
@@ -246,7 +246,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
             prev: Prev::Queued(0),
             payloads: Vec::new(),
         };
-        w.queue.push((start, 0, end));
+        w.queue.push((start, Depth::ROOT, end));
         let mut next = 0;
         while let Some(&(pos, depth, _)) = w.queue.get(next) {
             next += 1;
@@ -259,7 +259,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
                 T_LIST | T_TUPLE => {
                     let (n, after) = self.count(body, REF)?;
                     for i in 0..n {
-                        w.push(self, after + i * REF, true, depth + 1, &mut visit)?;
+                        w.push(self, after + i * REF, true, depth.child(), &mut visit)?;
                     }
                     after + n * REF
                 }
@@ -277,12 +277,15 @@ impl<B: AsRef<[u8]>> Reader<B> {
                             end - pos
                         ));
                     }
-                    if sh.refs.is_empty() {
-                        // Rows of plain slots (numbers, packed fields): nothing to follow.
-                        w.depth(depth + 2)?;
-                    } else {
+                    // The rows are dicts one level down, their values one more.
+                    let row = depth.child();
+                    if n > 0 {
+                        row.dict_of(sh)?;
+                    }
+                    // Rows of plain slots (numbers, packed fields): nothing to follow.
+                    if !sh.refs.is_empty() {
                         for i in 0..n {
-                            w.slots(self, sh, after + i * size, depth + 2, &mut visit)?;
+                            w.slots(self, sh, after + i * size, row.child(), &mut visit)?;
                         }
                     }
                     after + n * size
@@ -290,13 +293,16 @@ impl<B: AsRef<[u8]>> Reader<B> {
                 T_DICT_SHAPED => {
                     let (id, after) = self.varint(body)?;
                     let sh = self.shape(id)?;
-                    w.slots(self, sh, after, depth + 1, &mut visit)?;
+                    depth.dict_of(sh)?;
+                    w.slots(self, sh, after, depth.child(), &mut visit)?;
                     after + sh.shape.size as usize
                 }
                 T_DICT => {
                     let (n, after) = self.count(body, 2 * REF)?;
-                    for i in 0..2 * n {
-                        w.push(self, after + i * REF, true, depth + 1, &mut visit)?;
+                    for i in 0..n {
+                        let at = after + 2 * i * REF;
+                        w.push(self, at, true, depth.key(), &mut visit)?;
+                        w.push(self, at + REF, true, depth.child(), &mut visit)?;
                     }
                     let mut stop = after + 2 * n * REF;
                     if crate::archive::value::dict_has_index(n) {
@@ -411,7 +417,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
 pub(super) struct Walk<'q> {
     /// The containers still to walk, in the order they were written: (position, depth,
     /// where the value written after it starts, or the record's end).
-    queue: &'q mut Vec<(usize, usize, usize)>,
+    queue: &'q mut Vec<(usize, Depth, usize)>,
     /// The position of the value found last.
     last: usize,
     end: usize,
@@ -442,7 +448,7 @@ impl Walk<'_> {
         r: &Reader<B>,
         at: usize,
         tagged: bool,
-        depth: usize,
+        depth: Depth,
         visit: &mut impl FnMut(usize, u8) -> Result<(), ArchiveError>,
     ) -> Result<(), ArchiveError> {
         let t = r.follow(at)?;
@@ -456,12 +462,15 @@ impl Walk<'_> {
             Prev::Leaf(_) => {}
             Prev::Queued(i) => self.queue[i].2 = t,
         }
-        self.depth(depth)?;
         self.last = t;
         let stop = if tagged {
             let tag = r.byte(t)?;
             match r.leaf_end(tag, t + 1)? {
                 Some(stop) => {
+                    if matches!(tag, T_LIST_PACKED | T_TUPLE_PACKED) {
+                        // A list of numbers: a container, as deep as any other.
+                        depth.container()?;
+                    }
                     visit(t, tag)?;
                     if let Some(ext) = r.out_of_line(tag, stop)? {
                         self.payloads.push((ext.offset, ext.len));
@@ -469,6 +478,7 @@ impl Walk<'_> {
                     stop
                 }
                 None => {
+                    depth.container()?;
                     self.prev = Prev::Queued(self.queue.len());
                     self.queue.push((t, depth, self.end));
                     return Ok(());
@@ -499,17 +509,6 @@ impl Walk<'_> {
         Ok(())
     }
 
-    /// Values `depth` containers down are within the format's limit.
-    #[inline]
-    pub(super) fn depth(&self, depth: usize) -> Result<(), ArchiveError> {
-        if depth > MAX_VALUE_DEPTH + 1 {
-            return corrupt(format!(
-                "values nested deeper than {MAX_VALUE_DEPTH} levels"
-            ));
-        }
-        Ok(())
-    }
-
     /// The references of a dict's slots (shape `sh`, at `at`); `depth` of its values.
     #[inline]
     pub(super) fn slots<B: AsRef<[u8]>>(
@@ -517,14 +516,83 @@ impl Walk<'_> {
         r: &Reader<B>,
         sh: &ShapeInfo,
         at: usize,
-        depth: usize,
+        depth: Depth,
         visit: &mut impl FnMut(usize, u8) -> Result<(), ArchiveError>,
     ) -> Result<(), ArchiveError> {
-        self.depth(depth)?;
         for &f in sh.refs.iter() {
             let f = f as usize;
             let tagged = sh.shape.encs[f] == Enc::Ref;
             self.push(r, at + sh.shape.offsets[f] as usize, tagged, depth, visit)?;
+        }
+        Ok(())
+    }
+}
+
+/// How deep a value lies in its record, counted as the writer counts (docs/format.md,
+/// "Depth"): `value` containers from the record's root (the root is at 0), and, inside a
+/// dict key, `key` tuples from the dict (0: not in a key). A writer makes containers at
+/// values 0 to `MAX_DEPTH - 1` (100 levels) and, in a key, at most `MAX_KEY_DEPTH` tuples
+/// one in another: the reader refuses exactly what lies beyond, so whatever it reads a
+/// writer takes back (`put(view)`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Depth {
+    value: u32,
+    key: u32,
+}
+
+impl Depth {
+    /// A record's root.
+    pub(super) const ROOT: Depth = Depth { value: 0, key: 0 };
+
+    /// A value inside a container at this depth.
+    #[inline(always)]
+    pub(super) fn child(self) -> Depth {
+        if self.key == 0 {
+            Depth {
+                value: self.value + 1,
+                key: 0,
+            }
+        } else {
+            Depth {
+                value: self.value,
+                key: self.key + 1,
+            }
+        }
+    }
+
+    /// A key of a dict at this depth.
+    #[inline(always)]
+    pub(super) fn key(self) -> Depth {
+        Depth {
+            value: self.value,
+            key: self.key + 1,
+        }
+    }
+
+    /// A container (list, tuple, dict, packed numbers) at this depth is one a writer makes.
+    #[inline(always)]
+    pub(super) fn container(self) -> Result<(), ArchiveError> {
+        if self.key == 0 && self.value as usize >= MAX_DEPTH {
+            return corrupt(format!(
+                "containers nested deeper than {MAX_DEPTH} levels (the most a writer makes)"
+            ));
+        }
+        if self.key as usize > MAX_KEY_DEPTH {
+            return corrupt(format!(
+                "a dict key of tuples nested deeper than {MAX_KEY_DEPTH} levels (the most a \
+                 writer makes)"
+            ));
+        }
+        Ok(())
+    }
+
+    /// A dict of shape `sh` at this depth: itself a container, and so is a packed field of
+    /// it, one level down.
+    #[inline(always)]
+    pub(super) fn dict_of(self, sh: &ShapeInfo) -> Result<(), ArchiveError> {
+        self.container()?;
+        if sh.packs {
+            self.child().container()?;
         }
         Ok(())
     }
@@ -607,7 +675,8 @@ pub(super) fn parse_shapes(
         let refs = (0..nf as u16)
             .filter(|&i| shape.encs[i as usize].is_ref())
             .collect();
-        out.push(ShapeInfo { shape, refs });
+        let packs = shape.encs.iter().any(|e| matches!(e, Enc::Pack { .. }));
+        out.push(ShapeInfo { shape, refs, packs });
     }
     Ok(out)
 }

@@ -30,7 +30,7 @@ use crate::archive::builder::BLOCK_RECORDS;
 use crate::archive::format::*;
 use crate::archive::header::{record_span, Header, Kind, BLOCK_ENTRY, HEADER_LEN, PAYLOAD_ALIGN};
 use crate::archive::key::{decode_key, Key};
-use crate::archive::value::{typestr_itemsize, Extent, MAX_KEY_DEPTH, MAX_VALUE_DEPTH};
+use crate::archive::value::{typestr_itemsize, Extent, MAX_DEPTH, MAX_KEY_DEPTH};
 use crate::archive::{table, u32_at, u64_at, ArchiveError};
 
 /// How a node's bytes are read.
@@ -123,6 +123,8 @@ pub struct ShapeInfo {
     pub shape: Shape,
     /// Field indexes whose slot holds a reference.
     refs: Box<[u16]>,
+    /// Whether a field is packed numbers (a list one level below the dict).
+    packs: bool,
 }
 
 pub struct Reader<B> {
@@ -157,7 +159,7 @@ fn count_past_end<T>(n: u64, at: usize) -> Result<T, ArchiveError> {
     corrupt(format!("count {n} at {at} runs past the records"))
 }
 
-type Scratch = (Vec<(usize, usize)>, Vec<(usize, usize, usize)>);
+type Scratch = (Vec<(usize, usize)>, Vec<(usize, check::Depth, usize)>);
 
 thread_local! {
     /// Reused by `validate_block` (spans of a block's records, the walk queue).
