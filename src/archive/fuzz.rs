@@ -821,6 +821,32 @@ pub fn crafted(name: &str) -> Option<(Kind, Vec<u8>)> {
             let b = edit(object(v), 12, &[0x80, 0x80, 0x80, 0x80, 0x80, 0x20, T_NONE]);
             edit(b, 6, &12u32.to_le_bytes())
         }
+        // A shape naming one key twice (a writer never makes one): `len()` of its dicts
+        // said 2 and `to_python()` held one entry. The same symbol twice, or two symbols
+        // of one string.
+        "shape-key-twice" | "shape-key-twice-by-name" => {
+            let mut b = object(Value::Dict(vec![
+                (Value::Str("a".into()), Value::Int(1)),
+                (Value::Str("b".into()), Value::Int(2)),
+            ]));
+            let shapes = u64_at(&b, 56) as usize;
+            if name == "shape-key-twice" {
+                // The shape count (u32), the first shape's field count (u16), its fields
+                // (key u32, encoding 4 bytes): the second field's key becomes the first's.
+                let at = shapes + 4 + 2;
+                let first: [u8; 4] = b[at..at + 4].try_into().expect("4 bytes");
+                b[at + 8..at + 12].copy_from_slice(&first);
+            } else {
+                // The symbol "b" becomes a second "a".
+                let syms = u64_at(&b, 48) as usize;
+                let n = u32::from_le_bytes(b[syms..syms + 4].try_into().expect("4 bytes"));
+                let blob = syms + 4 + (n as usize + 1) * 4;
+                let at = blob + b[blob..shapes].iter().position(|&c| c == b'b').expect("b");
+                b[at] = b'a';
+            }
+            header::reseal(&mut b);
+            b
+        }
         "payload-extent-near-2^64" => object(Value::BytesExt(Extent {
             offset: u64::MAX - 7,
             len: 16,
@@ -873,6 +899,8 @@ pub const CRAFTED: &[&str] = &[
     "overlapping-values",
     "shared-payload",
     "zero-size-rows",
+    "shape-key-twice",
+    "shape-key-twice-by-name",
 ];
 
 #[cfg(test)]

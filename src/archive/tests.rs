@@ -785,3 +785,20 @@ fn the_depth_limits_are_the_writers() {
     check(fuzz::deep_key(value::MAX_KEY_DEPTH), true, "");
     check(fuzz::deep_key(value::MAX_KEY_DEPTH + 1), false, "32");
 }
+
+/// A shape naming one key twice (the same symbol, or two symbols of one string) is refused
+/// when the archive opens: a writer never makes one, and its dicts had two entries
+/// (`len(v) == 2`) but one key as a Python dict (`to_python() == {'a': 2}`).
+#[test]
+fn a_shape_with_a_key_twice_is_refused_at_open() {
+    for name in ["shape-key-twice", "shape-key-twice-by-name"] {
+        let (_, bytes) = fuzz::crafted(name).unwrap();
+        match Reader::open(&bytes[..]) {
+            Err(ArchiveError::Corrupt(m)) => {
+                assert!(m.contains("has the key \"a\" twice"), "{name}: {m}")
+            }
+            Err(e) => panic!("{name}: {e:?}"),
+            Ok(_) => panic!("{name}: opened"),
+        }
+    }
+}

@@ -634,11 +634,15 @@ pub(super) fn parse_symbols(bytes: &[u8], h: &Header) -> Result<Vec<(usize, usiz
     Ok(out)
 }
 
+/// The shapes, each checked: fields within the limits, keys among the symbols and no key
+/// twice (a writer never makes such a shape, and a dict of it would have two entries,
+/// `len(v) == 2`, but one key as a Python dict: `to_python() == {'a': 2}`).
 pub(super) fn parse_shapes(
     bytes: &[u8],
     h: &Header,
-    nsym: usize,
+    symbols: &[(usize, usize)],
 ) -> Result<Vec<ShapeInfo>, ArchiveError> {
+    let nsym = symbols.len();
     let start = h.shapes_off as usize;
     let end = h.keys_off as usize;
     let region = &bytes[start..end];
@@ -651,6 +655,7 @@ pub(super) fn parse_shapes(
     }
     let mut at = 4;
     let mut out = Vec::with_capacity(n.min(region.len() / 2));
+    let mut names: Vec<&[u8]> = Vec::new();
     for s in 0..n {
         let bad = || ArchiveError::Corrupt(format!("shape {s} malformed"));
         let nf = region.get(at..at + 2).ok_or_else(bad)?;
@@ -670,6 +675,19 @@ pub(super) fn parse_shapes(
             }
             keys.push(k);
             encs.push(Enc::decode(f[4..8].try_into().unwrap()).ok_or_else(bad)?);
+        }
+        // No key twice, compared as strings (two symbols may hold the same one).
+        names.clear();
+        names.extend(keys.iter().map(|&k| {
+            let (a, b) = symbols[k as usize];
+            &bytes[a..b]
+        }));
+        names.sort_unstable();
+        if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+            return corrupt(format!(
+                "shape {s} has the key {:?} twice",
+                String::from_utf8_lossy(w[0])
+            ));
         }
         let shape = Shape::new(keys.into(), encs.into());
         let refs = (0..nf as u16)

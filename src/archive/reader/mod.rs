@@ -213,7 +213,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
             }
         }
         let symbols = parse_symbols(bytes, &header)?;
-        let shapes = parse_shapes(bytes, &header, symbols.len())?;
+        let shapes = parse_shapes(bytes, &header, &symbols)?;
         let mut block_first = parse_blocks(bytes, &header)?;
         // Blocks are in order and start at record 0 (checked by `parse_blocks`), so as
         // many blocks as records means block b = record b: the table says nothing.
