@@ -802,3 +802,34 @@ fn a_shape_with_a_key_twice_is_refused_at_open() {
         }
     }
 }
+
+/// A view of a dict whose every value is None, written last in its record, takes no bytes
+/// and sits at the record's very end: rebuilding it from a pickle (`node_from`) refused it
+/// as a position outside the record. Found by the fuzz test's check that `verify()` passes
+/// only what reads take.
+#[test]
+fn a_node_of_no_bytes_at_the_end_of_its_record_is_rebuilt() {
+    let v = Value::List(vec![s("x"), dict(vec![("a", Value::None)])]);
+    let bytes = build(Kind::List, &[v]);
+    let r = Reader::open(&bytes[..]).unwrap();
+    let (start, len) = header::record_span(&bytes, r.header().index_off, 0).unwrap();
+    let end = start + len;
+    let Item::List(list) = r.item(r.root(0).unwrap()).unwrap() else {
+        panic!("not a list")
+    };
+    let Item::Dict(d) = r.seq_item(list, 1).unwrap() else {
+        panic!("not a dict")
+    };
+    assert_eq!(
+        d.pos(),
+        end,
+        "the dict's slots take no bytes, at the record's end"
+    );
+    let again = r.node_from(0, d.pos(), d.form_code()).unwrap();
+    assert_eq!(again, d);
+    assert_eq!(r.dict_len(again).unwrap(), 1);
+    assert_eq!(r.dict_value(again, 0).unwrap(), Item::None);
+    // Past the end, or a node that takes bytes there, is still refused.
+    assert!(r.node_from(0, d.pos() + 1, d.form_code()).is_err());
+    assert!(r.node_from(0, d.pos(), (0, 0)).is_err());
+}
