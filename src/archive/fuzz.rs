@@ -506,7 +506,15 @@ pub fn read_everything(bytes: &[u8]) -> Result<bool, ArchiveError> {
             }))?;
         }
     }
-    note(r.validate_all())?;
+    let verified = r.validate_all();
+    let passed = verified.is_ok();
+    note(verified)?;
+    // What `verify()` passes, no read refuses (it reads everything as reads do).
+    if passed && !clean {
+        return Err(ArchiveError::Invalid(
+            "verify passed an archive that a read refuses".into(),
+        ));
+    }
     Ok(clean)
 }
 
@@ -564,8 +572,9 @@ fn walk(r: &Reader<&[u8]>, root: Node, depth: usize) -> Result<(), ArchiveError>
             Item::Sym(id) => {
                 r.symbol(id)?;
             }
+            // As the Python layer's strict UTF-8 decoding does.
             Item::Str(s) => {
-                let _ = std::str::from_utf8(s);
+                super::reader::stored_str(s)?;
             }
             _ => {}
         }

@@ -833,3 +833,100 @@ fn a_node_of_no_bytes_at_the_end_of_its_record_is_rebuilt() {
     assert!(r.node_from(0, d.pos() + 1, d.form_code()).is_err());
     assert!(r.node_from(0, d.pos(), (0, 0)).is_err());
 }
+
+/// Record 0's bytes edited at `at` (from its start), the checksums made right again.
+fn edit_record(mut bytes: Vec<u8>, at: usize, with: &[u8]) -> Vec<u8> {
+    let index_off = Reader::open(&bytes[..]).unwrap().header().index_off;
+    let (start, _) = header::record_span(&bytes, index_off, 0).unwrap();
+    let at = start as usize + at;
+    bytes[at..at + with.len()].copy_from_slice(with);
+    reseal(&mut bytes);
+    bytes
+}
+
+/// Everything a read (of the Rust reader, as the Python layer uses it) refuses in `bytes`:
+/// record values read whole, every key of a dict archive and its lookup.
+fn reads_refuse(bytes: &[u8]) -> bool {
+    let r = Reader::open(bytes).unwrap();
+    let mut refused = false;
+    for rec in 0..r.len() {
+        let read = r.root(rec).and_then(|n| decode(&r, r.item(n)?, 0));
+        // `decode` takes any value as a key; reads check keys (`item_key`) too.
+        let keys = r.root(rec).and_then(|n| match r.item(n)? {
+            Item::Dict(d) => (0..r.dict_len(d)?).try_for_each(|i| {
+                r.item_key(r.dict_key(d, i)?)?;
+                Ok::<(), ArchiveError>(())
+            }),
+            _ => Ok(()),
+        });
+        refused |= read.is_err() || keys.is_err();
+        if r.kind() == Kind::Dict {
+            refused |= r.key(rec).and_then(|k| r.lookup(&k)).is_err();
+        }
+    }
+    refused
+}
+
+/// `verify()` (`validate_all`) refuses what reads refuse: it reads every value through the
+/// functions reads use, and a dict archive's keys and table as lookups do. Each archive
+/// here passed `verify()` before, yet a read of it raised `CorruptStoreError`.
+#[test]
+fn verify_refuses_what_reads_refuse() {
+    let flag = |v: Value| dict(vec![("flag", v)]);
+    let mut cases: Vec<(&str, Vec<u8>)> = vec![
+        // Packed bools: tag, element type, count 2, then the elements; one is 2.
+        ("a packed bool of 2", {
+            let mut b = Builder::new(Cursor::new(Vec::new()), Kind::Object, 1).unwrap();
+            b.finish_raw_record(&[format::T_LIST_PACKED, Elem::Bool as u8, 2, 1, 2])
+                .unwrap();
+            b.finish(0).unwrap().0.into_inner()
+        }),
+        // A shaped dict {"flag": True}: tag, shape id, the bool's slot, made 2.
+        (
+            "a bool slot of 2",
+            edit_record(build(Kind::Object, &[flag(Value::Bool(true))]), 2, &[2]),
+        ),
+        ("a list as a dict key", {
+            let v = Value::Dict(vec![(Value::List(vec![]), Value::None)]);
+            build(Kind::Object, &[v])
+        }),
+        ("a str that is not UTF-8", {
+            let mut b = Builder::new(Cursor::new(Vec::new()), Kind::Object, 1).unwrap();
+            b.finish_raw_record(&[format::T_STR, 2, 0xc3, 0x28])
+                .unwrap();
+            b.finish(0).unwrap().0.into_inner()
+        }),
+    ];
+    // A dict archive of three records (keys 0, 1, 2): its key offsets, then its table.
+    let keyed = || build(Kind::Dict, &[Value::None, Value::Int(1), s("two")]);
+    let h = |b: &[u8]| header::Header::parse(b).unwrap();
+    cases.push(("backwards key offsets", {
+        let mut b = keyed();
+        // Key 1 starts after where it ends (its start is key 0's end).
+        let ko = h(&b).keys_off as usize;
+        let end = u64_at(&b, ko + 16);
+        b[ko + 8..ko + 16].copy_from_slice(&(end + 1).to_le_bytes());
+        reseal(&mut b);
+        b
+    }));
+    cases.push(("a table entry out of range", {
+        let mut b = keyed();
+        let (to, len) = (h(&b).table_off as usize, h(&b).table_len() as usize);
+        // The slot of entry 1 names entry 99.
+        let slot = (0..len / table::SLOT)
+            .map(|i| to + i * table::SLOT)
+            .find(|&at| u32_at(&b, at + 4) == 2)
+            .unwrap();
+        b[slot + 4..slot + 8].copy_from_slice(&100u32.to_le_bytes());
+        reseal(&mut b);
+        b
+    }));
+    for (what, bytes) in cases {
+        assert!(reads_refuse(&bytes), "{what}: reads take it");
+        let r = Reader::open(&bytes[..]).unwrap();
+        match r.validate_all() {
+            Err(ArchiveError::Corrupt(_)) => {}
+            other => panic!("{what}: verify gave {other:?}"),
+        }
+    }
+}

@@ -525,7 +525,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
 
     /// The bytes of an out-of-line `bytes` value, checked against their checksum: reading
     /// them copies them anyway, so the hash costs little next to the copy (array data, which
-    /// is mapped and not copied, is checked by [`Self::verify_payloads`] only).
+    /// is mapped and not copied, is checked by [`Self::validate_all`] only).
     pub fn payload_checked(&self, ext: Extent) -> Result<&[u8], ArchiveError> {
         let data = self.payload(ext)?;
         if xxh3_64(data) != ext.checksum {
@@ -535,6 +535,12 @@ impl<B: AsRef<[u8]>> Reader<B> {
             ));
         }
         Ok(data)
+    }
+
+    /// Where an array's data is, and its checksum (its metadata's last 24 bytes), unchecked
+    /// against the metadata ([`Self::array`] checks).
+    pub fn array_extent(&self, a: ArrayAt) -> Result<Extent, ArchiveError> {
+        self.ext_at(self.array_meta_end(a.pos as usize)? - 24)
     }
 
     /// Check an array's metadata against its data and return where it lives.

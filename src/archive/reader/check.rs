@@ -378,34 +378,119 @@ impl<B: AsRef<[u8]>> Reader<B> {
         }))
     }
 
-    /// Run the checks of every record now, and verify every out-of-line payload against
-    /// its checksum: O(archive size). Readers never need this for safety.
+    /// Check the whole archive now, as every read would: each record's block (checksum and
+    /// tree), then each of its values read through the functions reads use
+    /// ([`Self::check_values`]), the hash indexes of its dicts ([`Self::confirm_miss`]),
+    /// and for a dict archive its keys and table ([`Self::check_keys`]): O(archive size).
+    /// Readers never need this for safety; what it passes, no read refuses.
     pub fn validate_all(&self) -> Result<(), ArchiveError> {
         for r in 0..self.header.count {
             self.validate_record(r)?;
+            self.check_values(r)?;
+            self.confirm_miss(r)?;
         }
-        self.verify_payloads()
+        if self.header.kind == Kind::Dict {
+            self.check_keys()?;
+        }
+        Ok(())
     }
 
-    /// Check the checksum of every out-of-line payload (array data, big bytes).
-    pub fn verify_payloads(&self) -> Result<(), ArchiveError> {
-        for r in 0..self.header.count {
-            let (s, e) = self.span(r)?;
-            let mut found = Vec::new();
-            self.walk(s, e, |pos, tag| {
-                if let Some(stop) = self.leaf_end(tag, pos + 1)? {
-                    found.extend(self.out_of_line(tag, stop)?);
+    /// Read every value of record `rec` (its block checked) as reads do: the walk sees
+    /// every tagged value, each is decoded (`tagged`) and checked by [`Self::check_item`].
+    pub(super) fn check_values(&self, rec: u64) -> Result<(), ArchiveError> {
+        let (s, e) = self.span(rec)?;
+        self.walk(s, e, |pos, _| {
+            self.check_item(self.tagged(rec as u32, pos)?)
+        })
+        .map_err(|e| ArchiveError::Corrupt(format!("record {rec}: {}", msg(e))))
+    }
+
+    /// What a read of `item` refuses, through the same functions: a str that is not UTF-8
+    /// ([`stored_str`]), packed numbers and typed slots (`seq_get`, `struct_slot`: a bool
+    /// that is not 0 or 1), the keys of a general dict (`item_key`: a value of a type that
+    /// cannot be a key), an array's metadata (`array`), out-of-line bytes and array data
+    /// against their checksum (`payload_checked`). Values behind references are tagged,
+    /// and the walk brings them here on their own.
+    fn check_item(&self, item: Item<'_>) -> Result<(), ArchiveError> {
+        match item {
+            Item::Str(b) => {
+                stored_str(b)?;
+            }
+            Item::BytesExt(ext) => {
+                self.payload_checked(ext)?;
+            }
+            Item::Array(a) => {
+                self.array(a)?;
+                self.payload_checked(self.array_extent(a)?)?;
+            }
+            Item::List(node) | Item::Tuple(node) => {
+                let seq = self.seq(node)?;
+                match seq.kind {
+                    SeqKind::Refs => {}
+                    SeqKind::Packed => {
+                        for i in 0..seq.len {
+                            self.seq_get(seq, i)?;
+                        }
+                    }
+                    SeqKind::Struct => {
+                        for i in 0..seq.len {
+                            self.check_item(self.seq_get(seq, i)?)?;
+                        }
+                    }
                 }
-                Ok(())
-            })?;
-            for ext in found {
-                let data = self.payload(ext)?;
-                if xxh3_64(data) != ext.checksum {
+            }
+            Item::Dict(node) => match self.dict_shape(node) {
+                Some(id) => {
+                    let sh = &self.shape(u64::from(id))?.shape;
+                    for (&enc, &off) in sh.encs.iter().zip(sh.offsets.iter()) {
+                        if enc != Enc::Ref {
+                            self.check_item(self.struct_slot(node, enc, off)?)?;
+                        }
+                    }
+                }
+                None => {
+                    for i in 0..self.dict_len(node)? {
+                        self.item_key(self.dict_key(node, i)?)?;
+                    }
+                }
+            },
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// A dict archive's keys and table, as lookups read them: every key decodes from its
+    /// offsets (`key`: in order, inside the keys region, no bytes left over), every filled
+    /// slot of the table names an entry (`table_entry`) and its key hint, if any, is where
+    /// that entry's key is (a str lookup compares the key there), and every key is found
+    /// at its own entry (keys are unique; one that equals nothing, a NaN, is found by no
+    /// lookup, as in a Python dict).
+    pub(super) fn check_keys(&self) -> Result<(), ArchiveError> {
+        let b = self.bytes();
+        let cap = self.header.table_len() / table::SLOT as u64;
+        let to = self.header.table_off as usize;
+        let ko = self.header.keys_off as usize;
+        for i in 0..cap as usize {
+            let at = to + i * table::SLOT;
+            let slot = table::Slot::read(&b[at..at + table::SLOT]);
+            let Some(e) = slot.entry() else {
+                continue;
+            };
+            let e = self.table_entry(e)?;
+            if let Some(hint) = slot.key_hint() {
+                if hint as u64 != u64_at(b, ko + e as usize * 8) {
                     return corrupt(format!(
-                        "record {r}: the out-of-line data at {} ({} bytes) was modified",
-                        ext.offset, ext.len
+                        "dict table slot {i}: its key hint is not where key {e} is"
                     ));
                 }
+            }
+        }
+        for i in 0..self.header.count {
+            let k = self.key(i)?;
+            if k.key_eq(&k) && self.lookup(&k)? != Some(i) {
+                return corrupt(format!(
+                    "key {i}: the dict table does not find it at its entry"
+                ));
             }
         }
         Ok(())

@@ -11,7 +11,7 @@
 //!   value, depth within the format's limit), so later reads need no budget against
 //!   shared or cyclic structure. Then a bit per record is set and later accesses are free;
 //! - out-of-line payloads (array data, big bytes) have their own checksum, checked by
-//!   [`Reader::verify`] and never on the read path: any bit pattern of a numeric array is a
+//!   [`Reader::validate_all`] and never on the read path: any bit pattern of a numeric array is a
 //!   valid array, so reading one needs no hash (docs/format.md, "Integrity").
 
 mod access;
@@ -151,6 +151,14 @@ pub struct Reader<B> {
 
 fn corrupt<T>(msg: impl Into<String>) -> Result<T, ArchiveError> {
     Err(ArchiveError::Corrupt(msg.into()))
+}
+
+/// A stored str's bytes as a `str`: `Corrupt` if they are not UTF-8 (the check of every
+/// read of a str, in Rust; the Python layer's strict UTF-8 decoding refuses the same bytes).
+#[inline]
+pub fn stored_str(b: &[u8]) -> Result<&str, ArchiveError> {
+    std::str::from_utf8(b)
+        .map_err(|_| ArchiveError::Corrupt("a stored str is not valid UTF-8".into()))
 }
 
 #[cold]
