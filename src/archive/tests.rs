@@ -930,3 +930,27 @@ fn verify_refuses_what_reads_refuse() {
         }
     }
 }
+
+/// A dict with a hash index and a NaN key (which equals nothing, as in Python) is sound:
+/// confirming a miss, and `verify()`, took the NaN that its own hash does not find for a
+/// forged index.
+#[test]
+fn an_indexed_dict_with_a_nan_key_confirms_a_miss() {
+    let mut pairs: Vec<(Value, Value)> = (0..DICT_INDEX_MIN as i64 + 1)
+        .map(|i| (Value::Int(i), Value::Int(i)))
+        .collect();
+    pairs.push((Value::Float(f64::NAN), Value::None));
+    pairs.push((
+        Value::Tuple(vec![Value::Int(1), Value::Float(f64::NAN)]),
+        Value::None,
+    ));
+    let bytes = build(Kind::List, &[Value::Dict(pairs)]);
+    let r = Reader::open(&bytes[..]).unwrap();
+    let Item::Dict(d) = r.item(r.root(0).unwrap()).unwrap() else {
+        panic!("not a dict")
+    };
+    assert!(r.dict_indexed(d));
+    assert_eq!(r.dict_find(d, &Key::Int(1000)).unwrap(), None);
+    r.confirm_miss(0).unwrap();
+    r.validate_all().unwrap();
+}

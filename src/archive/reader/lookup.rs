@@ -34,6 +34,11 @@ impl<B: AsRef<[u8]>> Reader<B> {
             }
             for i in 0..n {
                 let k = self.item_key(self.dict_key(node, i)?)?;
+                if !k.key_eq(&k) {
+                    // A key that equals nothing (a NaN, or a tuple holding one) is found
+                    // by no lookup, as in a Python dict: there is nothing to confirm.
+                    continue;
+                }
                 let found =
                     self.general_find(node, k.stable_hash(), |c| Ok(self.item_key(c)?.key_eq(&k)))?;
                 if found != Some(i) {
