@@ -426,3 +426,29 @@ def test_relative_paths_never_reach_the_supervisor(tmp_path):
     assert "again b'xxxxx" in out and " 4" in out, out
     assert "refused True" in out, out
     assert "WARNING" not in out, out
+
+
+def test_a_relative_dir_argument_is_made_absolute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dir=`` given relative is made absolute against the current directory, as a
+    relative ``SHMSTORE_DIR`` is, wherever a store or an arena chunk is placed or attached:
+    it stayed relative, so a pickle named a file relative to whatever directory the
+    unpickling process was in, and the supervisor was told a path it refuses."""
+    import pickle
+
+    from conftest import segment_dir
+
+    monkeypatch.chdir(segment_dir().parent)
+    rel = segment_dir().name
+    named = shmstore.put(list(range(5)), name="relative-dir", dir=rel, arena=False)
+    try:
+        chunk = shmstore.put(b"x" * 100, dir=rel)
+        listed = shmstore.SharedList([1, 2, 3], dir=rel)
+        again = shmstore.Ref.attach("relative-dir", dir=rel)
+        pickles = [pickle.dumps(x) for x in (named, chunk, listed, again)]
+        monkeypatch.chdir("/")  # another working directory: the same files
+        named2, chunk2, listed2, again2 = (pickle.loads(p) for p in pickles)
+        assert named2.get()[4] == 4 and again2.get()[4] == 4
+        assert chunk2.get() == b"x" * 100
+        assert list(listed2) == [1, 2, 3]
+    finally:
+        named.unlink()
