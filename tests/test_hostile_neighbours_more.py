@@ -335,6 +335,54 @@ def test_a_directory_owned_by_another_user_is_refused_for_attach(neighbour_dir):
         lst.unlink()
 
 
+ATTACH_CHUNK = r"""
+import pickle, sys
+import shmstore
+team, name, channel = sys.argv[1], sys.argv[2], bytes.fromhex(sys.argv[3])
+for what, attach in (
+    ("name", lambda: shmstore.Ref.attach(name, dir=team).get()),
+    ("channel", lambda: pickle.loads(channel).get(timeout=60)),
+):
+    try:
+        print(what, "data", attach())
+    except shmstore.StorePermissionError as e:
+        print(what, "refused", str(e))
+"""
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o1770])
+def test_a_chunk_in_a_shared_directory_is_not_attached_by_name(tmp_path, mode):
+    """The arena layer too: a chunk attached by its name string (``Ref.attach("<arena>@...")``)
+    or named by a ``Channel`` cell opens its arena by path, and in a directory others may
+    rename files in, two of our arenas swapped there gave the other one's object. Refused
+    as for a segment (no second user needed: the directory's mode decides); in a sticky
+    directory it works."""
+    team = tmp_path / "team"
+    team.mkdir()
+    os.chmod(team, mode)
+    import pickle
+
+    chunk = shmstore.put(b"x" * 100, dir=team)
+    ch = shmstore.Channel(capacity=2, dir=team)
+    try:
+        ch.put(b"y" * 100)
+        assert "@" in chunk.name
+        args = [str(team), chunk.name, pickle.dumps(ch).hex()]
+        out = run_checked([sys.executable, "-c", ATTACH_CHUNK, *args]).stdout
+        if mode & 0o1000:
+            assert "name data b'xxx" in out and "channel data b'yyy" in out, out
+        else:
+            lines = out.splitlines()
+            assert [line.split()[:2] for line in lines] == [
+                ["name", "refused"],
+                ["channel", "refused"],
+            ], out
+            assert all(str(team) in line and "chmod +t" in line for line in lines), out
+    finally:
+        chunk.close()
+        ch.close()
+
+
 # --- forged pickle arguments ---------------------------------------------------------------
 
 
