@@ -115,15 +115,25 @@ def attribute(
         a: o for o, a in zip(tracked, map(id, tracked)) if (a >> shift) in on and a not in own
     }
     is_tracked = gc.is_tracked
-    level = tracked
+    # Modules are left out of the walk: what they hold is their __dict__, itself in the
+    # collector's list, and the traverse of some extension modules does not end (CPython
+    # 3.12.1's _asyncio: gc.get_referents of it grew until memory ran out).
+    level = [o for o in tracked if type(o) is not ModuleType]
+    # Each untracked container once: one held by a million others (a shared constant tuple)
+    # would otherwise be listed a million times, and its items a million times over.
+    seen: set[int] = set()
     for _ in range(2):  # the tracked containers' children, then those of untracked ones
         below: list[Any] = []
         for lo in range(0, len(level), 1 << 16):
             refs = gc.get_referents(*level[lo : lo + (1 << 16)])
             hits.update((id(r), r) for r in refs if (id(r) >> shift) in on and not is_tracked(r))
-            below.extend(r for r in refs if type(r) in (tuple, dict) and not is_tracked(r))
+            for r in refs:
+                if type(r) in (tuple, dict) and id(r) not in seen and not is_tracked(r):
+                    seen.add(id(r))
+                    below.append(r)
             del refs
         level = below
+    del seen
     del level, below, tracked, everything
     objs = list(hits.values())
     del hits
