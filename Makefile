@@ -64,8 +64,9 @@ test-torch: venv ## the integration tests with real torch, in .venv-torch (~6 GB
 		tests/test_guides.py tests/test_torch_pin.py \
 		tests/test_cluster.py
 
-# Ray (~ 250 MB installed) is kept out of .venv and `make test` the same way: shmstore.ray and
-# the foreign-buffer reader with real Ray (a two-node cluster on this machine), in .venv-ray.
+# Ray (~240 MB; .venv-ray ~850 MB with the dev requirements) is kept out of .venv and
+# `make test` the same way: shmstore.ray and the foreign-buffer reader with real Ray (a
+# two-node cluster on this machine), in .venv-ray.
 RAY_VENV ?= .venv-ray
 test-ray: venv ## shmstore.ray with real Ray (two nodes here) and from_buffer, in .venv-ray (installed once)
 	test -x $(RAY_VENV)/bin/python || $(PYTHON) -m venv $(RAY_VENV)
