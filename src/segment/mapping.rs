@@ -533,8 +533,13 @@ impl Mapping {
     /// written (page-aligned, so every array of the archive keeps its alignment). `label`
     /// names it in messages.
     pub fn copy_of(bytes: &[u8], label: &Path) -> Result<Self, SegmentError> {
+        if bytes.is_empty() {
+            // An anonymous mapping cannot be empty; an empty mapping reads no byte.
+            // SAFETY: nothing is read through a mapping of length 0 (`as_ref` gives `&[]`).
+            return Ok(unsafe { Self::foreign(Box::new(()), std::ptr::null(), 0, label) });
+        }
         let mut mmap = memmap2::MmapOptions::new()
-            .len(bytes.len().max(1))
+            .len(bytes.len())
             .map_anon()
             .map_err(|e| SegmentError::io(label, e))?;
         mmap[..bytes.len()].copy_from_slice(bytes);
@@ -658,6 +663,36 @@ impl Drop for Mapping {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A foreign mapping reads its owner's bytes in place and holds the owner exactly as long
+    /// as it lives; a copy is page-aligned memory of its own; an empty one reads nothing.
+    #[test]
+    fn foreign_bytes_are_held_and_copies_are_private() {
+        let data: Arc<Vec<u8>> = Arc::new((0..=255u8).collect());
+        let owner = Arc::clone(&data);
+        // SAFETY: `owner` keeps the vector (never written) alive as long as the mapping.
+        let m = unsafe { Mapping::foreign(Box::new(owner), data.as_ptr(), 256, Path::new("<t>")) };
+        assert_eq!(Arc::strong_count(&data), 2);
+        assert_eq!(m.as_ref(), &data[..]);
+        assert_eq!(m.extent(), (data.as_ptr() as usize, 256));
+        assert!(!m.is_private_copy());
+        assert!(
+            !m.unlink().unwrap(),
+            "a foreign buffer has no name to remove"
+        );
+        drop(m);
+        assert_eq!(Arc::strong_count(&data), 1);
+
+        let c = Mapping::copy_of(&data, Path::new("<t>")).unwrap();
+        assert_eq!(c.as_ref(), &data[..]);
+        assert_ne!(c.as_ref().as_ptr(), data.as_ptr());
+        assert_eq!(c.as_ref().as_ptr() as usize % 4096, 0);
+        assert!(c.is_private_copy());
+        assert!(Mapping::copy_of(&[], Path::new("<t>"))
+            .unwrap()
+            .as_ref()
+            .is_empty());
+    }
 
     /// Whether thread `tid` of this process is waiting in `futex` (blocked on a mutex).
     fn in_futex(tid: libc::pid_t) -> bool {
