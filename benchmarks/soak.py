@@ -265,7 +265,12 @@ def zygote(zid: int, args: argparse.Namespace, root: Path) -> int:
 
     while not stop.exists():
         reap()
-        while len([p for p in live if p not in sent]) < args.workers:
+        # Killed workers that have not exited yet (a SIGKILL waits for the system call it
+        # interrupts) count against a cap: without it, on a busy machine, new workers are
+        # forked faster than the killed ones leave, and the campaign measures its own pile-up.
+        while (
+            len([p for p in live if p not in sent]) < args.workers and len(live) < 4 * args.workers
+        ):
             spawn()
         pause = rng.uniform(0, 2 * args.interval)
         end = time.monotonic() + pause

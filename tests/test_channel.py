@@ -404,9 +404,9 @@ def test_only_a_channel_file_of_ours_is_opened(tmp_path: Path) -> None:
 def test_a_crafted_cell_gives_corrupt_store_error_and_the_channel_goes_on() -> None:
     ch = shmstore.Channel(capacity=4)
     ch.put(np.arange(3))
-    # Cell 0's path (bytes 512 + 40 on) pointed elsewhere by a neighbour writing the file.
+    # Cell 0's path (bytes 512 + 72 on) pointed elsewhere by a neighbour writing the file.
     with open(ch.path, "r+b") as f:
-        f.seek(512 + 40)
+        f.seek(512 + 72)
         f.write(b"/etc/passwd\0")
         f.seek(512 + 8 + 1)
         f.write(bytes([11, 0]))
@@ -433,7 +433,19 @@ def _poke(path: str, at: int, value: int) -> None:
 
 
 CELLS, CELL, HEAD, TAIL = 512, 256, 128, 64
-PUTTER, GETTER = 5 * 8, 6 * 8
+PUTTER, GETTER, PUTTER_START = 5 * 8, 6 * 8, 7 * 8
+
+
+def _start_word(pid: int, shift: int) -> int:
+    """What a claim's start word says of process `pid` (docs/channel.md, "Layout"), its
+    start time (``/proc/<pid>/stat`` field 22) moved by `shift` ticks."""
+    with open(f"/proc/{pid}/stat") as f:
+        start = int(f.read().rsplit(")", 1)[1].split()[22 - 3]) + shift
+    try:
+        time_ns = os.stat("/proc/self/ns/time").st_ino & 0xFFFFFF
+    except OSError:
+        time_ns = 0
+    return (start & ((1 << 40) - 1)) | time_ns << 40
 
 
 def test_a_cell_held_by_a_dead_getter_is_handed_back_to_a_waiting_putter() -> None:
@@ -455,6 +467,25 @@ def test_a_cell_claimed_by_a_dead_putter_is_skipped_by_a_waiting_getter() -> Non
     _poke(str(ch.path), CELLS + PUTTER, _dead_claim())
     ch.put("after")
     assert ch.get(timeout=600) == "after"  # queue.Empty without the recovery
+
+
+def test_a_cell_claimed_by_a_killed_putter_whose_pid_names_another_process_is_skipped() -> None:
+    """A putter SIGKILLed between its claim and its publish, whose pid the system has since
+    given to another process (written here as the file would be: the claim names a live
+    process, which started after the claimer did): a waiting get sees that and goes on."""
+    import subprocess
+
+    ch = shmstore.Channel(capacity=2)
+    with subprocess.Popen(["sleep", "600"]) as other:
+        try:
+            ns = os.stat("/proc/self/ns/pid").st_ino & 0xFFFFFFFF
+            _poke(str(ch.path), TAIL, 1)
+            _poke(str(ch.path), CELLS + PUTTER_START, _start_word(other.pid, -1))
+            _poke(str(ch.path), CELLS + PUTTER, other.pid | ns << 32)
+            ch.put("after")
+            assert ch.get(timeout=60) == "after"  # queue.Empty while `other` lives, before
+        finally:
+            other.kill()
 
 
 def test_a_relative_dir_is_made_absolute(monkeypatch: pytest.MonkeyPatch) -> None:

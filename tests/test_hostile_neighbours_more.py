@@ -335,6 +335,54 @@ def test_a_directory_owned_by_another_user_is_refused_for_attach(neighbour_dir):
         lst.unlink()
 
 
+ATTACH_CHUNK = r"""
+import pickle, sys
+import shmstore
+team, name, channel = sys.argv[1], sys.argv[2], bytes.fromhex(sys.argv[3])
+for what, attach in (
+    ("name", lambda: shmstore.Ref.attach(name, dir=team).get()),
+    ("channel", lambda: pickle.loads(channel).get(timeout=60)),
+):
+    try:
+        print(what, "data", attach())
+    except shmstore.StorePermissionError as e:
+        print(what, "refused", str(e))
+"""
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o1770])
+def test_a_chunk_in_a_shared_directory_is_not_attached_by_name(tmp_path, mode):
+    """The arena layer too: a chunk attached by its name string (``Ref.attach("<arena>@...")``)
+    or named by a ``Channel`` cell opens its arena by path, and in a directory others may
+    rename files in, two of our arenas swapped there gave the other one's object. Refused
+    as for a segment (no second user needed: the directory's mode decides); in a sticky
+    directory it works."""
+    team = tmp_path / "team"
+    team.mkdir()
+    os.chmod(team, mode)
+    import pickle
+
+    chunk = shmstore.put(b"x" * 100, dir=team)
+    ch = shmstore.Channel(capacity=2, dir=team)
+    try:
+        ch.put(b"y" * 100)
+        assert "@" in chunk.name
+        args = [str(team), chunk.name, pickle.dumps(ch).hex()]
+        out = run_checked([sys.executable, "-c", ATTACH_CHUNK, *args]).stdout
+        if mode & 0o1000:
+            assert "name data b'xxx" in out and "channel data b'yyy" in out, out
+        else:
+            lines = out.splitlines()
+            assert [line.split()[:2] for line in lines] == [
+                ["name", "refused"],
+                ["channel", "refused"],
+            ], out
+            assert all(str(team) in line and "chmod +t" in line for line in lines), out
+    finally:
+        chunk.close()
+        ch.close()
+
+
 # --- forged pickle arguments ---------------------------------------------------------------
 
 
@@ -426,3 +474,29 @@ def test_relative_paths_never_reach_the_supervisor(tmp_path):
     assert "again b'xxxxx" in out and " 4" in out, out
     assert "refused True" in out, out
     assert "WARNING" not in out, out
+
+
+def test_a_relative_dir_argument_is_made_absolute(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dir=`` given relative is made absolute against the current directory, as a
+    relative ``SHMSTORE_DIR`` is, wherever a store or an arena chunk is placed or attached:
+    it stayed relative, so a pickle named a file relative to whatever directory the
+    unpickling process was in, and the supervisor was told a path it refuses."""
+    import pickle
+
+    from conftest import segment_dir
+
+    monkeypatch.chdir(segment_dir().parent)
+    rel = segment_dir().name
+    named = shmstore.put(list(range(5)), name="relative-dir", dir=rel, arena=False)
+    try:
+        chunk = shmstore.put(b"x" * 100, dir=rel)
+        listed = shmstore.SharedList([1, 2, 3], dir=rel)
+        again = shmstore.Ref.attach("relative-dir", dir=rel)
+        pickles = [pickle.dumps(x) for x in (named, chunk, listed, again)]
+        monkeypatch.chdir("/")  # another working directory: the same files
+        named2, chunk2, listed2, again2 = (pickle.loads(p) for p in pickles)
+        assert named2.get()[4] == 4 and again2.get()[4] == 4
+        assert chunk2.get() == b"x" * 100
+        assert list(listed2) == [1, 2, 3]
+    finally:
+        named.unlink()

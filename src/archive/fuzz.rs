@@ -30,7 +30,7 @@ use super::format::*;
 use super::header::{self, Kind, HEADER_LEN, INDEX_ENTRY};
 use super::key::Key;
 use super::reader::{Item, Node, Reader};
-use super::value::{ArrayMeta, Extent, Value, MAX_VALUE_DEPTH};
+use super::value::{ArrayMeta, Extent, Value, MAX_DEPTH, MAX_KEY_DEPTH, MAX_VALUE_DEPTH};
 use super::{ArchiveError, Builder};
 
 /// A small deterministic generator (splitmix64): cases are reproducible from their seed.
@@ -352,8 +352,8 @@ fn gen_top_key(rng: &mut Rng, i: usize) -> Key<'static> {
 /// Depths around and far beyond the limits.
 fn gen_depth(rng: &mut Rng) -> usize {
     match rng.below(6) {
-        0 => MAX_VALUE_DEPTH - 1 + rng.below(4) as usize,
-        1 => MAX_VALUE_DEPTH + 1 + rng.below(4) as usize,
+        0 => MAX_DEPTH - 1 + rng.below(4) as usize,
+        1 => MAX_VALUE_DEPTH - 1 + rng.below(4) as usize,
         2 => 300 + rng.below(300) as usize,
         3 => 20_000 + rng.below(25_000) as usize,
         _ => 1 + rng.below(40) as usize,
@@ -506,7 +506,15 @@ pub fn read_everything(bytes: &[u8]) -> Result<bool, ArchiveError> {
             }))?;
         }
     }
-    note(r.validate_all())?;
+    let verified = r.validate_all();
+    let passed = verified.is_ok();
+    note(verified)?;
+    // What `verify()` passes, no read refuses (it reads everything as reads do).
+    if passed && !clean {
+        return Err(ArchiveError::Invalid(
+            "verify passed an archive that a read refuses".into(),
+        ));
+    }
     Ok(clean)
 }
 
@@ -564,8 +572,9 @@ fn walk(r: &Reader<&[u8]>, root: Node, depth: usize) -> Result<(), ArchiveError>
             Item::Sym(id) => {
                 r.symbol(id)?;
             }
+            // As the Python layer's strict UTF-8 decoding does.
             Item::Str(s) => {
-                let _ = std::str::from_utf8(s);
+                super::reader::stored_str(s)?;
             }
             _ => {}
         }
@@ -599,7 +608,7 @@ mod tests {
     #[test]
     fn raw_chains_are_valid_up_to_the_limit() {
         let mut rng = Rng::new(3);
-        for depth in [1, 2, 5, 40, MAX_VALUE_DEPTH] {
+        for depth in [1, 2, 5, 40, MAX_DEPTH] {
             for _ in 0..20 {
                 let raw = raw_chain(&mut rng, depth, false);
                 let mut b = Builder::new(Cursor::new(Vec::new()), Kind::Object, 1).unwrap();
@@ -668,7 +677,7 @@ fn fuzz_cases_never_crash_the_reader() {
 
 /// Named hostile archives (tests/test_hostile_bytes.py): one per attack that once crashed
 /// or raised the wrong exception, or that the format must refuse. `None` for an unknown
-/// name. Every one is corrupt except `deep-ok`.
+/// name. Every one is corrupt except those whose name ends in `-ok`.
 pub fn crafted(name: &str) -> Option<(Kind, Vec<u8>)> {
     let seal = |b: Builder<Cursor<Vec<u8>>>| b.finish(0).expect("in memory").0.into_inner();
     let object = |v: Value| {
@@ -719,10 +728,14 @@ pub fn crafted(name: &str) -> Option<(Kind, Vec<u8>)> {
         // A list nested 45,000 deep: a few hundred KiB that used to overflow the stack.
         "deep" => chain(45_000, false),
         "deep-mixed" => chain(30_000, true),
-        // Just past the format's limit.
-        "deep-limit" => chain(MAX_VALUE_DEPTH + 2, false),
-        // At the limit: valid.
-        "deep-ok" => chain(MAX_VALUE_DEPTH, false),
+        // One level past what a writer makes.
+        "deep-limit" => chain(MAX_DEPTH + 1, false),
+        // As deep as a writer makes: valid (and `put` takes it back).
+        "deep-ok" => chain(MAX_DEPTH, false),
+        // A dict as deep as a writer makes, whose key is tuples nested as deep as a key may
+        // be: valid; one tuple more is not.
+        "deep-key-ok" => object(deep_key(MAX_KEY_DEPTH)),
+        "deep-key-limit" => object(deep_key(MAX_KEY_DEPTH + 1)),
         "typestr-non-ascii" => array("<\u{e9}8", vec![1], 8),
         "typestr-non-ascii-2" => array("\u{e9}f8", vec![1], 8),
         "empty-huge-shape" => array("<f8", vec![0, 1 << 62], 0),
@@ -817,6 +830,32 @@ pub fn crafted(name: &str) -> Option<(Kind, Vec<u8>)> {
             let b = edit(object(v), 12, &[0x80, 0x80, 0x80, 0x80, 0x80, 0x20, T_NONE]);
             edit(b, 6, &12u32.to_le_bytes())
         }
+        // A shape naming one key twice (a writer never makes one): `len()` of its dicts
+        // said 2 and `to_python()` held one entry. The same symbol twice, or two symbols
+        // of one string.
+        "shape-key-twice" | "shape-key-twice-by-name" => {
+            let mut b = object(Value::Dict(vec![
+                (Value::Str("a".into()), Value::Int(1)),
+                (Value::Str("b".into()), Value::Int(2)),
+            ]));
+            let shapes = u64_at(&b, 56) as usize;
+            if name == "shape-key-twice" {
+                // The shape count (u32), the first shape's field count (u16), its fields
+                // (key u32, encoding 4 bytes): the second field's key becomes the first's.
+                let at = shapes + 4 + 2;
+                let first: [u8; 4] = b[at..at + 4].try_into().expect("4 bytes");
+                b[at + 8..at + 12].copy_from_slice(&first);
+            } else {
+                // The symbol "b" becomes a second "a".
+                let syms = u64_at(&b, 48) as usize;
+                let n = u32::from_le_bytes(b[syms..syms + 4].try_into().expect("4 bytes"));
+                let blob = syms + 4 + (n as usize + 1) * 4;
+                let at = blob + b[blob..shapes].iter().position(|&c| c == b'b').expect("b");
+                b[at] = b'a';
+            }
+            header::reseal(&mut b);
+            b
+        }
         "payload-extent-near-2^64" => object(Value::BytesExt(Extent {
             offset: u64::MAX - 7,
             len: 16,
@@ -827,12 +866,28 @@ pub fn crafted(name: &str) -> Option<(Kind, Vec<u8>)> {
     Some((Kind::Object, bytes))
 }
 
-/// The names [`crafted`] knows.
+/// A record of lists nested `MAX_DEPTH - 1` deep around a dict (the writer's deepest
+/// container) whose one key is `tuples` tuples one in another around an int.
+pub fn deep_key(tuples: usize) -> Value {
+    let mut key = Value::Int(7);
+    for _ in 0..tuples {
+        key = Value::Tuple(vec![key]);
+    }
+    let mut v = Value::Dict(vec![(key, Value::Str("deepest".into()))]);
+    for _ in 0..MAX_DEPTH - 1 {
+        v = Value::List(vec![v]);
+    }
+    v
+}
+
+/// The names [`crafted`] knows; those ending in `-ok` are valid, every other is corrupt.
 pub const CRAFTED: &[&str] = &[
     "deep",
     "deep-mixed",
     "deep-limit",
     "deep-ok",
+    "deep-key-limit",
+    "deep-key-ok",
     "typestr-non-ascii",
     "typestr-non-ascii-2",
     "empty-huge-shape",
@@ -853,6 +908,8 @@ pub const CRAFTED: &[&str] = &[
     "overlapping-values",
     "shared-payload",
     "zero-size-rows",
+    "shape-key-twice",
+    "shape-key-twice-by-name",
 ];
 
 #[cfg(test)]
@@ -865,9 +922,9 @@ fn crafted_attacks_are_corrupt_not_crashes() {
                 let (_, bytes) = crafted(name).unwrap();
                 let res = std::panic::catch_unwind(|| read_everything(&bytes));
                 match res {
-                    Ok(Ok(true)) => assert_eq!(*name, "deep-ok", "{name} read as intact"),
+                    Ok(Ok(true)) => assert!(name.ends_with("-ok"), "{name} read as intact"),
                     Ok(Ok(false) | Err(ArchiveError::Corrupt(_))) => {
-                        assert_ne!(*name, "deep-ok", "{name} is valid")
+                        assert!(!name.ends_with("-ok"), "{name} is valid")
                     }
                     Ok(Err(e)) => panic!("{name}: {e:?}"),
                     Err(_) => panic!("{name}: the reader panicked"),

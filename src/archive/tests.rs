@@ -738,3 +738,219 @@ fn a_failing_write_of_a_large_payload_is_an_error() {
         assert!(err.to_string().contains("no room"), "length {len}: {err}");
     }
 }
+
+/// The reader refuses exactly what lies beyond the writer's limits (docs/format.md,
+/// "Depth"): containers 100 deep read (and `verify` passes them), 101 deep are corrupt,
+/// whatever the deepest one is (a list, packed numbers, a shaped dict or its packed field,
+/// the rows of a list of dicts); a key of 32 tuples in the deepest dict reads, one of 33 is
+/// corrupt. Before, anything up to 133 levels read, and `put(view)` of it was refused.
+#[test]
+fn the_depth_limits_are_the_writers() {
+    let nest = |n: usize, inner: Value| (0..n).fold(inner, |v, _| Value::List(vec![v]));
+    let ints = || Value::List(vec![Value::Int(1), Value::Int(2)]);
+    let row = |v: Value| dict(vec![("a", v)]);
+    // The innermost value, and how many containers deep it is.
+    let cases: Vec<(Value, usize)> = vec![
+        (Value::List(vec![]), 1),
+        (Value::List(vec![s("x"), Value::None]), 1),
+        (ints(), 1),
+        (Value::Tuple(vec![Value::Tuple(vec![])]), 2),
+        (row(Value::Int(1)), 1),
+        (row(ints()), 2),
+        (Value::List(vec![row(Value::Int(1)), row(Value::Int(2))]), 2),
+        (Value::List(vec![row(ints()), row(ints())]), 3),
+    ];
+    let check = |v: Value, ok: bool, limit: &str| {
+        let bytes = build(Kind::List, &[v]);
+        let r = Reader::open(&bytes[..]).unwrap();
+        if ok {
+            r.root(0).unwrap();
+            r.validate_all().unwrap();
+        } else {
+            let err = r.root(0).unwrap_err();
+            assert!(
+                matches!(err, ArchiveError::Corrupt(_))
+                    && err
+                        .to_string()
+                        .contains(&format!("deeper than {limit} levels")),
+                "{err}"
+            );
+            assert!(matches!(r.validate_all(), Err(ArchiveError::Corrupt(_))));
+        }
+    };
+    for (inner, deep) in cases {
+        check(nest(value::MAX_DEPTH - deep, inner.clone()), true, "");
+        check(nest(value::MAX_DEPTH - deep + 1, inner), false, "100");
+    }
+    check(fuzz::deep_key(value::MAX_KEY_DEPTH), true, "");
+    check(fuzz::deep_key(value::MAX_KEY_DEPTH + 1), false, "32");
+}
+
+/// A shape naming one key twice (the same symbol, or two symbols of one string) is refused
+/// when the archive opens: a writer never makes one, and its dicts had two entries
+/// (`len(v) == 2`) but one key as a Python dict (`to_python() == {'a': 2}`).
+#[test]
+fn a_shape_with_a_key_twice_is_refused_at_open() {
+    for name in ["shape-key-twice", "shape-key-twice-by-name"] {
+        let (_, bytes) = fuzz::crafted(name).unwrap();
+        match Reader::open(&bytes[..]) {
+            Err(ArchiveError::Corrupt(m)) => {
+                assert!(m.contains("has the key \"a\" twice"), "{name}: {m}")
+            }
+            Err(e) => panic!("{name}: {e:?}"),
+            Ok(_) => panic!("{name}: opened"),
+        }
+    }
+}
+
+/// A view of a dict whose every value is None, written last in its record, takes no bytes
+/// and sits at the record's very end: rebuilding it from a pickle (`node_from`) refused it
+/// as a position outside the record. Found by the fuzz test's check that `verify()` passes
+/// only what reads take.
+#[test]
+fn a_node_of_no_bytes_at_the_end_of_its_record_is_rebuilt() {
+    let v = Value::List(vec![s("x"), dict(vec![("a", Value::None)])]);
+    let bytes = build(Kind::List, &[v]);
+    let r = Reader::open(&bytes[..]).unwrap();
+    let (start, len) = header::record_span(&bytes, r.header().index_off, 0).unwrap();
+    let end = start + len;
+    let Item::List(list) = r.item(r.root(0).unwrap()).unwrap() else {
+        panic!("not a list")
+    };
+    let Item::Dict(d) = r.seq_item(list, 1).unwrap() else {
+        panic!("not a dict")
+    };
+    assert_eq!(
+        d.pos(),
+        end,
+        "the dict's slots take no bytes, at the record's end"
+    );
+    let again = r.node_from(0, d.pos(), d.form_code()).unwrap();
+    assert_eq!(again, d);
+    assert_eq!(r.dict_len(again).unwrap(), 1);
+    assert_eq!(r.dict_value(again, 0).unwrap(), Item::None);
+    // Past the end, or a node that takes bytes there, is still refused.
+    assert!(r.node_from(0, d.pos() + 1, d.form_code()).is_err());
+    assert!(r.node_from(0, d.pos(), (0, 0)).is_err());
+}
+
+/// Record 0's bytes edited at `at` (from its start), the checksums made right again.
+fn edit_record(mut bytes: Vec<u8>, at: usize, with: &[u8]) -> Vec<u8> {
+    let index_off = Reader::open(&bytes[..]).unwrap().header().index_off;
+    let (start, _) = header::record_span(&bytes, index_off, 0).unwrap();
+    let at = start as usize + at;
+    bytes[at..at + with.len()].copy_from_slice(with);
+    reseal(&mut bytes);
+    bytes
+}
+
+/// Everything a read (of the Rust reader, as the Python layer uses it) refuses in `bytes`:
+/// record values read whole, every key of a dict archive and its lookup.
+fn reads_refuse(bytes: &[u8]) -> bool {
+    let r = Reader::open(bytes).unwrap();
+    let mut refused = false;
+    for rec in 0..r.len() {
+        let read = r.root(rec).and_then(|n| decode(&r, r.item(n)?, 0));
+        // `decode` takes any value as a key; reads check keys (`item_key`) too.
+        let keys = r.root(rec).and_then(|n| match r.item(n)? {
+            Item::Dict(d) => (0..r.dict_len(d)?).try_for_each(|i| {
+                r.item_key(r.dict_key(d, i)?)?;
+                Ok::<(), ArchiveError>(())
+            }),
+            _ => Ok(()),
+        });
+        refused |= read.is_err() || keys.is_err();
+        if r.kind() == Kind::Dict {
+            refused |= r.key(rec).and_then(|k| r.lookup(&k)).is_err();
+        }
+    }
+    refused
+}
+
+/// `verify()` (`validate_all`) refuses what reads refuse: it reads every value through the
+/// functions reads use, and a dict archive's keys and table as lookups do. Each archive
+/// here passed `verify()` before, yet a read of it raised `CorruptStoreError`.
+#[test]
+fn verify_refuses_what_reads_refuse() {
+    let flag = |v: Value| dict(vec![("flag", v)]);
+    let mut cases: Vec<(&str, Vec<u8>)> = vec![
+        // Packed bools: tag, element type, count 2, then the elements; one is 2.
+        ("a packed bool of 2", {
+            let mut b = Builder::new(Cursor::new(Vec::new()), Kind::Object, 1).unwrap();
+            b.finish_raw_record(&[format::T_LIST_PACKED, Elem::Bool as u8, 2, 1, 2])
+                .unwrap();
+            b.finish(0).unwrap().0.into_inner()
+        }),
+        // A shaped dict {"flag": True}: tag, shape id, the bool's slot, made 2.
+        (
+            "a bool slot of 2",
+            edit_record(build(Kind::Object, &[flag(Value::Bool(true))]), 2, &[2]),
+        ),
+        ("a list as a dict key", {
+            let v = Value::Dict(vec![(Value::List(vec![]), Value::None)]);
+            build(Kind::Object, &[v])
+        }),
+        ("a str that is not UTF-8", {
+            let mut b = Builder::new(Cursor::new(Vec::new()), Kind::Object, 1).unwrap();
+            b.finish_raw_record(&[format::T_STR, 2, 0xc3, 0x28])
+                .unwrap();
+            b.finish(0).unwrap().0.into_inner()
+        }),
+    ];
+    // A dict archive of three records (keys 0, 1, 2): its key offsets, then its table.
+    let keyed = || build(Kind::Dict, &[Value::None, Value::Int(1), s("two")]);
+    let h = |b: &[u8]| header::Header::parse(b).unwrap();
+    cases.push(("backwards key offsets", {
+        let mut b = keyed();
+        // Key 1 starts after where it ends (its start is key 0's end).
+        let ko = h(&b).keys_off as usize;
+        let end = u64_at(&b, ko + 16);
+        b[ko + 8..ko + 16].copy_from_slice(&(end + 1).to_le_bytes());
+        reseal(&mut b);
+        b
+    }));
+    cases.push(("a table entry out of range", {
+        let mut b = keyed();
+        let (to, len) = (h(&b).table_off as usize, h(&b).table_len() as usize);
+        // The slot of entry 1 names entry 99.
+        let slot = (0..len / table::SLOT)
+            .map(|i| to + i * table::SLOT)
+            .find(|&at| u32_at(&b, at + 4) == 2)
+            .unwrap();
+        b[slot + 4..slot + 8].copy_from_slice(&100u32.to_le_bytes());
+        reseal(&mut b);
+        b
+    }));
+    for (what, bytes) in cases {
+        assert!(reads_refuse(&bytes), "{what}: reads take it");
+        let r = Reader::open(&bytes[..]).unwrap();
+        match r.validate_all() {
+            Err(ArchiveError::Corrupt(_)) => {}
+            other => panic!("{what}: verify gave {other:?}"),
+        }
+    }
+}
+
+/// A dict with a hash index and a NaN key (which equals nothing, as in Python) is sound:
+/// confirming a miss, and `verify()`, took the NaN that its own hash does not find for a
+/// forged index.
+#[test]
+fn an_indexed_dict_with_a_nan_key_confirms_a_miss() {
+    let mut pairs: Vec<(Value, Value)> = (0..DICT_INDEX_MIN as i64 + 1)
+        .map(|i| (Value::Int(i), Value::Int(i)))
+        .collect();
+    pairs.push((Value::Float(f64::NAN), Value::None));
+    pairs.push((
+        Value::Tuple(vec![Value::Int(1), Value::Float(f64::NAN)]),
+        Value::None,
+    ));
+    let bytes = build(Kind::List, &[Value::Dict(pairs)]);
+    let r = Reader::open(&bytes[..]).unwrap();
+    let Item::Dict(d) = r.item(r.root(0).unwrap()).unwrap() else {
+        panic!("not a dict")
+    };
+    assert!(r.dict_indexed(d));
+    assert_eq!(r.dict_find(d, &Key::Int(1000)).unwrap(), None);
+    r.confirm_miss(0).unwrap();
+    r.validate_all().unwrap();
+}

@@ -53,12 +53,15 @@ pub enum Value {
 /// General-layout dicts with more entries than this get a hash index inside the record.
 pub const DICT_INDEX_MIN: usize = 8;
 
-/// Containers (list, tuple, dict) nested in one record: the builder refuses deeper input.
+/// Containers (list, tuple, dict) nested in one record: the Python writer refuses deeper
+/// input, and readers refuse deeper records as corrupt.
 pub const MAX_DEPTH: usize = 100;
 /// Tuples nested inside one dict key (on top of [`MAX_DEPTH`]).
 pub const MAX_KEY_DEPTH: usize = 32;
-/// The deepest container nesting a well-formed record can hold: readers refuse deeper
-/// values as corrupt (docs/format.md, "Depth").
+/// The deepest container nesting on any path of a well-formed record (values, then the
+/// tuples of a key): the bound of decoders that count levels. The tree check refuses, as
+/// corrupt, values deeper than [`MAX_DEPTH`] and keys deeper than [`MAX_KEY_DEPTH`]
+/// separately (docs/format.md, "Depth").
 pub const MAX_VALUE_DEPTH: usize = MAX_DEPTH + MAX_KEY_DEPTH;
 
 /// Whether a general-layout dict of `entries` entries is stored with a hash index.

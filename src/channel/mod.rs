@@ -29,7 +29,10 @@ pub mod scan;
 
 /// The first bytes of a channel file.
 pub const MAGIC: &[u8; 8] = b"SHMCHANL";
-const VERSION: u32 = 1;
+/// 2: each claim also carries its process's start (`PUTTER_START`, `GETTER_START`), so a
+/// claim of a process whose pid now names another is recognised; a cell's path starts at
+/// word 9 (at most 184 bytes).
+const VERSION: u32 = 2;
 /// Bytes before the first cell.
 const HEADER: u64 = 512;
 /// Bytes of a cell: 32 words.
@@ -39,8 +42,12 @@ const CELL_WORDS: usize = (CELL / 8) as usize;
 const PUTTER: usize = 5;
 /// The cell word holding who claimed it to get, written first after the claim.
 const GETTER: usize = 6;
+/// The cell words holding when the process that claimed it to put (to get) started (see
+/// [`my_start`]), written just before `PUTTER` (`GETTER`).
+const PUTTER_START: usize = 7;
+const GETTER_START: usize = 8;
 /// Words of a cell before its path.
-const PATH_AT: usize = 7;
+const PATH_AT: usize = 9;
 /// The longest path a cell carries.
 pub const MAX_PATH: usize = (CELL_WORDS - PATH_AT) * 8;
 /// The most cells a channel may have.
@@ -323,7 +330,10 @@ impl Ring {
     fn write_cell(&self, pos: u64, h: &Handle, path: &[u8]) {
         // Who claimed it, first: a process that dies from here on is found dead by a getter
         // (`recover_get`). Until this store the word is 0 (cleared when the cell was last
-        // handed back): a claim too young to judge.
+        // handed back): a claim too young to judge. When it started, just before: whoever
+        // reads the claim then reads this process's start with it.
+        self.word(pos, PUTTER_START)
+            .store(my_start(), Ordering::SeqCst);
         self.word(pos, PUTTER).store(me(), Ordering::SeqCst);
         let meta = u64::from(h.kind) | (path.len() as u64) << 8;
         self.word(pos, 1).store(meta, Ordering::Relaxed);
@@ -353,6 +363,8 @@ impl Ring {
         let Some(pos) = self.claim(self.head(), 1, "get")? else {
             return Ok(None);
         };
+        self.word(pos, GETTER_START)
+            .store(my_start(), Ordering::SeqCst);
         self.word(pos, GETTER).store(me(), Ordering::SeqCst);
         Ok(Some((pos, self.read_cell(pos))))
     }
@@ -393,11 +405,28 @@ impl Ring {
 
     /// Hand the cell at `pos` (claimed by [`Ring::try_pop`]) back to the putters.
     pub fn release(&self, pos: u64) {
-        self.word(pos, PUTTER).store(0, Ordering::Relaxed);
-        self.word(pos, GETTER).store(0, Ordering::Relaxed);
+        self.clear_claims(pos);
         self.word(pos, 0)
             .store(pos.wrapping_add(self.capacity), Ordering::Release);
         self.wake(AT_SEND_EPOCH, AT_SEND_WAITERS);
+    }
+
+    /// Forget who claimed the cell at `pos` (both sides, and when they started).
+    fn clear_claims(&self, pos: u64) {
+        for w in [PUTTER, GETTER, PUTTER_START, GETTER_START] {
+            self.word(pos, w).store(0, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether the claim of the cell at `pos` in words `who` and `start` is a dead
+    /// process's (see [`dead`]). The claimer's name is read first: its start, stored before
+    /// it, is then at least as new; and the name once more after the start, so that a start
+    /// of a newer claim is never judged with an older name (a name that changed meanwhile
+    /// is judged at the next look).
+    fn claimer_dead(&self, pos: u64, who: usize, start: usize) -> bool {
+        let name = self.word(pos, who).load(Ordering::SeqCst);
+        let started = self.word(pos, start).load(Ordering::SeqCst);
+        self.word(pos, who).load(Ordering::SeqCst) == name && dead(name, started)
     }
 
     // --- claims of dead processes -----------------------------------------------------------
@@ -410,7 +439,7 @@ impl Ring {
         let pos = self.head().load(Ordering::SeqCst);
         let claimed = self.tail().load(Ordering::SeqCst).wrapping_sub(pos) as i64 > 0;
         let unpublished = self.word(pos, 0).load(Ordering::SeqCst) == pos;
-        if !(claimed && unpublished && dead(self.word(pos, PUTTER).load(Ordering::SeqCst))) {
+        if !(claimed && unpublished && self.claimer_dead(pos, PUTTER, PUTTER_START)) {
             return false;
         }
         if self
@@ -439,11 +468,10 @@ impl Ring {
         let claimed = self.head().load(Ordering::SeqCst).wrapping_sub(old) as i64 > 0;
         let cell = self.word(old, 0);
         let published = cell.load(Ordering::SeqCst) == old.wrapping_add(1);
-        if !(claimed && published && dead(self.word(old, GETTER).load(Ordering::SeqCst))) {
+        if !(claimed && published && self.claimer_dead(old, GETTER, GETTER_START)) {
             return false;
         }
-        self.word(old, PUTTER).store(0, Ordering::SeqCst);
-        self.word(old, GETTER).store(0, Ordering::SeqCst);
+        self.clear_claims(old);
         if cell
             .compare_exchange(old.wrapping_add(1), pos, Ordering::SeqCst, Ordering::SeqCst)
             .is_err()
@@ -621,22 +649,78 @@ fn me() -> u64 {
     u64::from(crate::arena::pid()) | u64::from(ns) << 32
 }
 
-/// Whether the process a claim word names is certainly dead: a pid of this pid namespace
-/// that no process has any more (or a zombie). A claim too young to carry a name (0),
-/// another namespace's pid, or anything unsure counts as alive: a live claim must never be
-/// taken over; at worst a dead one waits.
-fn dead(who: u64) -> bool {
+/// Bits of a start word ([`my_start`]) that hold the start time; the bits above hold the
+/// time namespace.
+const START_BITS: u32 = 40;
+const START_MASK: u64 = (1 << START_BITS) - 1;
+
+/// When this process started, as a claim's second word: its start time in clock ticks
+/// after boot (`/proc/self/stat` field 22, which the kernel never gives two processes of
+/// one pid at once: a pid used again names a process that started later) in the low 40
+/// bits (at 100 ticks a second, 348 years), and the low 24 bits of its time namespace's
+/// inode above them (a start time is given in the reading process's time namespace: read
+/// from another, it cannot be compared). 0 if unknown (no /proc): the claim is then judged
+/// by its pid alone. Cached per process (a put must not cost a file read); a forked child,
+/// whose pid differs, reads its own.
+fn my_start() -> u64 {
+    static FOR_PID: AtomicU32 = AtomicU32::new(0);
+    static START: AtomicU64 = AtomicU64::new(0);
+    let pid = crate::arena::pid();
+    if FOR_PID.load(Ordering::Acquire) == pid {
+        return START.load(Ordering::Relaxed);
+    }
+    let start = std::fs::read_to_string("/proc/self/stat")
+        .ok()
+        .and_then(|stat| start_time(&stat))
+        .map_or(0, |t| (t & START_MASK) | time_ns() << START_BITS);
+    START.store(start, Ordering::Relaxed);
+    FOR_PID.store(pid, Ordering::Release);
+    start
+}
+
+/// The low 24 bits of this process's time namespace's inode (0 without time namespaces).
+fn time_ns() -> u64 {
+    static NS: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *NS.get_or_init(|| std::fs::metadata("/proc/self/ns/time").map_or(0, |m| m.ino() & 0xff_ffff))
+}
+
+/// The start time (field 22) of a `/proc/<pid>/stat` line: "pid (comm) S ...", where the
+/// fields from the state (field 3) on follow the last ')' (comm may hold any bytes).
+fn start_time(stat: &str) -> Option<u64> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_ascii_whitespace().nth(22 - 3)?.parse().ok()
+}
+
+/// Whether the process a claim names (`who`, see [`me`]; `start`, see [`my_start`]) is
+/// certainly dead: a pid of this pid namespace that no process has any more, or a zombie,
+/// or a process that started at another time than the claimer (its pid was used again, as
+/// after the claimer was SIGKILLed and the system ran through its pids). A claim too young
+/// to carry a name (0), another namespace's pid, or anything unsure (no start recorded, a
+/// start read in another time namespace) counts as alive: a live claim must never be taken
+/// over; at worst a dead one waits.
+fn dead(who: u64, start: u64) -> bool {
     let (pid, ns) = (who as u32, (who >> 32) as u32);
-    if pid == 0 || ns == 0 || ns != (me() >> 32) as u32 || pid == crate::arena::pid() {
+    if pid == 0 || ns == 0 || ns != (me() >> 32) as u32 {
         return false;
+    }
+    let comparable = start != 0 && start >> START_BITS == time_ns();
+    if pid == crate::arena::pid() {
+        // This process's pid: its own claim, unless the claim started at another time (its
+        // claimer died and the system gave its pid to this process).
+        let mine = my_start();
+        return comparable && mine != 0 && start != mine;
     }
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Err(e) => e.kind() == io::ErrorKind::NotFound,
-        // "pid (comm) S ...": the state follows the last ')' (comm may hold any bytes).
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.trim_start().chars().next())
-            .is_some_and(|state| matches!(state, 'Z' | 'X')),
+        Ok(stat) => {
+            let zombie = stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.trim_start().chars().next())
+                .is_some_and(|state| matches!(state, 'Z' | 'X'));
+            let other = comparable
+                && start_time(&stat).is_some_and(|t| t & START_MASK != start & START_MASK);
+            zombie || other
+        }
     }
 }
 

@@ -11,7 +11,9 @@ use std::fs::File;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use super::{CELL, CELL_WORDS, CHUNK, HEADER, MAGIC, MAX_CAPACITY, MAX_PATH, PATH_AT, SEGMENT};
+use super::{
+    CELL, CELL_WORDS, CHUNK, HEADER, MAGIC, MAX_CAPACITY, MAX_PATH, PATH_AT, SEGMENT, VERSION,
+};
 
 /// Open `path` for reading as a channel of ours could be: a regular file of this user of
 /// mode 0600 (no symlink followed, never blocking); with its size.
@@ -122,6 +124,14 @@ pub fn held_paths(path: &Path) -> Vec<PathBuf> {
     if capacity_for(len) != Some(cap) {
         return Vec::new();
     }
+    // Where a cell's path starts in this file's layout: a channel made by an earlier
+    // version (1: no start words, the path at word 7) may still be in use by its processes.
+    let path_at = match u32::from_le_bytes(head[8..12].try_into().unwrap_or_default()) {
+        1 => 7,
+        VERSION => PATH_AT,
+        _ => return Vec::new(),
+    };
+    let max_path = (CELL_WORDS - path_at) * 8;
     let mut out = Vec::new();
     each_cell(&file, cap, |i, cell| {
         let seq = word(cell, 0);
@@ -130,10 +140,10 @@ pub fn held_paths(path: &Path) -> Vec<PathBuf> {
         }
         let meta = word(cell, 1);
         let (kind, n) = ((meta & 0xff) as u8, ((meta >> 8) & 0xffff) as usize);
-        if !(kind == CHUNK || kind == SEGMENT) || n == 0 || n > MAX_PATH {
+        if !(kind == CHUNK || kind == SEGMENT) || n == 0 || n > max_path {
             return;
         }
-        let at = PATH_AT * 8;
+        let at = path_at * 8;
         match std::str::from_utf8(&cell[at..at + n]) {
             Ok(s) if s.starts_with('/') && !s.contains('\0') => out.push(PathBuf::from(s)),
             _ => {}

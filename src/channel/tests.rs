@@ -466,3 +466,95 @@ fn putters_and_getters_under_busy_loops_all_progress_in_order_and_time_out_when_
     assert_eq!(r.wait_to_get(near), Waited::TimedOut);
     assert!(Instant::now() >= near, "a timeout never comes early");
 }
+
+/// The start word of the live process `pid` as a claim of it carries it (see [`my_start`]),
+/// its start time moved by `shift` ticks.
+fn start_word(pid: u32, shift: i64) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let t = start_time(&stat).unwrap();
+    (t.wrapping_add_signed(shift) & START_MASK) | time_ns() << START_BITS
+}
+
+/// A claim whose pid now names another process (the claimer was SIGKILLed and the system
+/// gave its pid to a process started later) is taken over: the claim carries when its
+/// process started. Before, every get (or put) waited behind it for as long as the other
+/// process lived. The same pid with the claimer's own start, with no start, or with a start
+/// read in another time namespace counts as alive.
+#[test]
+fn a_claim_whose_pid_now_names_another_process_is_taken_over() {
+    let d = dir();
+    let a = Ring::create(d.path(), "shmstore-ch", 2).unwrap();
+    let b = Ring::open(&d.path().join("shmstore-ch")).unwrap();
+    let mut child = std::process::Command::new("sleep")
+        .arg("600")
+        .spawn()
+        .unwrap();
+    let who = u64::from(child.id()) | (me() >> 32) << 32;
+    let same = start_word(child.id(), 0);
+    let earlier = start_word(child.id(), -1);
+    let unsure = [same, 0, same ^ (1 << START_BITS)];
+    // A put claimed position 0 and was killed; its pid now names `child`.
+    a.tail().store(1, Ordering::SeqCst);
+    a.word(0, PUTTER).store(who, Ordering::SeqCst);
+    for start in unsure {
+        a.word(0, PUTTER_START).store(start, Ordering::SeqCst);
+        assert!(!b.recover_get(), "{start:#x}");
+    }
+    a.word(0, PUTTER_START).store(earlier, Ordering::SeqCst);
+    let p1 = a.try_push(&chunk(1)).unwrap().unwrap();
+    // A put records when its own process started.
+    let mine = start_word(std::process::id(), 0);
+    assert_eq!(a.word(p1, PUTTER_START).load(Ordering::SeqCst), mine);
+    assert!(b.try_pop().unwrap().is_none());
+    assert!(b.recover_get());
+    let (p, h) = b.try_pop().unwrap().unwrap();
+    assert_eq!(b.word(p, GETTER_START).load(Ordering::SeqCst), mine);
+    assert_eq!((p, h.unwrap()), (p1, chunk(1)));
+    b.release(p);
+    // A get claimed a published handle and was killed; its pid now names `child`.
+    let p2 = a.try_push(&chunk(2)).unwrap().unwrap();
+    a.try_push(&chunk(3)).unwrap().unwrap();
+    assert_eq!(a.try_push(&chunk(4)).unwrap(), None);
+    b.head().store(p2 + 1, Ordering::SeqCst);
+    b.word(p2, GETTER).store(who, Ordering::SeqCst);
+    for start in unsure {
+        b.word(p2, GETTER_START).store(start, Ordering::SeqCst);
+        assert!(!a.recover_put(), "{start:#x}");
+    }
+    b.word(p2, GETTER_START).store(earlier, Ordering::SeqCst);
+    assert!(a.recover_put());
+    assert!(a.taken(p2));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // This process's own pid with another start (the claimer died and the system gave its
+    // pid to this process): dead too; with this process's start, its own live claim.
+    let c = Ring::create(d.path(), "shmstore-ch2", 2).unwrap();
+    c.tail().store(1, Ordering::SeqCst);
+    c.word(0, PUTTER).store(me(), Ordering::SeqCst);
+    for start in [mine, 0, mine ^ (1 << START_BITS)] {
+        c.word(0, PUTTER_START).store(start, Ordering::SeqCst);
+        assert!(!c.recover_get(), "{start:#x}");
+    }
+    c.word(0, PUTTER_START).store(mine ^ 1, Ordering::SeqCst);
+    assert!(c.recover_get());
+}
+
+/// The supervisor's sweep reads what a channel holds in either layout: version 2's (the
+/// path at word 9) and version 1's (at word 7), which processes of an earlier shmstore may
+/// still be using; a file of any other version holds nothing it can read.
+#[test]
+fn the_sweep_reads_what_a_channel_of_either_layout_holds() {
+    let d = dir();
+    let a = Ring::create(d.path(), "shmstore-ch", 2).unwrap();
+    let p = a.try_push(&chunk(1)).unwrap().unwrap();
+    let path = d.path().join("shmstore-ch");
+    assert_eq!(scan::held_paths(&path), vec![chunk(1).path]);
+    for w in 0..CELL_WORDS - PATH_AT {
+        let v = a.word(p, PATH_AT + w).load(Ordering::SeqCst);
+        a.word(p, 7 + w).store(v, Ordering::SeqCst);
+    }
+    a.u32_at(8).store(1, Ordering::SeqCst);
+    assert_eq!(scan::held_paths(&path), vec![chunk(1).path]);
+    a.u32_at(8).store(99, Ordering::SeqCst);
+    assert!(scan::held_paths(&path).is_empty());
+}

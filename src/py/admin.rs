@@ -246,7 +246,7 @@ pub(crate) fn _crafted_archive<'py>(py: Python<'py>, name: &str) -> PyResult<Bou
 }
 
 #[cfg(feature = "fuzzing")]
-/// Testing hook: the names `_crafted_archive` knows (all corrupt but `deep-ok`).
+/// Testing hook: the names `_crafted_archive` knows (all corrupt but those ending in `-ok`).
 #[pyfunction]
 pub(crate) fn _crafted_names() -> Vec<&'static str> {
     crate::archive::fuzz::CRAFTED.to_vec()

@@ -314,7 +314,10 @@ fn reserve(py: Python<'_>, max_len: u64, dir: Option<PathBuf>) -> PyResult<Optio
         return Ok(None);
     }
     // Arena work needs no Python: done without the GIL (never wait for the lock with it).
-    let dir = dir.unwrap_or_else(segment::default_dir);
+    let dir = match dir {
+        Some(d) => store::absolute_dir(d)?,
+        None => segment::default_dir(),
+    };
     let placed = py
         .detach(|| ARENAS.place(&dir, max_len))
         .map_err(in_arena)?;

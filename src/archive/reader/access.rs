@@ -70,9 +70,6 @@ impl<B: AsRef<[u8]>> Reader<B> {
     pub fn node_from(&self, rec: u64, pos: u64, form: (u8, u32)) -> Result<Node, ArchiveError> {
         self.validate_record(rec)?;
         let (s, e) = self.span(rec)?;
-        if pos < s as u64 || pos >= e as u64 {
-            return corrupt(format!("position {pos} is not inside record {rec}"));
-        }
         let form = match form {
             (0, 0) => Form::Tagged,
             (1, s) => {
@@ -85,6 +82,16 @@ impl<B: AsRef<[u8]>> Reader<B> {
             },
             _ => return corrupt("bad node form"),
         };
+        // A node of no bytes (the slots of a dict whose every value is None, an empty
+        // packed field) may sit at the record's very end.
+        let empty = match form {
+            Form::Tagged => false,
+            Form::Struct(id) => self.shape(u64::from(id))?.shape.size == 0,
+            Form::Pack { count, .. } => count == 0,
+        };
+        if pos < s as u64 || pos > e as u64 || (pos == e as u64 && !empty) {
+            return corrupt(format!("position {pos} is not inside record {rec}"));
+        }
         Ok(Node {
             rec: rec as u32,
             form,
@@ -518,7 +525,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
 
     /// The bytes of an out-of-line `bytes` value, checked against their checksum: reading
     /// them copies them anyway, so the hash costs little next to the copy (array data, which
-    /// is mapped and not copied, is checked by [`Self::verify_payloads`] only).
+    /// is mapped and not copied, is checked by [`Self::validate_all`] only).
     pub fn payload_checked(&self, ext: Extent) -> Result<&[u8], ArchiveError> {
         let data = self.payload(ext)?;
         if xxh3_64(data) != ext.checksum {
@@ -528,6 +535,12 @@ impl<B: AsRef<[u8]>> Reader<B> {
             ));
         }
         Ok(data)
+    }
+
+    /// Where an array's data is, and its checksum (its metadata's last 24 bytes), unchecked
+    /// against the metadata ([`Self::array`] checks).
+    pub fn array_extent(&self, a: ArrayAt) -> Result<Extent, ArchiveError> {
+        self.ext_at(self.array_meta_end(a.pos as usize)? - 24)
     }
 
     /// Check an array's metadata against its data and return where it lives.

@@ -55,7 +55,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
         first: u64,
         last: u64,
         spans: &mut Vec<(usize, usize)>,
-        queue: &mut Vec<(usize, usize, usize)>,
+        queue: &mut Vec<(usize, Depth, usize)>,
     ) -> Result<(), ArchiveError> {
         // The records' spans, read once (a block written by us holds at most
         // BLOCK_RECORDS; a forged one that claims more is read span by span instead).
@@ -207,8 +207,8 @@ impl<B: AsRef<[u8]>> Reader<B> {
     /// Walk the record at [start, end) breadth first, as it was written: every reference
     /// must point forward of the one before it and inside the record, no value may overlap
     /// the one written after it (so the record is a tree of disjoint values and the walk
-    /// ends), containers nest at most `MAX_VALUE_DEPTH` deep. `visit` sees
-    /// every tagged value (its position and tag).
+    /// ends), containers nest at most as deep as a writer makes them ([`Depth`]). `visit`
+    /// sees every tagged value (its position and tag).
     pub(super) fn walk(
         &self,
         start: usize,
@@ -223,7 +223,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
     /// before), so the queue is a vector read from the front, never shifted.
     pub(super) fn walk_with(
         &self,
-        queue: &mut Vec<(usize, usize, usize)>,
+        queue: &mut Vec<(usize, Depth, usize)>,
         start: usize,
         end: usize,
         mut visit: impl FnMut(usize, u8) -> Result<(), ArchiveError>,
@@ -246,7 +246,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
             prev: Prev::Queued(0),
             payloads: Vec::new(),
         };
-        w.queue.push((start, 0, end));
+        w.queue.push((start, Depth::ROOT, end));
         let mut next = 0;
         while let Some(&(pos, depth, _)) = w.queue.get(next) {
             next += 1;
@@ -259,7 +259,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
                 T_LIST | T_TUPLE => {
                     let (n, after) = self.count(body, REF)?;
                     for i in 0..n {
-                        w.push(self, after + i * REF, true, depth + 1, &mut visit)?;
+                        w.push(self, after + i * REF, true, depth.child(), &mut visit)?;
                     }
                     after + n * REF
                 }
@@ -277,12 +277,15 @@ impl<B: AsRef<[u8]>> Reader<B> {
                             end - pos
                         ));
                     }
-                    if sh.refs.is_empty() {
-                        // Rows of plain slots (numbers, packed fields): nothing to follow.
-                        w.depth(depth + 2)?;
-                    } else {
+                    // The rows are dicts one level down, their values one more.
+                    let row = depth.child();
+                    if n > 0 {
+                        row.dict_of(sh)?;
+                    }
+                    // Rows of plain slots (numbers, packed fields): nothing to follow.
+                    if !sh.refs.is_empty() {
                         for i in 0..n {
-                            w.slots(self, sh, after + i * size, depth + 2, &mut visit)?;
+                            w.slots(self, sh, after + i * size, row.child(), &mut visit)?;
                         }
                     }
                     after + n * size
@@ -290,13 +293,16 @@ impl<B: AsRef<[u8]>> Reader<B> {
                 T_DICT_SHAPED => {
                     let (id, after) = self.varint(body)?;
                     let sh = self.shape(id)?;
-                    w.slots(self, sh, after, depth + 1, &mut visit)?;
+                    depth.dict_of(sh)?;
+                    w.slots(self, sh, after, depth.child(), &mut visit)?;
                     after + sh.shape.size as usize
                 }
                 T_DICT => {
                     let (n, after) = self.count(body, 2 * REF)?;
-                    for i in 0..2 * n {
-                        w.push(self, after + i * REF, true, depth + 1, &mut visit)?;
+                    for i in 0..n {
+                        let at = after + 2 * i * REF;
+                        w.push(self, at, true, depth.key(), &mut visit)?;
+                        w.push(self, at + REF, true, depth.child(), &mut visit)?;
                     }
                     let mut stop = after + 2 * n * REF;
                     if crate::archive::value::dict_has_index(n) {
@@ -372,34 +378,119 @@ impl<B: AsRef<[u8]>> Reader<B> {
         }))
     }
 
-    /// Run the checks of every record now, and verify every out-of-line payload against
-    /// its checksum: O(archive size). Readers never need this for safety.
+    /// Check the whole archive now, as every read would: each record's block (checksum and
+    /// tree), then each of its values read through the functions reads use
+    /// ([`Self::check_values`]), the hash indexes of its dicts ([`Self::confirm_miss`]),
+    /// and for a dict archive its keys and table ([`Self::check_keys`]): O(archive size).
+    /// Readers never need this for safety; what it passes, no read refuses.
     pub fn validate_all(&self) -> Result<(), ArchiveError> {
         for r in 0..self.header.count {
             self.validate_record(r)?;
+            self.check_values(r)?;
+            self.confirm_miss(r)?;
         }
-        self.verify_payloads()
+        if self.header.kind == Kind::Dict {
+            self.check_keys()?;
+        }
+        Ok(())
     }
 
-    /// Check the checksum of every out-of-line payload (array data, big bytes).
-    pub fn verify_payloads(&self) -> Result<(), ArchiveError> {
-        for r in 0..self.header.count {
-            let (s, e) = self.span(r)?;
-            let mut found = Vec::new();
-            self.walk(s, e, |pos, tag| {
-                if let Some(stop) = self.leaf_end(tag, pos + 1)? {
-                    found.extend(self.out_of_line(tag, stop)?);
+    /// Read every value of record `rec` (its block checked) as reads do: the walk sees
+    /// every tagged value, each is decoded (`tagged`) and checked by [`Self::check_item`].
+    pub(super) fn check_values(&self, rec: u64) -> Result<(), ArchiveError> {
+        let (s, e) = self.span(rec)?;
+        self.walk(s, e, |pos, _| {
+            self.check_item(self.tagged(rec as u32, pos)?)
+        })
+        .map_err(|e| ArchiveError::Corrupt(format!("record {rec}: {}", msg(e))))
+    }
+
+    /// What a read of `item` refuses, through the same functions: a str that is not UTF-8
+    /// ([`stored_str`]), packed numbers and typed slots (`seq_get`, `struct_slot`: a bool
+    /// that is not 0 or 1), the keys of a general dict (`item_key`: a value of a type that
+    /// cannot be a key), an array's metadata (`array`), out-of-line bytes and array data
+    /// against their checksum (`payload_checked`). Values behind references are tagged,
+    /// and the walk brings them here on their own.
+    fn check_item(&self, item: Item<'_>) -> Result<(), ArchiveError> {
+        match item {
+            Item::Str(b) => {
+                stored_str(b)?;
+            }
+            Item::BytesExt(ext) => {
+                self.payload_checked(ext)?;
+            }
+            Item::Array(a) => {
+                self.array(a)?;
+                self.payload_checked(self.array_extent(a)?)?;
+            }
+            Item::List(node) | Item::Tuple(node) => {
+                let seq = self.seq(node)?;
+                match seq.kind {
+                    SeqKind::Refs => {}
+                    SeqKind::Packed => {
+                        for i in 0..seq.len {
+                            self.seq_get(seq, i)?;
+                        }
+                    }
+                    SeqKind::Struct => {
+                        for i in 0..seq.len {
+                            self.check_item(self.seq_get(seq, i)?)?;
+                        }
+                    }
                 }
-                Ok(())
-            })?;
-            for ext in found {
-                let data = self.payload(ext)?;
-                if xxh3_64(data) != ext.checksum {
+            }
+            Item::Dict(node) => match self.dict_shape(node) {
+                Some(id) => {
+                    let sh = &self.shape(u64::from(id))?.shape;
+                    for (&enc, &off) in sh.encs.iter().zip(sh.offsets.iter()) {
+                        if enc != Enc::Ref {
+                            self.check_item(self.struct_slot(node, enc, off)?)?;
+                        }
+                    }
+                }
+                None => {
+                    for i in 0..self.dict_len(node)? {
+                        self.item_key(self.dict_key(node, i)?)?;
+                    }
+                }
+            },
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// A dict archive's keys and table, as lookups read them: every key decodes from its
+    /// offsets (`key`: in order, inside the keys region, no bytes left over), every filled
+    /// slot of the table names an entry (`table_entry`) and its key hint, if any, is where
+    /// that entry's key is (a str lookup compares the key there), and every key is found
+    /// at its own entry (keys are unique; one that equals nothing, a NaN, is found by no
+    /// lookup, as in a Python dict).
+    pub(super) fn check_keys(&self) -> Result<(), ArchiveError> {
+        let b = self.bytes();
+        let cap = self.header.table_len() / table::SLOT as u64;
+        let to = self.header.table_off as usize;
+        let ko = self.header.keys_off as usize;
+        for i in 0..cap as usize {
+            let at = to + i * table::SLOT;
+            let slot = table::Slot::read(&b[at..at + table::SLOT]);
+            let Some(e) = slot.entry() else {
+                continue;
+            };
+            let e = self.table_entry(e)?;
+            if let Some(hint) = slot.key_hint() {
+                if hint as u64 != u64_at(b, ko + e as usize * 8) {
                     return corrupt(format!(
-                        "record {r}: the out-of-line data at {} ({} bytes) was modified",
-                        ext.offset, ext.len
+                        "dict table slot {i}: its key hint is not where key {e} is"
                     ));
                 }
+            }
+        }
+        for i in 0..self.header.count {
+            let k = self.key(i)?;
+            if k.key_eq(&k) && self.lookup(&k)? != Some(i) {
+                return corrupt(format!(
+                    "key {i}: the dict table does not find it at its entry"
+                ));
             }
         }
         Ok(())
@@ -411,7 +502,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
 pub(super) struct Walk<'q> {
     /// The containers still to walk, in the order they were written: (position, depth,
     /// where the value written after it starts, or the record's end).
-    queue: &'q mut Vec<(usize, usize, usize)>,
+    queue: &'q mut Vec<(usize, Depth, usize)>,
     /// The position of the value found last.
     last: usize,
     end: usize,
@@ -442,7 +533,7 @@ impl Walk<'_> {
         r: &Reader<B>,
         at: usize,
         tagged: bool,
-        depth: usize,
+        depth: Depth,
         visit: &mut impl FnMut(usize, u8) -> Result<(), ArchiveError>,
     ) -> Result<(), ArchiveError> {
         let t = r.follow(at)?;
@@ -456,12 +547,15 @@ impl Walk<'_> {
             Prev::Leaf(_) => {}
             Prev::Queued(i) => self.queue[i].2 = t,
         }
-        self.depth(depth)?;
         self.last = t;
         let stop = if tagged {
             let tag = r.byte(t)?;
             match r.leaf_end(tag, t + 1)? {
                 Some(stop) => {
+                    if matches!(tag, T_LIST_PACKED | T_TUPLE_PACKED) {
+                        // A list of numbers: a container, as deep as any other.
+                        depth.container()?;
+                    }
                     visit(t, tag)?;
                     if let Some(ext) = r.out_of_line(tag, stop)? {
                         self.payloads.push((ext.offset, ext.len));
@@ -469,6 +563,7 @@ impl Walk<'_> {
                     stop
                 }
                 None => {
+                    depth.container()?;
                     self.prev = Prev::Queued(self.queue.len());
                     self.queue.push((t, depth, self.end));
                     return Ok(());
@@ -499,17 +594,6 @@ impl Walk<'_> {
         Ok(())
     }
 
-    /// Values `depth` containers down are within the format's limit.
-    #[inline]
-    pub(super) fn depth(&self, depth: usize) -> Result<(), ArchiveError> {
-        if depth > MAX_VALUE_DEPTH + 1 {
-            return corrupt(format!(
-                "values nested deeper than {MAX_VALUE_DEPTH} levels"
-            ));
-        }
-        Ok(())
-    }
-
     /// The references of a dict's slots (shape `sh`, at `at`); `depth` of its values.
     #[inline]
     pub(super) fn slots<B: AsRef<[u8]>>(
@@ -517,14 +601,83 @@ impl Walk<'_> {
         r: &Reader<B>,
         sh: &ShapeInfo,
         at: usize,
-        depth: usize,
+        depth: Depth,
         visit: &mut impl FnMut(usize, u8) -> Result<(), ArchiveError>,
     ) -> Result<(), ArchiveError> {
-        self.depth(depth)?;
         for &f in sh.refs.iter() {
             let f = f as usize;
             let tagged = sh.shape.encs[f] == Enc::Ref;
             self.push(r, at + sh.shape.offsets[f] as usize, tagged, depth, visit)?;
+        }
+        Ok(())
+    }
+}
+
+/// How deep a value lies in its record, counted as the writer counts (docs/format.md,
+/// "Depth"): `value` containers from the record's root (the root is at 0), and, inside a
+/// dict key, `key` tuples from the dict (0: not in a key). A writer makes containers at
+/// values 0 to `MAX_DEPTH - 1` (100 levels) and, in a key, at most `MAX_KEY_DEPTH` tuples
+/// one in another: the reader refuses exactly what lies beyond, so whatever it reads a
+/// writer takes back (`put(view)`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Depth {
+    value: u32,
+    key: u32,
+}
+
+impl Depth {
+    /// A record's root.
+    pub(super) const ROOT: Depth = Depth { value: 0, key: 0 };
+
+    /// A value inside a container at this depth.
+    #[inline(always)]
+    pub(super) fn child(self) -> Depth {
+        if self.key == 0 {
+            Depth {
+                value: self.value + 1,
+                key: 0,
+            }
+        } else {
+            Depth {
+                value: self.value,
+                key: self.key + 1,
+            }
+        }
+    }
+
+    /// A key of a dict at this depth.
+    #[inline(always)]
+    pub(super) fn key(self) -> Depth {
+        Depth {
+            value: self.value,
+            key: self.key + 1,
+        }
+    }
+
+    /// A container (list, tuple, dict, packed numbers) at this depth is one a writer makes.
+    #[inline(always)]
+    pub(super) fn container(self) -> Result<(), ArchiveError> {
+        if self.key == 0 && self.value as usize >= MAX_DEPTH {
+            return corrupt(format!(
+                "containers nested deeper than {MAX_DEPTH} levels (the most a writer makes)"
+            ));
+        }
+        if self.key as usize > MAX_KEY_DEPTH {
+            return corrupt(format!(
+                "a dict key of tuples nested deeper than {MAX_KEY_DEPTH} levels (the most a \
+                 writer makes)"
+            ));
+        }
+        Ok(())
+    }
+
+    /// A dict of shape `sh` at this depth: itself a container, and so is a packed field of
+    /// it, one level down.
+    #[inline(always)]
+    pub(super) fn dict_of(self, sh: &ShapeInfo) -> Result<(), ArchiveError> {
+        self.container()?;
+        if sh.packs {
+            self.child().container()?;
         }
         Ok(())
     }
@@ -566,11 +719,15 @@ pub(super) fn parse_symbols(bytes: &[u8], h: &Header) -> Result<Vec<(usize, usiz
     Ok(out)
 }
 
+/// The shapes, each checked: fields within the limits, keys among the symbols and no key
+/// twice (a writer never makes such a shape, and a dict of it would have two entries,
+/// `len(v) == 2`, but one key as a Python dict: `to_python() == {'a': 2}`).
 pub(super) fn parse_shapes(
     bytes: &[u8],
     h: &Header,
-    nsym: usize,
+    symbols: &[(usize, usize)],
 ) -> Result<Vec<ShapeInfo>, ArchiveError> {
+    let nsym = symbols.len();
     let start = h.shapes_off as usize;
     let end = h.keys_off as usize;
     let region = &bytes[start..end];
@@ -583,6 +740,7 @@ pub(super) fn parse_shapes(
     }
     let mut at = 4;
     let mut out = Vec::with_capacity(n.min(region.len() / 2));
+    let mut names: Vec<&[u8]> = Vec::new();
     for s in 0..n {
         let bad = || ArchiveError::Corrupt(format!("shape {s} malformed"));
         let nf = region.get(at..at + 2).ok_or_else(bad)?;
@@ -603,11 +761,25 @@ pub(super) fn parse_shapes(
             keys.push(k);
             encs.push(Enc::decode(f[4..8].try_into().unwrap()).ok_or_else(bad)?);
         }
+        // No key twice, compared as strings (two symbols may hold the same one).
+        names.clear();
+        names.extend(keys.iter().map(|&k| {
+            let (a, b) = symbols[k as usize];
+            &bytes[a..b]
+        }));
+        names.sort_unstable();
+        if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+            return corrupt(format!(
+                "shape {s} has the key {:?} twice",
+                String::from_utf8_lossy(w[0])
+            ));
+        }
         let shape = Shape::new(keys.into(), encs.into());
         let refs = (0..nf as u16)
             .filter(|&i| shape.encs[i as usize].is_ref())
             .collect();
-        out.push(ShapeInfo { shape, refs });
+        let packs = shape.encs.iter().any(|e| matches!(e, Enc::Pack { .. }));
+        out.push(ShapeInfo { shape, refs, packs });
     }
     Ok(out)
 }

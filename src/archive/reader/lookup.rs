@@ -34,6 +34,11 @@ impl<B: AsRef<[u8]>> Reader<B> {
             }
             for i in 0..n {
                 let k = self.item_key(self.dict_key(node, i)?)?;
+                if !k.key_eq(&k) {
+                    // A key that equals nothing (a NaN, or a tuple holding one) is found
+                    // by no lookup, as in a Python dict: there is nothing to confirm.
+                    continue;
+                }
                 let found =
                     self.general_find(node, k.stable_hash(), |c| Ok(self.item_key(c)?.key_eq(&k)))?;
                 if found != Some(i) {
@@ -69,10 +74,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
                 return corrupt("an int dict key that is not in its shortest form");
             }
             Item::Float(f) => Key::Float(f),
-            Item::Str(s) => match std::str::from_utf8(s) {
-                Ok(s) => Key::Str(Borrowed(s)),
-                Err(_) => return corrupt("a str key is not UTF-8"),
-            },
+            Item::Str(s) => Key::Str(Borrowed(stored_str(s)?)),
             Item::Sym(id) => Key::Str(Borrowed(self.symbol(id)?)),
             Item::Bytes(b) => Key::Bytes(Borrowed(b)),
             Item::Tuple(node) if depth < MAX_KEY_DEPTH => {
@@ -143,6 +145,18 @@ impl<B: AsRef<[u8]>> Reader<B> {
         self.probe(key.stable_hash(), |e, _| Ok(self.key(e)?.key_eq(key)))
     }
 
+    /// A dict table slot's entry `e`, checked to be one of the archive's.
+    #[inline]
+    pub(super) fn table_entry(&self, e: u64) -> Result<u64, ArchiveError> {
+        if e >= self.header.count {
+            return corrupt(format!(
+                "dict table slot points at entry {e} of {}",
+                self.header.count
+            ));
+        }
+        Ok(e)
+    }
+
     /// The encoded bytes of key `i` (bounds-checked).
     pub(super) fn key_bytes(&self, i: u64) -> Result<&[u8], ArchiveError> {
         let b = self.bytes();
@@ -174,12 +188,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
                 return Ok(None);
             };
             if slot.tag == h as u32 {
-                if e >= self.header.count {
-                    return corrupt(format!(
-                        "dict table slot points at entry {e} of {}",
-                        self.header.count
-                    ));
-                }
+                let e = self.table_entry(e)?;
                 // Hints (docs/format.md, "The dict table"): start loading the key and the
                 // record now, so that the misses on the key, the index and the record
                 // overlap instead of following one another. The record hint is only

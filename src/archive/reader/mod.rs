@@ -11,7 +11,7 @@
 //!   value, depth within the format's limit), so later reads need no budget against
 //!   shared or cyclic structure. Then a bit per record is set and later accesses are free;
 //! - out-of-line payloads (array data, big bytes) have their own checksum, checked by
-//!   [`Reader::verify`] and never on the read path: any bit pattern of a numeric array is a
+//!   [`Reader::validate_all`] and never on the read path: any bit pattern of a numeric array is a
 //!   valid array, so reading one needs no hash (docs/format.md, "Integrity").
 
 mod access;
@@ -30,7 +30,7 @@ use crate::archive::builder::BLOCK_RECORDS;
 use crate::archive::format::*;
 use crate::archive::header::{record_span, Header, Kind, BLOCK_ENTRY, HEADER_LEN, PAYLOAD_ALIGN};
 use crate::archive::key::{decode_key, Key};
-use crate::archive::value::{typestr_itemsize, Extent, MAX_KEY_DEPTH, MAX_VALUE_DEPTH};
+use crate::archive::value::{typestr_itemsize, Extent, MAX_DEPTH, MAX_KEY_DEPTH};
 use crate::archive::{table, u32_at, u64_at, ArchiveError};
 
 /// How a node's bytes are read.
@@ -123,6 +123,8 @@ pub struct ShapeInfo {
     pub shape: Shape,
     /// Field indexes whose slot holds a reference.
     refs: Box<[u16]>,
+    /// Whether a field is packed numbers (a list one level below the dict).
+    packs: bool,
 }
 
 pub struct Reader<B> {
@@ -151,13 +153,21 @@ fn corrupt<T>(msg: impl Into<String>) -> Result<T, ArchiveError> {
     Err(ArchiveError::Corrupt(msg.into()))
 }
 
+/// A stored str's bytes as a `str`: `Corrupt` if they are not UTF-8 (the check of every
+/// read of a str, in Rust; the Python layer's strict UTF-8 decoding refuses the same bytes).
+#[inline]
+pub fn stored_str(b: &[u8]) -> Result<&str, ArchiveError> {
+    std::str::from_utf8(b)
+        .map_err(|_| ArchiveError::Corrupt("a stored str is not valid UTF-8".into()))
+}
+
 #[cold]
 #[inline(never)]
 fn count_past_end<T>(n: u64, at: usize) -> Result<T, ArchiveError> {
     corrupt(format!("count {n} at {at} runs past the records"))
 }
 
-type Scratch = (Vec<(usize, usize)>, Vec<(usize, usize, usize)>);
+type Scratch = (Vec<(usize, usize)>, Vec<(usize, check::Depth, usize)>);
 
 thread_local! {
     /// Reused by `validate_block` (spans of a block's records, the walk queue).
@@ -211,7 +221,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
             }
         }
         let symbols = parse_symbols(bytes, &header)?;
-        let shapes = parse_shapes(bytes, &header, symbols.len())?;
+        let shapes = parse_shapes(bytes, &header, &symbols)?;
         let mut block_first = parse_blocks(bytes, &header)?;
         // Blocks are in order and start at record 0 (checked by `parse_blocks`), so as
         // many blocks as records means block b = record b: the table says nothing.

@@ -143,6 +143,13 @@ pub(super) fn arena_use(py: Python<'_>, path: &Path) -> Result<Arc<ArenaUse>, St
             let mut registration = Registration::new(py, path.to_owned(), false);
             let file = py.detach(|| {
                 let file = ArenaFile::open(path).map_err(StoreErr::Arena)?;
+                // As for a segment attached by name: in a directory where someone else can
+                // rename our files, the arena under this name may be another one, and a
+                // chunk of the same offset, size and generation in it another object
+                // (docs/security.md). An arena this process made or maps already is found
+                // above and not looked at again.
+                let name = path.file_name().unwrap_or_default().to_string_lossy();
+                segment::check_dir_of(path, &name).map_err(StoreErr::Segment)?;
                 registration
                     .lock_if_unsupervised(file.ident())
                     .map_err(StoreErr::Segment)?;

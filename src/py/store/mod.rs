@@ -400,7 +400,7 @@ pub(crate) fn attach(py: Python<'_>, name: &str, dir: Option<&Path>) -> PyResult
             what: "a chunk of an arena is named <arena>@<offset>:<size>:<generation>".into(),
         })?;
         let dirs = match dir {
-            Some(d) => vec![d.to_owned()],
+            Some(d) => vec![absolute_dir(d.to_owned())?],
             None => segment::search_dirs(),
         };
         let path = dirs
@@ -412,7 +412,7 @@ pub(crate) fn attach(py: Python<'_>, name: &str, dir: Option<&Path>) -> PyResult
     }
     let name = segment::normalize_name(name).map_err(Error::from)?;
     let dirs = match dir {
-        Some(d) => vec![d.to_owned()],
+        Some(d) => vec![absolute_dir(d.to_owned())?],
         None => segment::search_dirs(),
     };
     let path = dirs
@@ -423,10 +423,25 @@ pub(crate) fn attach(py: Python<'_>, name: &str, dir: Option<&Path>) -> PyResult
     open_store(py, Source::Segment { name, path })
 }
 
-/// Where a new store goes: `dir` if given (no fallback); else the segment directory, or
-/// the fallback directory when `size_hint` bytes do not fit (logged as a warning).
+/// A `dir=` argument made absolute against the current directory, as the segment directory
+/// is: the path is what pickles carry and what the supervisor is told (it refuses a relative
+/// one), and another process, or this one after a `chdir`, must find the same files.
+pub(crate) fn absolute_dir(dir: PathBuf) -> PyResult<PathBuf> {
+    std::path::absolute(&dir).map_err(|err| {
+        Error::Io {
+            at: dir.display().to_string(),
+            err,
+        }
+        .into()
+    })
+}
+
+/// Where a new store goes: `dir` if given, made absolute (no fallback); else the segment
+/// directory, or the fallback directory when `size_hint` bytes do not fit (logged as a
+/// warning).
 fn placement(dir: Option<PathBuf>, size_hint: Option<u64>) -> PyResult<(PathBuf, Option<PathBuf>)> {
     if let Some(d) = dir {
+        let d = absolute_dir(d)?;
         if let Some(n) = size_hint {
             segment::preflight(&d, n).map_err(Error::from)?;
         }
