@@ -226,7 +226,7 @@ def test_hostile_archives_from_a_buffer_give_corrupt_store_error() -> None:
         wrong = [e for e in results if e is not None]
         wrong = [e for e in wrong if not isinstance(e, shmstore.CorruptStoreError)]
         assert not wrong, (name, wrong)
-        if name != "deep-ok":
+        if not name.endswith("-ok"):  # archives at a limit, legitimately readable
             assert any(e is not None for e in results), f"{name}: never noticed"
 
 
