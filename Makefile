@@ -7,7 +7,7 @@ PYTHON ?= python3
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 
-.PHONY: help venv lock build test test-rust test-python test-torch test-matrix msrv memcheck fuzz wheels test-wheel demo bench bench-format bench-rkyv lint doctest format clean soak soak-short
+.PHONY: help venv lock build test test-rust test-python test-torch test-ray test-matrix msrv memcheck fuzz wheels test-wheel demo bench bench-format bench-rkyv lint doctest format clean soak soak-short
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -63,6 +63,19 @@ test-torch: venv ## the integration tests with real torch, in .venv-torch (~6 GB
 	$(TORCH_VENV)/bin/python -m pytest -q tests/test_integrations.py tests/test_examples.py \
 		tests/test_guides.py tests/test_torch_pin.py \
 		tests/test_cluster.py
+
+# Ray (~240 MB; .venv-ray ~850 MB with the dev requirements) is kept out of .venv and
+# `make test` the same way: shmstore.ray and the foreign-buffer reader with real Ray (a
+# two-node cluster on this machine), in .venv-ray.
+RAY_VENV ?= .venv-ray
+test-ray: venv ## shmstore.ray with real Ray (two nodes here) and from_buffer, in .venv-ray (installed once)
+	test -x $(RAY_VENV)/bin/python || $(PYTHON) -m venv $(RAY_VENV)
+	$(RAY_VENV)/bin/python -m pip install -q ray -r requirements-dev.lock
+	rm -rf target/ray-wheel
+	$(VENV)/bin/maturin build --release -q -o target/ray-wheel -i $(RAY_VENV)/bin/python
+	$(RAY_VENV)/bin/python -m pip install -q --force-reinstall --no-deps target/ray-wheel/*.whl
+	$(RAY_VENV)/bin/python -m pytest -q tests/test_ray.py tests/test_foreign_buffer.py \
+		"tests/test_guides.py::test_guide_code_runs_as_written[ray]"
 
 # The interpreter matrix (CI): a release wheel per CPython (MATRIX: versions, and abi3 = the
 # stable-ABI wheel on the newest of them), each in a fresh venv of that CPython with
@@ -213,4 +226,4 @@ format: venv ## format Rust and Python
 
 clean: ## remove build products and the venv
 	cargo clean
-	rm -rf $(VENV) $(TORCH_VENV) $(DEMO_VENV) target dist
+	rm -rf $(VENV) $(TORCH_VENV) $(RAY_VENV) $(DEMO_VENV) target dist

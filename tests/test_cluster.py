@@ -759,3 +759,29 @@ def test_a_handle_unpickled_beside_a_scheduler_says_what_it_is(tmp_path: Path) -
         sc.release()
     with pytest.raises(TypeError, match="takes a NodeRef"):
         sc.resolve("not a ref")
+
+
+def test_one_host_over_two_segment_directories_is_warned_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A process of the host that shared a store but with another SHMSTORE_DIR would make a
+    second copy on that host: said once, with what to do."""
+    import logging
+
+    monkeypatch.delenv("SHMSTORE_NODE_ID", raising=False)
+    with shmstore.SharedList([1, 2]) as lst:
+        ref = sc.share(lst)
+        other = tmp_path / "other"
+        other.mkdir(mode=0o700)
+        mine = os.environ["SHMSTORE_DIR"]
+        monkeypatch.setenv("SHMSTORE_DIR", str(other))
+        with caplog.at_level(logging.WARNING, logger="shmstore.cluster"):
+            for _ in range(3):
+                sc._warn_if_split_host(ref, sc.node_id())
+        monkeypatch.setenv("SHMSTORE_DIR", mine)
+        with caplog.at_level(logging.WARNING, logger="shmstore.cluster"):
+            sc._warn_if_split_host(ref, sc.node_id())  # the same directory: nothing to say
+        sc.release()
+    warned = [r for r in caplog.records if "SHMSTORE_DIR" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+    assert str(other) in warned[0].getMessage()

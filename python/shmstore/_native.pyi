@@ -8,7 +8,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Generic, Literal, SupportsIndex, TypeVar, final, overload
 
-from typing_extensions import disjoint_base
+from typing_extensions import Buffer, disjoint_base
 
 __all__ = [
     "_ARENA_MAGIC",
@@ -127,12 +127,21 @@ class StoreHandle:
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> StoreHandle:
         """Map a store saved with ``save(path)``."""
+    @classmethod
+    def from_buffer(cls, buffer: Buffer, *, copy: bool | None = None) -> StoreHandle:
+        """Read the archive in ``buffer`` (``bytes``, ``memoryview``, ``PickleBuffer``, a
+        numpy uint8 array) with a segment's checks; the store holds the buffer while any
+        handle, view or array of it lives. ``copy``: None in place when read-only and
+        aligned (an unaligned one is copied), True always a private copy, False never."""
+    def archive(self) -> memoryview:
+        """The whole archive as a read-only memoryview of the store's pages (no copy)."""
     @property
     def name(self) -> str:
         """The store's name (``shmstore-...``), or the path of a store opened from a file."""
     @property
     def path(self) -> Path:
-        """The file behind the store: its segment, or the saved archive file."""
+        """The file behind the store: its segment, or the saved archive file (none for a
+        store read from a buffer: InvalidInputError)."""
     @property
     def kind(self) -> Literal["list", "dict", "object"]:
         """What the store holds: ``"list"``, ``"dict"`` or ``"object"``."""
@@ -205,6 +214,9 @@ class SharedList(StoreHandle, Sequence[_T_co], Generic[_T_co]):
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> SharedList[Any]:
         """Map a SharedList saved with ``save(path)``."""
+    @classmethod
+    def from_buffer(cls, buffer: Buffer, *, copy: bool | None = None) -> SharedList[Any]:
+        """Read a SharedList's archive in ``buffer`` (see ``StoreHandle.from_buffer``)."""
     def __class_getitem__(cls, item: Any) -> Any: ...
     def __len__(self) -> int: ...
     @overload
@@ -246,6 +258,9 @@ class SharedDict(StoreHandle, Mapping[_K, Any], Generic[_K]):
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> SharedDict[Any]:
         """Map a SharedDict saved with ``save(path)``."""
+    @classmethod
+    def from_buffer(cls, buffer: Buffer, *, copy: bool | None = None) -> SharedDict[Any]:
+        """Read a SharedDict's archive in ``buffer`` (see ``StoreHandle.from_buffer``)."""
     def __class_getitem__(cls, item: Any) -> Any: ...
     def __len__(self) -> int: ...
     def __getitem__(self, key: _Key, /) -> Any: ...
@@ -274,6 +289,9 @@ class Ref(StoreHandle):
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> Ref:
         """Map an object saved with ``save(path)``."""
+    @classmethod
+    def from_buffer(cls, buffer: Buffer, *, copy: bool | None = None) -> Ref:
+        """Read a Ref's archive in ``buffer`` (see ``StoreHandle.from_buffer``)."""
     def get(self) -> Any:
         """The shared object: a read-only view, a read-only numpy array, or a scalar."""
 

@@ -31,6 +31,7 @@ MINIMUM: dict[str, tuple[str, str]] = {
     "torch": ("2.0", "torch"),
     "dask": ("2024.8", "dask"),
     "distributed": ("2024.8", "dask"),
+    "ray": ("2.9", "ray"),
     "pytest": ("8.0", "pytest"),
 }
 

@@ -423,8 +423,41 @@ def resolve(ref: Any, *, timeout: Optional[float] = None, fetch: bool = True) ->
     return h
 
 
+_split_warned: set[tuple[str, str]] = set()
+
+
+def _warn_if_split_host(ref: NodeRef, here: str) -> None:
+    """Log once per process (and pair of directories) when this process runs on the host that
+    shared ``ref`` (same boot id) but sees another segment directory: each directory then
+    gets a copy of its own, and the host holds the store twice. Intended between containers
+    with their own /dev/shm; otherwise a ``SHMSTORE_DIR`` that differs between processes."""
+    if os.environ.get("SHMSTORE_NODE_ID") or "/" not in ref.origin_node or "/" not in here:
+        return
+    boot, _, origin_dir = ref.origin_node.partition("/")
+    my_boot, _, my_dir = here.partition("/")
+    if boot != my_boot or boot == "?" or origin_dir == my_dir:
+        return
+    with _lock:
+        if (origin_dir, my_dir) in _split_warned:
+            return
+        _split_warned.add((origin_dir, my_dir))
+    log.warning(
+        "store %r was shared by a process of this same host (boot id %s) that uses another "
+        "segment directory (device:inode %s; here %s, %s): each directory gets its own "
+        "copy. Give every process of the host the same SHMSTORE_DIR (or set "
+        "SHMSTORE_NODE_ID where this is meant, e.g. containers with a /dev/shm each)",
+        ref.name,
+        boot,
+        origin_dir,
+        _segment_dir(),
+        my_dir,
+    )
+
+
 def _resolve(ref: NodeRef, timeout: float, fetch: bool = True) -> tuple[str, Any]:
-    if ref.origin_path and ref.origin_node == node_id():
+    here = node_id()
+    _warn_if_split_host(ref, here)
+    if ref.origin_path and ref.origin_node == here:
         flag = "s" if os.path.basename(ref.origin_path) == ref.name else ""  # segment or file
         try:
             h = _native._rebuild(HANDLE_CLASSES[ref.kind].__name__, ref.origin_path, flag)

@@ -178,6 +178,17 @@ impl Channel {
                 }
                 .into())
             }
+            Source::Buffer { label } => {
+                return Err(Error::Invalid {
+                    at: format!("channel {:?}", name_of(self.file())),
+                    what: format!(
+                        "{} is a store read from a buffer, which has no name another \
+                         process could attach by",
+                        label.display()
+                    ),
+                }
+                .into())
+            }
         };
         let len = h.path.as_os_str().len();
         if len > crate::channel::MAX_PATH {

@@ -212,6 +212,10 @@ pub(crate) enum Error {
     },
     /// A call that cannot work as given (an argument error of ours).
     Usage(String),
+    /// `TypeError`: an argument of a type the call cannot take (not a buffer), or pickling
+    /// something that has no name to pickle by (a store read from a buffer), as pickle
+    /// raises for objects it cannot take.
+    Type(String),
     /// Something needed that is not there: a module (numpy to read arrays), the supervisor
     /// (a channel).
     Missing(String),
@@ -302,6 +306,7 @@ impl From<Error> for PyErr {
                 format!("unhashable type: {what}"),
             ),
             Error::Usage(msg) => (Class::Builtin(Builtin::Value), msg),
+            Error::Type(msg) => (Class::Builtin(Builtin::Type), msg),
             Error::Missing(msg) => (Class::Ours(Exc::Base), msg),
         };
         new(class, Args::Msg(msg))

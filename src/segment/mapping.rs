@@ -78,7 +78,8 @@ pub fn cleanup_owned() -> usize {
     mine.len()
 }
 
-/// A sealed segment mapped read-only, or a window of an arena's mapping.
+/// A sealed segment mapped read-only, a window of an arena's mapping, or bytes another
+/// library owns (a foreign buffer).
 pub struct Mapping {
     mmap: Mapped,
     path: PathBuf,
@@ -100,7 +101,24 @@ enum Mapped {
         start: usize,
         len: usize,
     },
+    /// `len` bytes at `start` that `owner` keeps valid and unchanged as long as it lives
+    /// (another library's buffer: see [`Mapping::foreign`]).
+    Foreign {
+        _owner: Box<dyn Send + Sync>,
+        start: ForeignPtr,
+        len: usize,
+    },
 }
+
+/// The address of a foreign buffer's first byte.
+struct ForeignPtr(*const u8);
+
+// SAFETY: the pointer is only read through (`Mapping::as_ref`), never written, and the bytes
+// behind it do not change while the mapping lives (the contract of `Mapping::foreign`), so
+// reading them from any thread is as safe as reading a `&[u8]`.
+unsafe impl Send for ForeignPtr {}
+// SAFETY: as for `Send`: shared reads of bytes that nobody writes.
+unsafe impl Sync for ForeignPtr {}
 
 /// The arena mapping a window reads through.
 enum ArenaMap {
@@ -485,6 +503,57 @@ impl Mapping {
         })
     }
 
+    /// `len` bytes at `start` that `owner` keeps (a buffer of another library, e.g. Ray's
+    /// object store, through the Python buffer protocol), read in place. `label` names it in
+    /// messages. An empty buffer is allowed here: the archive's header check refuses it.
+    ///
+    /// # Safety
+    /// `start..start + len` must be readable and must not change (nor be unmapped or freed)
+    /// for as long as `owner` lives: the caller has checked that the buffer is read-only and
+    /// holds what keeps it so (the exported buffer, which pins the exporting object).
+    pub unsafe fn foreign(
+        owner: Box<dyn Send + Sync>,
+        start: *const u8,
+        len: usize,
+        label: &Path,
+    ) -> Self {
+        Mapping {
+            mmap: Mapped::Foreign {
+                _owner: owner,
+                start: ForeignPtr(start),
+                len,
+            },
+            path: label.to_owned(),
+            owner: Mutex::new(None),
+            private_copy: false,
+        }
+    }
+
+    /// A private copy of `bytes` in anonymous memory of this process, mapped read-only once
+    /// written (page-aligned, so every array of the archive keeps its alignment). `label`
+    /// names it in messages.
+    pub fn copy_of(bytes: &[u8], label: &Path) -> Result<Self, SegmentError> {
+        if bytes.is_empty() {
+            // An anonymous mapping cannot be empty; an empty mapping reads no byte.
+            // SAFETY: nothing is read through a mapping of length 0 (`as_ref` gives `&[]`).
+            return Ok(unsafe { Self::foreign(Box::new(()), std::ptr::null(), 0, label) });
+        }
+        let mut mmap = memmap2::MmapOptions::new()
+            .len(bytes.len())
+            .map_anon()
+            .map_err(|e| SegmentError::io(label, e))?;
+        mmap[..bytes.len()].copy_from_slice(bytes);
+        let mmap = mmap
+            .make_read_only()
+            .map_err(|e| SegmentError::io(label, e))?;
+        Ok(Mapping {
+            mmap: Mapped::Own(mmap),
+            path: label.to_owned(),
+            owner: Mutex::new(None),
+            private_copy: true,
+        })
+    }
+
     /// The whole mapping these bytes lie in, as (address, length): the segment's or saved
     /// file's own mapping, or for an arena chunk the arena's one mapping in this process
     /// (shared by every chunk of it read here). It stays mapped as long as `self` exists.
@@ -493,11 +562,12 @@ impl Mapping {
         match &self.mmap {
             Mapped::Own(m) => (m.as_ptr() as usize, m.len()),
             Mapped::Window { arena, .. } => (arena.as_ptr() as usize, arena.len()),
+            Mapped::Foreign { start, len, .. } => (start.0 as usize, *len),
         }
     }
 
     /// Whether this mapping is of a private sealed copy (another user's file, or one that
-    /// others can write), not of the file itself.
+    /// others can write), not of the file itself; or a private copy of a foreign buffer.
     pub fn is_private_copy(&self) -> bool {
         self.private_copy
     }
@@ -521,9 +591,10 @@ impl Mapping {
     /// Remove the name now (live mappings, here and elsewhere, keep working). Returns
     /// whether a file was removed.
     pub fn unlink(&self) -> Result<bool, SegmentError> {
-        if matches!(self.mmap, Mapped::Window { .. }) {
+        if matches!(self.mmap, Mapped::Window { .. } | Mapped::Foreign { .. }) {
             // A chunk of an arena has no name of its own; the arena is removed once no
-            // process uses it (docs/arena.md).
+            // process uses it (docs/arena.md). A foreign buffer has none either: its owner
+            // decides when it goes.
             return Ok(false);
         }
         if let Some(entry) = self.owner.lock().unwrap_or_else(|p| p.into_inner()).take() {
@@ -555,6 +626,17 @@ impl AsRef<[u8]> for Mapping {
             Mapped::Window { arena, start, len } => unsafe {
                 std::slice::from_raw_parts(arena.as_ptr().add(*start), *len)
             },
+            // SAFETY: `Mapping::foreign`'s contract: the bytes are readable and unchanged
+            // while `owner` lives, and it lives as long as `self`. An empty buffer's address
+            // may be anything non-null or dangling: a slice of length 0 reads nothing, and
+            // a null one is replaced by a dangling, aligned pointer.
+            Mapped::Foreign { start, len, .. } => unsafe {
+                if *len == 0 || start.0.is_null() {
+                    &[]
+                } else {
+                    std::slice::from_raw_parts(start.0, *len)
+                }
+            },
         }
     }
 }
@@ -581,6 +663,36 @@ impl Drop for Mapping {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A foreign mapping reads its owner's bytes in place and holds the owner exactly as long
+    /// as it lives; a copy is page-aligned memory of its own; an empty one reads nothing.
+    #[test]
+    fn foreign_bytes_are_held_and_copies_are_private() {
+        let data: Arc<Vec<u8>> = Arc::new((0..=255u8).collect());
+        let owner = Arc::clone(&data);
+        // SAFETY: `owner` keeps the vector (never written) alive as long as the mapping.
+        let m = unsafe { Mapping::foreign(Box::new(owner), data.as_ptr(), 256, Path::new("<t>")) };
+        assert_eq!(Arc::strong_count(&data), 2);
+        assert_eq!(m.as_ref(), &data[..]);
+        assert_eq!(m.extent(), (data.as_ptr() as usize, 256));
+        assert!(!m.is_private_copy());
+        assert!(
+            !m.unlink().unwrap(),
+            "a foreign buffer has no name to remove"
+        );
+        drop(m);
+        assert_eq!(Arc::strong_count(&data), 1);
+
+        let c = Mapping::copy_of(&data, Path::new("<t>")).unwrap();
+        assert_eq!(c.as_ref(), &data[..]);
+        assert_ne!(c.as_ref().as_ptr(), data.as_ptr());
+        assert_eq!(c.as_ref().as_ptr() as usize % 4096, 0);
+        assert!(c.is_private_copy());
+        assert!(Mapping::copy_of(&[], Path::new("<t>"))
+            .unwrap()
+            .as_ref()
+            .is_empty());
+    }
 
     /// Whether thread `tid` of this process is waiting in `futex` (blocked on a mutex).
     fn in_futex(tid: libc::pid_t) -> bool {

@@ -236,6 +236,39 @@ impl StoreHandle {
         handle_as(cls, store::open_file(cls.py(), &path)?)
     }
 
+    /// Read the archive in `buffer` (any object with the buffer protocol: `bytes`, a
+    /// `memoryview`, a `pickle.PickleBuffer`, a numpy uint8 array; e.g. `archive()` of
+    /// another handle, or Ray's copy of one) with the same checks as a segment. The store
+    /// holds the buffer (and so its object) as long as any handle, view or array of it
+    /// lives. `copy`: None reads a read-only, 64-byte-aligned buffer in place and copies a
+    /// read-only unaligned one (logged), True always reads a private copy (writable buffers
+    /// too: a snapshot), False never copies (refuses what cannot be read in place). A
+    /// writable buffer is refused unless copied: the bytes must not change under readers.
+    #[classmethod]
+    #[pyo3(signature = (buffer, *, copy=None))]
+    fn from_buffer<'py>(
+        cls: &Bound<'py, PyType>,
+        buffer: &Bound<'py, PyAny>,
+        copy: Option<bool>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let policy = match copy {
+            None => store::CopyPolicy::Auto,
+            Some(true) => store::CopyPolicy::Always,
+            Some(false) => store::CopyPolicy::Never,
+        };
+        handle_as(cls, store::open_buffer(cls.py(), buffer, policy)?)
+    }
+
+    /// The whole archive as a read-only `memoryview` of the store's own pages (no copy):
+    /// for a segment, the segment file's bytes. `from_buffer` of it (here or in a process
+    /// it was sent to) reads the same store. The memoryview keeps the mapping alive.
+    fn archive<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        let store = Self::store(slf)?;
+        let nbytes = store.nbytes();
+        let owner = new_untracked(slf.py(), ArrayOwner::new(store, "|u1", vec![nbytes], 0))?;
+        Ok(pyo3::types::PyMemoryView::from(owner.as_any())?.into_any())
+    }
+
     /// The store's name (`shmstore-…`), or the file path for a store opened from a file.
     #[getter]
     fn name(&self) -> String {
@@ -243,10 +276,18 @@ impl StoreHandle {
     }
 
     /// The file behind the store: the segment in /dev/shm (or `SHMSTORE_DIR`, or the disk
-    /// fallback), or the saved archive file.
+    /// fallback), or the saved archive file. A store read from a buffer has none
+    /// (InvalidInputError).
     #[getter]
-    fn path(&self) -> PathBuf {
-        self.source.path().to_owned()
+    fn path(&self) -> PyResult<PathBuf> {
+        if let Source::Buffer { label } = &self.source {
+            return Err(Error::Invalid {
+                at: label.display().to_string(),
+                what: "a store read from a buffer has no file".into(),
+            }
+            .into());
+        }
+        Ok(self.source.path().to_owned())
     }
 
     /// What the store holds: `"list"`, `"dict"` or `"object"`.
@@ -283,6 +324,15 @@ impl StoreHandle {
             return Err(Error::Invalid {
                 at: path.display().to_string(),
                 what: "was opened from a file; delete the file instead".into(),
+            }
+            .into());
+        }
+        if let Source::Buffer { label } = &store.source {
+            return Err(Error::Invalid {
+                at: label.display().to_string(),
+                what: "was read from a buffer, which has no name to remove; its owner \
+                       decides when it goes (close() lets go of it here)"
+                    .into(),
             }
             .into());
         }
@@ -357,7 +407,7 @@ impl StoreHandle {
             let args = (path, chunk.offset, chunk.size, chunk.generation);
             return (rebuild_fn(py, &REBUILD_CHUNK, "_rebuild_chunk")?, args).into_pyobject(py);
         }
-        let (path, flag, _, _) = store.pickle_args(0, 0);
+        let (path, flag, _, _) = store.pickle_args(0, 0)?;
         let cls: String = slf.get_type().name()?.to_string();
         (rebuild_fn(py, &REBUILD, "_rebuild")?, (cls, path, flag)).into_pyobject(py)
     }

@@ -60,6 +60,46 @@ impl ArrayOwner {
         self.store.mapping().extent()
     }
 
+    /// The buffer protocol: the stored array's bytes, read-only, as unsigned bytes
+    /// (`memoryview(owner)`; what `StoreHandle.archive()` gives for the whole archive). A
+    /// writable request is refused (`BufferError`).
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: std::os::raw::c_int,
+    ) -> PyResult<()> {
+        let me = slf.get();
+        let bytes = me.store.reader.bytes();
+        let len = crate::archive::value::typestr_itemsize(&me.typestr)
+            .and_then(|size| me.shape.iter().try_fold(size, |n, &d| n.checked_mul(d)))
+            .filter(|&n| {
+                me.offset
+                    .checked_add(n)
+                    .is_some_and(|end| end <= bytes.len())
+            })
+            .and_then(|n| isize::try_from(n).ok());
+        let Some(len) = len else {
+            return Err(
+                me.store.archive_err()(crate::archive::ArchiveError::Corrupt(
+                    "an array lies outside the store".into(),
+                ))
+                .into(),
+            );
+        };
+        // SAFETY: `view` is the caller's Py_buffer to fill (the buffer protocol's
+        // contract); the `len` bytes at `data_ptr` lie inside the store's mapping (checked
+        // above), which `slf` keeps alive, and `PyBuffer_FillInfo` takes a reference to
+        // `slf` into `view.obj` (released by `PyBuffer_Release`). readonly=1: a request
+        // for a writable buffer fails there with BufferError.
+        let rc = unsafe {
+            pyo3::ffi::PyBuffer_FillInfo(view, slf.as_ptr(), me.data_ptr(), len, 1, flags)
+        };
+        if rc != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "<shmstore.ArrayOwner {} of {}>",

@@ -390,7 +390,7 @@ fn reduce_view<'py>(
     node: Node,
 ) -> PyResult<(Bound<'py, PyAny>, ViewPickleArgs)> {
     let rebuild = py.import("shmstore._native")?.getattr("_rebuild_view")?;
-    let (path, flag, rec, pos) = store.pickle_args(node.record() as u64, node.pos());
+    let (path, flag, rec, pos) = store.pickle_args(node.record() as u64, node.pos())?;
     let (form, aux) = node.form_code();
     Ok((rebuild, (path, flag, rec, pos, form, aux)))
 }

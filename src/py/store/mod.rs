@@ -4,10 +4,11 @@
 //! The files: this one has `Store`, `Source`, the attach cache and opening a store;
 //! `registration.rs` a store's registration with the supervisor (or its `flock`);
 //! `arena_use.rs` this process's uses of arenas and opening a chunk; `build.rs` building,
-//! importing and saving a store.
+//! importing and saving a store; `foreign.rs` a store read from another library's buffer.
 
 mod arena_use;
 mod build;
+mod foreign;
 mod registration;
 
 use std::collections::HashMap;
@@ -65,6 +66,7 @@ pub(crate) struct PyField {
 
 pub(crate) use arena_use::*;
 pub(crate) use build::*;
+pub(crate) use foreign::*;
 pub(crate) use registration::*;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -81,6 +83,11 @@ pub(crate) enum Source {
         path: PathBuf,
         chunk: Chunk,
     },
+    /// Another library's buffer (`from_buffer`): no name and no file. `label` says what it
+    /// was ("<buffer 3 of memoryview>"), unique in this process.
+    Buffer {
+        label: PathBuf,
+    },
 }
 
 /// What a pickle of a handle or view carries: (path, "s" for a segment or "" for a saved
@@ -93,6 +100,7 @@ impl Source {
             Source::Segment { path, .. } | Source::File { path } | Source::Arena { path, .. } => {
                 path
             }
+            Source::Buffer { label } => label,
         }
     }
 
@@ -108,6 +116,7 @@ impl Source {
                 chunk.size,
                 chunk.generation
             ),
+            Source::Buffer { label } => label.display().to_string(),
         }
     }
 
@@ -161,9 +170,11 @@ impl Store {
         self.reader.bytes().len()
     }
 
-    /// The pickle payload of something at (`rec`, `pos`) in this store.
-    pub(crate) fn pickle_args(&self, rec: u64, pos: u64) -> PickleArgs {
-        match &self.source {
+    /// The pickle payload of something at (`rec`, `pos`) in this store; a store read from a
+    /// buffer has no name to pickle by (a `TypeError`, as for any object pickle cannot
+    /// take, saying what to do instead).
+    pub(crate) fn pickle_args(&self, rec: u64, pos: u64) -> Result<PickleArgs, Error> {
+        Ok(match &self.source {
             Source::Segment { path, .. } => (path.display().to_string(), "s".into(), rec, pos),
             Source::File { path } => (path.display().to_string(), String::new(), rec, pos),
             Source::Arena { path, chunk } => (
@@ -172,7 +183,16 @@ impl Store {
                 rec,
                 pos,
             ),
-        }
+            Source::Buffer { label } => {
+                return Err(Error::Type(format!(
+                    "cannot pickle a store read from a buffer ({}): it has no name another \
+                     process could attach by. Pickle what made the buffer instead (e.g. the \
+                     handle of shmstore.ray.share), convert the value to Python objects \
+                     first (.to_python()), or build a store of it (SharedList(...))",
+                    label.display()
+                )))
+            }
+        })
     }
 
     /// The Python str for symbol `id` (shared, immutable, private to this process).
@@ -295,6 +315,15 @@ fn open_store(py: Python<'_>, source: Source) -> PyResult<Arc<Store>> {
         Source::Segment { name, path } => (path.clone(), name.clone(), true),
         Source::File { path } => (path.clone(), path.display().to_string(), false),
         Source::Arena { .. } => unreachable!("handled above"),
+        Source::Buffer { label } => {
+            return Err(Error::Invalid {
+                at: label.display().to_string(),
+                what: "a store read from a buffer cannot be attached again; keep its \
+                       handle, or call from_buffer again"
+                    .into(),
+            }
+            .into())
+        }
     };
     // A segment is locked (shared `flock`) before it is mapped and checked, through the
     // descriptor it is mapped from: the lock lasts as long as the mapping (here and in
