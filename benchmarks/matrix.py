@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _common
+
 HERE = Path(__file__).resolve().parent
 PARTS = ("format", "arrays", "channel", "docstore")
 
@@ -81,16 +83,6 @@ def _raise_exit(signum: int, _frame: Any) -> None:
 # --- machine facts -------------------------------------------------------------------------------
 
 
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def procs_running() -> str:
     try:
         for line in Path("/proc/stat").read_text().splitlines():
@@ -115,7 +107,7 @@ def machine_facts(args: argparse.Namespace) -> str:
     rows = [
         ("label", args.label),
         ("date", dt.datetime.now().isoformat(timespec="seconds")),
-        ("CPU", cpu_model()),
+        ("CPU", _common._cpu_model()),
         ("cores (os.cpu_count / affinity)", f"{os.cpu_count()} / {len(os.sched_getaffinity(0))}"),
         ("load average before (1/5/15 min)", la),
         ("procs_running before", procs_running()),
