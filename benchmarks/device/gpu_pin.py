@@ -106,6 +106,39 @@ def pageable_tensor(torch: Any, arr: np.ndarray) -> Any:
         return torch.from_numpy(arr)
 
 
+def pin_then_copy(
+    label: str,
+    pin: Callable[[], Any],
+    copy: Callable[[Any], Any],
+    release: Callable[[Any], None],
+    reps: int,
+    nbytes: int,
+    torch: Any,
+    device: str,
+) -> tuple[float, float, tuple[str, str, str, str, str, str]]:
+    """Median seconds to pin and to copy over `reps` rounds after a warm-up, and the table
+    row: the process's RSS/PSS/anonymous and the machine's used memory grown by the pin."""
+    pin_t, copy_t, mem = [], [], []
+    for i in range(reps + 1):
+        gc.collect()
+        before, u0 = rollup(), used()
+        t = time.perf_counter()
+        box = [pin()]  # the only reference: `release` gets it, and may drop it first
+        dt = time.perf_counter() - t
+        after, u1 = rollup(), used()
+        ct = timed(lambda b=box: copy(b[0]), torch, device)
+        if i:
+            pin_t.append(dt)
+            copy_t.append(ct)
+            grown = [after.get(k, 0) - before.get(k, 0) for k in ("Rss", "Pss", "Anonymous")]
+            mem.append((*grown, u1 - u0))
+        release(box.pop())
+    tp, tc = median(pin_t), median(copy_t)
+    m = mem[len(mem) // 2]
+    row = (label, f"{tp:.3f}", gbs(nbytes, tc), f"{mib(m[0])} / {mib(m[1])}", mib(m[2]), mib(m[3]))
+    return tp, tc, row
+
+
 # --- d: several processes pin the same pages ---------------------------------------------
 
 
@@ -240,26 +273,10 @@ def main() -> int:
     rows.append(("a. pageable shared array", "-", gbs(nbytes, median(ts)), "-", "-", "-"))
 
     # b. pin_memory()
-    pin_t, copy_t, mem = [], [], []
-    for i in range(args.reps + 1):
-        gc.collect()
-        before, u0 = rollup(), used()
-        t = time.perf_counter()
-        pinned = host.pin_memory() if not dry else host.clone()
-        dt = time.perf_counter() - t
-        after, u1 = rollup(), used()
-        ct = timed(lambda t=pinned: t.to(device, non_blocking=True), torch, device)
-        if i:
-            pin_t.append(dt)
-            copy_t.append(ct)
-            mem.append(
-                (
-                    after.get("Rss", 0) - before.get("Rss", 0),
-                    after.get("Pss", 0) - before.get("Pss", 0),
-                    after.get("Anonymous", 0) - before.get("Anonymous", 0),
-                    u1 - u0,
-                )
-            )
+    def pin_memory() -> Any:
+        return host.pin_memory() if not dry else host.clone()
+
+    def after_pin_memory(pinned: Any) -> None:
         del pinned
         # torch keeps freed pinned blocks for reuse (its caching host allocator): without
         # this, every pin_memory() after the first is a plain copy into the block the last
@@ -267,53 +284,31 @@ def main() -> int:
         empty_host_cache = getattr(torch._C, "_host_emptyCache", None)
         if empty_host_cache is not None and not dry:
             empty_host_cache()
-    tb_pin, tb_copy = median(pin_t), median(copy_t)
-    m = mem[len(mem) // 2]
-    rows.append(
-        (
-            "b. `pin_memory()` then copy",
-            f"{tb_pin:.3f}",
-            gbs(nbytes, tb_copy),
-            f"{mib(m[0])} / {mib(m[1])}",
-            mib(m[2]),
-            mib(m[3]),
-        )
+
+    tb_pin, tb_copy, row = pin_then_copy(
+        "b. `pin_memory()` then copy",
+        pin_memory,
+        lambda pinned: pinned.to(device, non_blocking=True),
+        after_pin_memory,
+        args.reps,
+        nbytes,
+        torch,
+        device,
     )
+    rows.append(row)
 
     # c. shmstore pin
-    pin_t, copy_t, mem = [], [], []
-    for i in range(args.reps + 1):
-        gc.collect()
-        before, u0 = rollup(), used()
-        t = time.perf_counter()
-        p = st.pin(ref)
-        dt = time.perf_counter() - t
-        after, u1 = rollup(), used()
-        ct = timed(lambda q=p: q.to_device(arr, device), torch, device)
-        if i:
-            pin_t.append(dt)
-            copy_t.append(ct)
-            mem.append(
-                (
-                    after.get("Rss", 0) - before.get("Rss", 0),
-                    after.get("Pss", 0) - before.get("Pss", 0),
-                    after.get("Anonymous", 0) - before.get("Anonymous", 0),
-                    u1 - u0,
-                )
-            )
-        p.close()
-    tc_pin, tc_copy = median(pin_t), median(copy_t)
-    m = mem[len(mem) // 2]
-    rows.append(
-        (
-            "c. `shmstore.torch.pin` then copy",
-            f"{tc_pin:.3f}",
-            gbs(nbytes, tc_copy),
-            f"{mib(m[0])} / {mib(m[1])}",
-            mib(m[2]),
-            mib(m[3]),
-        )
+    tc_pin, tc_copy, row = pin_then_copy(
+        "c. `shmstore.torch.pin` then copy",
+        lambda: st.pin(ref),
+        lambda p: p.to_device(arr, device),
+        lambda p: p.close(),
+        args.reps,
+        nbytes,
+        torch,
+        device,
     )
+    rows.append(row)
     say("## a-c. One array, host to device")
     say()
     say("| path | pin s | copy GB/s | RSS / PSS growth | anonymous growth | machine used growth |")
