@@ -2,10 +2,10 @@
 //! its leases, and [`survey`] (what `shmstore inspect` shows of an arena).
 
 use std::collections::{HashMap, HashSet};
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
@@ -86,22 +86,13 @@ impl ArenaFile {
         }
         files.retain(|_, w| w.strong_count() > 0);
         let name = name_of(path);
-        let file = OpenOptions::new()
-            .read(true)
-            .custom_flags(
-                (rustix::fs::OFlags::CLOEXEC
-                    | rustix::fs::OFlags::NOFOLLOW
-                    | rustix::fs::OFlags::NONBLOCK)
-                    .bits() as i32,
-            )
-            .open(path)
-            .map_err(|e| match e.kind() {
-                io::ErrorKind::NotFound => ArenaError::Segment(SegmentError::NotFound {
-                    name: name.clone(),
-                    path: path.to_owned(),
-                }),
-                _ => io_err(path, e),
-            })?;
+        let file = crate::segment::open_read_nofollow(path).map_err(|e| match e.kind() {
+            io::ErrorKind::NotFound => ArenaError::Segment(SegmentError::NotFound {
+                name: name.clone(),
+                path: path.to_owned(),
+            }),
+            _ => io_err(path, e),
+        })?;
         let meta = file.metadata().map_err(|e| io_err(path, e))?;
         let me = rustix::process::geteuid().as_raw();
         if meta.uid() != me {

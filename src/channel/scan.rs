@@ -8,7 +8,7 @@
 //! race. Reads are bounded by the size a channel of at most [`MAX_CAPACITY`] cells has.
 
 use std::fs::File;
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use super::{
@@ -18,16 +18,7 @@ use super::{
 /// Open `path` for reading as a channel of ours could be: a regular file of this user of
 /// mode 0600 (no symlink followed, never blocking); with its size.
 fn open_ours(path: &Path) -> Option<(File, u64)> {
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(
-            (rustix::fs::OFlags::CLOEXEC
-                | rustix::fs::OFlags::NOFOLLOW
-                | rustix::fs::OFlags::NONBLOCK)
-                .bits() as i32,
-        )
-        .open(path)
-        .ok()?;
+    let file = crate::segment::open_read_nofollow(path).ok()?;
     let meta = file.metadata().ok()?;
     let ours = meta.is_file()
         && meta.uid() == rustix::process::geteuid().as_raw()

@@ -283,6 +283,17 @@ pub fn private_dir(path: &Path, create: bool) -> Result<PrivateDir, SegmentError
     })
 }
 
+/// Open `path` to read a file of ours: never through a symlink, never blocking (a FIFO put
+/// there by someone else), closed on exec. The caller checks what it opened.
+pub fn open_read_nofollow(path: &Path) -> std::io::Result<std::fs::File> {
+    use rustix::fs::OFlags;
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags((OFlags::CLOEXEC | OFlags::NOFOLLOW | OFlags::NONBLOCK).bits() as i32)
+        .open(path)
+}
+
 /// Hold a shared `flock` on the segment at `path`, which must still be the file `ident`
 /// names and still have a name: a reader that is not the supervisor's client holds one, and
 /// the supervisor never unlinks a segment someone holds locked. If the supervisor removed
