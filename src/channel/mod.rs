@@ -514,10 +514,13 @@ impl Ring {
         self.after_slice(waited, deadline, || self.recover_put())
     }
 
-    /// A slice that ended with nothing: `recover` a dead process's claim; `TimedOut` only
-    /// when nothing was recovered and `deadline` has passed.
+    /// A slice that ended with nothing: `recover` a dead process's claim. `TimedOut` once
+    /// `deadline` has passed and nothing was recovered, however the slice ended: a slice
+    /// that keeps seeing the word move, or the cell look ready, while the caller still
+    /// cannot take it must not hold a wait past its deadline.
     fn after_slice(&self, waited: Waited, deadline: Instant, recover: impl Fn() -> bool) -> Waited {
-        if waited == Waited::TimedOut && !recover() && Instant::now() >= deadline {
+        let recovered = waited == Waited::TimedOut && recover();
+        if !recovered && Instant::now() >= deadline {
             Waited::TimedOut
         } else {
             Waited::Again
