@@ -195,3 +195,29 @@ def test_misses_in_large_stored_dicts_are_plain_misses(tmp_path):
             with pytest.raises(KeyError):
                 v["absent"]
             assert v["field39"] == 39 and v[(1, "t")] == 1 and v[None] == 3
+
+
+@pytest.mark.skipif(not HOOKS, reason="needs the testing hooks (cargo feature 'fuzzing')")
+@pytest.mark.parametrize("name", ["general-key-twice", "general-key-twice-indexed"])
+def test_a_dict_holding_one_key_twice_is_refused_whole(tmp_path, name):
+    """Two stored keys equal in Python's sense (``1`` and ``True``; ``2`` and ``2.0``) would
+    make ``to_python()`` one entry shorter than ``len()``: both it and ``verify()`` refuse
+    the dict, naming what is wrong."""
+    path = _save(tmp_path, name)
+    with shmstore.Ref.open(path) as r:
+        with pytest.raises(shmstore.CorruptStoreError, match="holds a key twice"):
+            r.get().to_python()
+        with pytest.raises(shmstore.CorruptStoreError, match="twice"):
+            r.verify()
+
+
+@pytest.mark.skipif(not HOOKS, reason="needs the testing hooks (cargo feature 'fuzzing')")
+def test_distinct_general_keys_nans_included_read_back_whole(tmp_path):
+    """Keys that only look alike (``2.5``, ``"2"`` and ``(2,)`` beside the int ``2``) are not
+    taken for one key twice."""
+    path = _save(tmp_path, "general-keys-ok")
+    with shmstore.Ref.open(path) as r:
+        r.verify()
+        d = r.get().to_python()
+        assert len(d) == len(r.get()) == 13
+        assert (d[2], d[2.5], d["2"], d[(2,)]) == (2, -1, -2, -3)

@@ -856,6 +856,30 @@ pub fn crafted(name: &str) -> Option<(Kind, Vec<u8>)> {
             header::reseal(&mut b);
             b
         }
+        // A dict of the general layout holding one key twice in Python's sense (`1` and
+        // `True`; with more than 8 entries, and so an index, `2` and `2.0`): no writer
+        // stores one (it comes from a Python dict), and `len()` would say one entry more
+        // than `to_python()` gives.
+        "general-key-twice" => object(Value::Dict(vec![
+            (Value::Int(1), Value::Int(1)),
+            (Value::Bool(true), Value::Int(2)),
+        ])),
+        "general-key-twice-indexed" => object(Value::Dict(
+            (0..10)
+                .map(|i| (Value::Int(i), Value::Int(i)))
+                .chain([(Value::Float(2.0), Value::Int(-1))])
+                .collect(),
+        )),
+        "general-keys-ok" => object(Value::Dict(
+            (0..10)
+                .map(|i| (Value::Int(i), Value::Int(i)))
+                .chain([
+                    (Value::Float(2.5), Value::Int(-1)),
+                    (Value::Str("2".into()), Value::Int(-2)),
+                    (Value::Tuple(vec![Value::Int(2)]), Value::Int(-3)),
+                ])
+                .collect(),
+        )),
         "payload-extent-near-2^64" => object(Value::BytesExt(Extent {
             offset: u64::MAX - 7,
             len: 16,
@@ -910,6 +934,9 @@ pub const CRAFTED: &[&str] = &[
     "zero-size-rows",
     "shape-key-twice",
     "shape-key-twice-by-name",
+    "general-key-twice",
+    "general-key-twice-indexed",
+    "general-keys-ok",
 ];
 
 #[cfg(test)]

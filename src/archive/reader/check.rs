@@ -449,8 +449,24 @@ impl<B: AsRef<[u8]>> Reader<B> {
                     }
                 }
                 None => {
-                    for i in 0..self.dict_len(node)? {
-                        self.item_key(self.dict_key(node, i)?)?;
+                    let n = self.dict_len(node)?;
+                    let mut keys = Vec::with_capacity(n.min(1 << 16));
+                    for i in 0..n {
+                        let k = self.item_key(self.dict_key(node, i)?)?;
+                        keys.push((k.stable_hash(), k));
+                    }
+                    // No key twice in Python's sense (`True == 1 == 1.0`): such a dict reads
+                    // back shorter than `len()` says, and `to_python` refuses it. Equal keys
+                    // hash equal, so only neighbours of one hash are compared.
+                    keys.sort_unstable_by_key(|&(h, _)| h);
+                    for run in keys.chunk_by(|a, b| a.0 == b.0) {
+                        for (j, (_, a)) in run.iter().enumerate() {
+                            if run[j + 1..].iter().any(|(_, b)| a.key_eq(b)) {
+                                return Err(ArchiveError::Corrupt(format!(
+                                    "a dict of {n} entries holds the key {a:?} twice"
+                                )));
+                            }
+                        }
                     }
                 }
             },

@@ -189,10 +189,20 @@ fn value_at<'py>(
                 return Ok(d.into_any());
             }
             let d = PyDict::new(py);
-            for i in 0..r.dict_len(node).map_err(&err)? {
+            let n = r.dict_len(node).map_err(&err)?;
+            for i in 0..n {
                 let k = dict_key(py, store, node, i)?;
                 let v = r.dict_value(node, i).map_err(&err)?;
                 d.set_item(k, value_at(py, store, v, depth + 1)?)?;
+            }
+            // Two equal keys (a writer never stores them: they come from a Python dict)
+            // would make a dict shorter than the stored one says (`len(view)`): refused, as
+            // `verify()` refuses it (`check_item`).
+            if d.len() != n {
+                return Err(err(ArchiveError::Corrupt(format!(
+                    "a dict of {n} entries holds a key twice"
+                )))
+                .into());
             }
             d.into_any()
         }
