@@ -324,6 +324,74 @@ print(int(got[0][-1]), got[1]["id"], len(got[2]))
 """
 
 
+TWO_SUPERVISORS_GETTER = r"""
+import os, pickle, sys, time
+from pathlib import Path
+import shmstore
+from shmstore import _native
+
+ch = pickle.loads(bytes.fromhex(sys.argv[2]))
+if sys.argv[1] == "first":
+    shmstore.put({"start": "a supervisor"}, arena=False).close()
+    print("ready", flush=True)
+else:
+    # Until this process's supervisor has settled the arena that the first getter, now
+    # gone, used: removed it, or keeps it for the channel (tracked, no process using it).
+    arenas = [f for f in Path(os.environ["SHMSTORE_DIR"]).iterdir() if f != ch.path]
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        segs = (_native.supervisor_info() or {}).get("segments", {})
+        if all(not f.exists() or segs.get(str(f)) == [] for f in arenas):
+            break
+        time.sleep(0.05)  # bounded: polling the supervisor's state
+print(int(ch.get(timeout=60)[-1]))
+"""
+
+TWO_SUPERVISORS = r"""
+import multiprocessing as mp, os, pickle, signal, subprocess, sys
+import numpy as np
+import shmstore
+from shmstore import _native
+
+def put_then_die(ch):
+    ch.put(np.full(1024, 7, dtype=np.uint8))  # two objects of one arena
+    ch.put(np.full(1024, 8, dtype=np.uint8))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+ch = shmstore.Channel(capacity=16)
+env = {**os.environ, "SHMSTORE_SUPERVISOR_NAME": os.environ["SHMSTORE_SUPERVISOR_NAME"] + "-b"}
+getter = [sys.executable, "-c", sys.argv[1]]
+# The first getter starts its supervisor before anything is put, then waits in get().
+first = subprocess.Popen([*getter, "first", pickle.dumps(ch).hex()], env=env,
+                         stdout=subprocess.PIPE, text=True)
+assert first.stdout.readline().strip() == "ready"
+p = mp.get_context("fork").Process(target=put_then_die, args=(ch,))
+p.start()
+p.join(600)
+assert p.exitcode == -signal.SIGKILL, p.exitcode
+print(first.stdout.read().strip())
+assert first.wait(300) == 0, first.returncode
+second = subprocess.run([*getter, "second", pickle.dumps(ch).hex()], env=env,
+                        capture_output=True, text=True, timeout=300)
+sys.stderr.write(second.stderr)
+assert second.returncode == 0, second.returncode
+print(second.stdout.strip())
+"""
+
+
+def test_a_channels_objects_survive_getters_of_another_supervisor() -> None:
+    """Processes of one user that find different state directories (a cron job beside a
+    login session) talk to two supervisors that sweep one segment directory. A getter whose
+    supervisor is not the putter's took the first of two objects of one arena (the putter
+    had died) and exited: its supervisor saw the arena's last user go and removed it,
+    though the channel still held the second object (whose pin only the putter's
+    supervisor knew), and the next getter's get raised StoreNotFoundError. A supervisor
+    now pins what a channel it tracks holds before removing anything."""
+    env = {**os.environ, "SHMSTORE_SUPERVISOR_NAME": f"shmstore-two-{os.getpid()}"}
+    out = run_checked([sys.executable, "-c", TWO_SUPERVISORS, TWO_SUPERVISORS_GETTER], env=env)
+    assert out.stdout.split() == ["7", "8"], (out.stdout, out.stderr[-3000:])
+
+
 def test_objects_outlive_their_putter_and_the_supervisor_both_killed() -> None:
     """The putter and then the supervisor are SIGKILLed before anything is taken: the pin
     on the putter's arena lived in those two processes only, and the next supervisor's

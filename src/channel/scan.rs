@@ -98,6 +98,26 @@ pub fn is_headless_channel(path: &Path, ident: (u64, u64)) -> bool {
     read && ok && hi - lo <= 2 * cap
 }
 
+/// Whether the file at `path` is a channel of ours, from its magic (read without following
+/// a link or blocking): `Some(true)` a channel; `Some(false)` an archive (sealed or being
+/// written) or an arena, which it stays under this name; `None` not known yet (no magic
+/// yet, unreadable, or not ours), to be asked again later.
+pub fn channel_magic(path: &Path) -> Option<bool> {
+    let (file, _) = open_ours(path)?;
+    let mut head = [0u8; 8];
+    file.read_exact_at(&mut head, 0).ok()?;
+    if &head == MAGIC {
+        Some(true)
+    } else if head == crate::archive::header::MAGIC
+        || head == crate::archive::header::UNSEALED_MAGIC
+        || &head == crate::arena::MAGIC
+    {
+        Some(false)
+    } else {
+        None
+    }
+}
+
 /// The paths of the objects the channel at `path` still holds: every cell published and not
 /// yet handed back (waiting for a get, or claimed by a getter that has not released it),
 /// whose handle is an absolute path. Empty if the file is not a channel of ours with a

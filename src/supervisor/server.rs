@@ -324,6 +324,8 @@ struct Segment {
     /// Segments that keep this one while they have users of their own (`PIN`, see
     /// [`State::pinned`]). Each is tracked; `State::pins` is the reverse index.
     pinned_by: HashSet<PathBuf>,
+    /// Whether the file is a channel, once its magic says (`channel::scan::channel_magic`).
+    is_channel: Option<bool>,
 }
 
 impl Segment {
@@ -849,6 +851,12 @@ impl State {
                 idle.insert(p);
             }
         }
+        // A pin may live in another supervisor of this user (its processes found another
+        // state directory): an arena taken from a channel here, whose putter and its pin
+        // are another supervisor's, lost its last user here while the channel still holds
+        // its other objects. What a channel tracked here holds is pinned to it first.
+        self.pin_held_by_tracked_channels(&idle);
+        idle.retain(|p| !self.pinned(p));
         let orphans: HashSet<PathBuf> = if std::mem::take(&mut self.sweep_needed) {
             let found: HashSet<PathBuf> = self
                 .dirs
@@ -920,6 +928,47 @@ impl State {
         for chan in dirs.iter().flat_map(|d| segment_files(d)) {
             for held in crate::channel::scan::held_paths(&chan) {
                 if orphans.contains(&held) && held.parent() == chan.parent() {
+                    match self.pin(chan.clone(), held.clone()) {
+                        Ok(()) => self.note(
+                            Kind::Waiting,
+                            &format!(
+                                "{} is held by channel {}: kept while the channel is in use",
+                                held.display(),
+                                chan.display()
+                            ),
+                        ),
+                        Err(why) => self.note(Kind::Other, &format!("not pinned: {why}")),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Pin each of `idle` that a channel this supervisor tracks still holds to that channel
+    /// (whether a tracked file is a channel is read from its magic once that says, and
+    /// remembered with it). The pin keeps it while the channel has users: clients, or
+    /// processes that map it, adopted by the scan that follows (a channel that lost its
+    /// last client here is settled in the same round).
+    fn pin_held_by_tracked_channels(&mut self, idle: &HashSet<PathBuf>) {
+        if idle.is_empty() {
+            return;
+        }
+        let dirs: HashSet<&Path> = idle.iter().filter_map(|p| p.parent()).collect();
+        let mut channels = Vec::new();
+        for (path, seg) in self.segments.iter_mut() {
+            if !path.parent().is_some_and(|d| dirs.contains(d)) {
+                continue;
+            }
+            if seg.is_channel.is_none() {
+                seg.is_channel = crate::channel::scan::channel_magic(path);
+            }
+            if seg.is_channel == Some(true) {
+                channels.push(path.clone());
+            }
+        }
+        for chan in channels {
+            for held in crate::channel::scan::held_paths(&chan) {
+                if idle.contains(&held) && held.parent() == chan.parent() {
                     match self.pin(chan.clone(), held.clone()) {
                         Ok(()) => self.note(
                             Kind::Waiting,
