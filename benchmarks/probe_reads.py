@@ -66,6 +66,13 @@ def speculation() -> list[str]:
     return out
 
 
+def fast_paths_off() -> dict[str, object]:
+    """The extension's fast paths that are off in this build and interpreter (and why)."""
+    from shmstore import _native
+
+    return {k: v for k, v in _native._fast_paths().items() if v is not True}
+
+
 def machine() -> list[str]:
     facts = [
         f"python: {sys.version.split()[0]} ({sys.executable})",
@@ -74,6 +81,7 @@ def machine() -> list[str]:
         f"load: {' '.join(open('/proc/loadavg').read().split()[:3])}; cores: {os.cpu_count()}",
         "this process:",
         *speculation(),
+        f"shmstore: {shmstore.__version__}, fast paths off: {fast_paths_off() or 'none'}",
     ]
     try:
         with open("/proc/cpuinfo") as f:
