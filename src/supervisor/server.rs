@@ -924,10 +924,16 @@ impl State {
         if orphans.is_empty() {
             return;
         }
-        let dirs: Vec<PathBuf> = self.dirs.iter().cloned().collect();
-        for chan in dirs.iter().flat_map(|d| segment_files(d)) {
+        let files: Vec<PathBuf> = self.dirs.iter().flat_map(|d| segment_files(d)).collect();
+        self.pin_what_channels_hold(files, orphans);
+    }
+
+    /// Pin each of `among` that one of `channels` (files that may be channels: others hold
+    /// nothing) still holds in a cell to that channel.
+    fn pin_what_channels_hold(&mut self, channels: Vec<PathBuf>, among: &HashSet<PathBuf>) {
+        for chan in channels {
             for held in crate::channel::scan::held_paths(&chan) {
-                if orphans.contains(&held) && held.parent() == chan.parent() {
+                if among.contains(&held) && held.parent() == chan.parent() {
                     match self.pin(chan.clone(), held.clone()) {
                         Ok(()) => self.note(
                             Kind::Waiting,
@@ -966,23 +972,7 @@ impl State {
                 channels.push(path.clone());
             }
         }
-        for chan in channels {
-            for held in crate::channel::scan::held_paths(&chan) {
-                if idle.contains(&held) && held.parent() == chan.parent() {
-                    match self.pin(chan.clone(), held.clone()) {
-                        Ok(()) => self.note(
-                            Kind::Waiting,
-                            &format!(
-                                "{} is held by channel {}: kept while the channel is in use",
-                                held.display(),
-                                chan.display()
-                            ),
-                        ),
-                        Err(why) => self.note(Kind::Other, &format!("not pinned: {why}")),
-                    }
-                }
-            }
-        }
+        self.pin_what_channels_hold(channels, idle);
     }
 
     fn in_segment_dir(&self, path: &Path) -> bool {
