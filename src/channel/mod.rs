@@ -31,8 +31,10 @@ pub mod scan;
 pub const MAGIC: &[u8; 8] = b"SHMCHANL";
 /// 2: each claim also carries its process's start (`PUTTER_START`, `GETTER_START`), so a
 /// claim of a process whose pid now names another is recognised; a cell's path starts at
-/// word 9 (at most 184 bytes).
-const VERSION: u32 = 2;
+/// word 9 (at most 184 bytes). 3: a process names itself in the cell (`PUTTER`, `GETTER`)
+/// before it moves the tail or the head, not after (see [`Ring::claim`]); the layout is
+/// version 2's.
+const VERSION: u32 = 3;
 /// Bytes before the first cell.
 const HEADER: u64 = 512;
 /// Bytes of a cell: 32 words.
@@ -286,7 +288,7 @@ impl Ring {
                 what: format!("a path of {} bytes does not fit a cell", path.len()),
             });
         }
-        let Some(pos) = self.claim(self.tail(), 0, "put")? else {
+        let Some(pos) = self.claim(self.tail(), 0, PUTTER, PUTTER_START, "put")? else {
             return Ok(None);
         };
         self.write_cell(pos, h, path);
@@ -298,29 +300,81 @@ impl Ring {
 
     /// Claim the position `at` holds (the tail for a put, the head for a get) when its
     /// cell's sequence is the position plus `ahead` (0: free for a put; 1: published for a
-    /// get), by moving `at` on; `None` when it is less (full, or empty). A sequence beyond
-    /// means another process claimed it first and moved on: look again.
-    fn claim(&self, at: &AtomicU64, ahead: u64, what: &str) -> Result<Option<u64>, ChannelError> {
+    /// get), by moving `at` on; `None` when it is less (full, or empty), or while another
+    /// process is claiming it. A sequence beyond means another process claimed it first and
+    /// moved on: look again.
+    ///
+    /// The claimer names itself in the cell's word `who` (compare-and-swap from 0) before it
+    /// moves `at`, and takes its name back if another process moved `at` first. So a cell
+    /// whose position `at` has passed always names its claimer, and a claimer killed at any
+    /// point is found dead by the other side ([`Ring::recover_get`], [`Ring::recover_put`]);
+    /// had it named itself only after moving `at`, a claimer killed between the two left a
+    /// cell that nobody could judge, and every put and get of the channel waited on it for
+    /// good (found by the fault campaign). A name in a cell whose position `at` has not
+    /// passed is a claim in progress: a live process's is waited for (it moves `at` within
+    /// moments, unless it is stopped), a dead one's is taken over. `start` (the claimer's
+    /// start time) is written after the name, so a name may be read without it: judged by
+    /// the pid alone then ([`dead`]).
+    fn claim(
+        &self,
+        at: &AtomicU64,
+        ahead: u64,
+        who: usize,
+        start: usize,
+        what: &str,
+    ) -> Result<Option<u64>, ChannelError> {
+        let mine = me();
+        let mut blocked = 0u32;
         for _ in 0..SPIN_LIMIT {
-            let pos = at.load(Ordering::Relaxed);
+            let pos = at.load(Ordering::SeqCst);
             let seq = self.word(pos, 0).load(Ordering::Acquire);
             let diff = seq.wrapping_sub(pos.wrapping_add(ahead)) as i64;
-            if diff == 0 {
-                if at
-                    .compare_exchange_weak(
-                        pos,
-                        pos.wrapping_add(1),
-                        Ordering::Relaxed,
-                        Ordering::Relaxed,
-                    )
-                    .is_ok()
-                {
-                    return Ok(Some(pos));
-                }
-            } else if diff < 0 {
+            if diff < 0 {
                 return Ok(None);
             }
-            std::hint::spin_loop();
+            if diff > 0 {
+                std::hint::spin_loop();
+                continue;
+            }
+            let name = self.word(pos, who);
+            let held = name.load(Ordering::SeqCst);
+            if held != 0 {
+                if at.load(Ordering::SeqCst) != pos {
+                    continue; // claimed meanwhile: the next position
+                }
+                if !self.claimer_dead(pos, who, start) {
+                    // Another process between naming itself and moving `at`: a few
+                    // instructions, unless it was stopped there; then wait as for a change.
+                    blocked += 1;
+                    if blocked >= CLAIM_WAIT_LOOKS {
+                        return Ok(None);
+                    }
+                    std::hint::spin_loop();
+                    continue;
+                }
+                // Its claimer died before it moved `at`: take the claim over.
+                if name
+                    .compare_exchange(held, mine, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_err()
+                {
+                    continue;
+                }
+            } else if name
+                .compare_exchange(0, mine, Ordering::SeqCst, Ordering::SeqCst)
+                .is_err()
+            {
+                continue;
+            }
+            if at
+                .compare_exchange(pos, pos.wrapping_add(1), Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+            {
+                self.word(pos, start).store(my_start(), Ordering::SeqCst);
+                return Ok(Some(pos));
+            }
+            // Another process moved `at` first (this cell is then a later position's, or
+            // already claimed): the name goes, unless it is no longer ours to take back.
+            let _ = name.compare_exchange(mine, 0, Ordering::SeqCst, Ordering::SeqCst);
         }
         // A racing process moves the position within a few tries; only a corrupt ring keeps
         // it behind cells that are already past it.
@@ -328,13 +382,8 @@ impl Ring {
     }
 
     fn write_cell(&self, pos: u64, h: &Handle, path: &[u8]) {
-        // Who claimed it, first: a process that dies from here on is found dead by a getter
-        // (`recover_get`). Until this store the word is 0 (cleared when the cell was last
-        // handed back): a claim too young to judge. When it started, just before: whoever
-        // reads the claim then reads this process's start with it.
-        self.word(pos, PUTTER_START)
-            .store(my_start(), Ordering::SeqCst);
-        self.word(pos, PUTTER).store(me(), Ordering::SeqCst);
+        // Who claimed it is named already (`claim`): a process that dies from here on is
+        // found dead by a getter (`recover_get`).
         let meta = u64::from(h.kind) | (path.len() as u64) << 8;
         self.word(pos, 1).store(meta, Ordering::Relaxed);
         self.word(pos, 2).store(h.offset, Ordering::Relaxed);
@@ -360,12 +409,9 @@ impl Ring {
     /// until [`Ring::release`] (the caller first takes its own hold on the object, so the
     /// putter never lets go of an object nobody holds).
     pub fn try_pop(&self) -> Result<Option<Claimed>, ChannelError> {
-        let Some(pos) = self.claim(self.head(), 1, "get")? else {
+        let Some(pos) = self.claim(self.head(), 1, GETTER, GETTER_START, "get")? else {
             return Ok(None);
         };
-        self.word(pos, GETTER_START)
-            .store(my_start(), Ordering::SeqCst);
-        self.word(pos, GETTER).store(me(), Ordering::SeqCst);
         Ok(Some((pos, self.read_cell(pos))))
     }
 
@@ -495,9 +541,7 @@ impl Ring {
     pub fn wait_to_get(&self, deadline: Instant) -> Waited {
         let slice = deadline.min(Instant::now() + MAX_SLEEP);
         let waited = self.wait(AT_RECV_EPOCH, AT_RECV_WAITERS, slice, || {
-            let pos = self.head().load(Ordering::Relaxed);
-            let seq = self.word(pos, 0).load(Ordering::Acquire);
-            seq.wrapping_sub(pos.wrapping_add(1)) as i64 >= 0
+            self.may_claim(self.head(), 1, GETTER)
         });
         self.after_slice(waited, deadline, || self.recover_get())
     }
@@ -507,11 +551,24 @@ impl Ring {
     pub fn wait_to_put(&self, deadline: Instant) -> Waited {
         let slice = deadline.min(Instant::now() + MAX_SLEEP);
         let waited = self.wait(AT_SEND_EPOCH, AT_SEND_WAITERS, slice, || {
-            let pos = self.tail().load(Ordering::Relaxed);
-            let seq = self.word(pos, 0).load(Ordering::Acquire);
-            seq.wrapping_sub(pos) as i64 >= 0
+            self.may_claim(self.tail(), 0, PUTTER)
         });
         self.after_slice(waited, deadline, || self.recover_put())
+    }
+
+    /// Whether a claim of the position `at` holds may succeed now ([`Ring::claim`]): its
+    /// cell is ready and nobody is naming itself in it, or the cell is past it already
+    /// (look again).
+    fn may_claim(&self, at: &AtomicU64, ahead: u64, who: usize) -> bool {
+        let pos = at.load(Ordering::SeqCst);
+        let seq = self.word(pos, 0).load(Ordering::Acquire);
+        match seq.wrapping_sub(pos.wrapping_add(ahead)) as i64 {
+            d if d < 0 => false,
+            0 => {
+                self.word(pos, who).load(Ordering::SeqCst) == 0 || at.load(Ordering::SeqCst) != pos
+            }
+            _ => true,
+        }
     }
 
     /// A slice that ended with nothing: `recover` a dead process's claim. `TimedOut` once
@@ -622,6 +679,9 @@ impl Ring {
     }
 }
 
+/// Looks of one put or get at a cell another live process is naming itself in (between its
+/// name and moving the position: a few instructions) before it waits as for a change.
+const CLAIM_WAIT_LOOKS: u32 = 256;
 /// Tries of one put or get before the ring is called corrupt: a racing process moves the
 /// position it contends for within a few tries; only a corrupt ring keeps a position behind
 /// cells that are already past it.

@@ -139,7 +139,7 @@ pub fn held_paths(path: &Path) -> Vec<PathBuf> {
     // version (1: no start words, the path at word 7) may still be in use by its processes.
     let path_at = match u32::from_le_bytes(head[8..12].try_into().unwrap_or_default()) {
         1 => 7,
-        VERSION => PATH_AT,
+        2 | VERSION => PATH_AT,
         _ => return Vec::new(),
     };
     let max_path = (CELL_WORDS - path_at) * 8;

@@ -275,6 +275,51 @@ fn a_cell_claimed_by_a_dead_putter_is_skipped_and_one_held_by_a_dead_getter_hand
 }
 
 #[test]
+fn a_claimer_names_itself_before_it_moves_the_position_and_a_dead_ones_name_is_taken_over() {
+    // Every claim names its claimer in the cell before the position moves (ring version
+    // 3), so no cell past the head or tail is ever nameless: version 2 named it just after,
+    // and a process SIGKILLed in between left a cell that no put or get could judge, which
+    // stopped the whole channel for good (the fault campaign found it).
+    let d = dir();
+    let a = Ring::create(d.path(), "shmstore-ch", 2).unwrap();
+    let b = Ring::open(&d.path().join("shmstore-ch")).unwrap();
+    let p0 = a.try_push(&chunk(0)).unwrap().unwrap();
+    assert_eq!(a.word(p0, PUTTER).load(Ordering::SeqCst), me());
+    assert_ne!(a.word(p0, PUTTER_START).load(Ordering::SeqCst), 0);
+    // A getter named itself in the cell at the head and died before moving the head: the
+    // next get takes its claim over (and gets the handle) instead of waiting for it.
+    a.word(p0, GETTER).store(dead_claim(), Ordering::SeqCst);
+    let (p, h) = b.try_pop().unwrap().unwrap();
+    assert_eq!((p, h.unwrap()), (p0, chunk(0)));
+    assert_eq!(b.word(p0, GETTER).load(Ordering::SeqCst), me());
+    b.release(p);
+    // The same for a putter that named itself at the tail and died.
+    let t = a.tail().load(Ordering::SeqCst);
+    a.word(t, PUTTER).store(dead_claim(), Ordering::SeqCst);
+    assert_eq!(a.try_push(&chunk(1)).unwrap(), Some(t));
+    // A live process naming itself at the head: not taken over; the get answers "nothing
+    // yet" (it waits as for a change) rather than calling the ring corrupt, and goes on
+    // once that name is gone.
+    let mut child = std::process::Command::new("sleep")
+        .arg("600")
+        .spawn()
+        .unwrap();
+    let live = u64::from(child.id()) | (me() >> 32) << 32;
+    let h = b.head().load(Ordering::SeqCst);
+    b.word(h, GETTER).store(live, Ordering::SeqCst);
+    assert!(b.try_pop().unwrap().is_none());
+    assert!(!b.may_claim(b.head(), 1, GETTER));
+    assert_eq!(b.head().load(Ordering::SeqCst), h);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    b.word(h, GETTER).store(0, Ordering::SeqCst);
+    assert!(b.may_claim(b.head(), 1, GETTER));
+    let (p, got) = b.try_pop().unwrap().unwrap();
+    assert_eq!((p, got.unwrap()), (t, chunk(1)));
+    b.release(p);
+}
+
+#[test]
 fn a_claim_of_a_live_process_or_one_too_young_to_judge_is_never_taken_over() {
     let d = dir();
     let a = Ring::create(d.path(), "shmstore-ch", 2).unwrap();
