@@ -242,10 +242,15 @@ def zygote(zid: int, args: argparse.Namespace, root: Path) -> int:
             if pid == 0:
                 return
             err = live.pop(pid, None)
+            # Forget what was sent to it: the system gives its pid to a later fork, which
+            # would otherwise count as killed already (never injected again, and held
+            # against the cap on workers not reaped: the campaign stalled so once every
+            # live worker had a reused pid).
+            signalled = sent.pop(pid, None)
             if err is None:
                 continue
             sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
-            if sig and sent.get(pid) == sig:
+            if sig and signalled == sig:
                 (root / err).unlink(missing_ok=True)
                 continue
             code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -sig
