@@ -569,7 +569,10 @@ class Campaign:
                         self.lost += e["error"] == "StoreNotFoundError"
                     if k in ("wrong_data", "unlinked_while_mapped"):
                         self.findings.append(e)
-        failed = bool(self.crashes or self.findings or self.leaked)
+        known = set(self.args.known_open or ())
+        failed = bool(
+            self.crashes or [f for f in self.findings if f["kind"] not in known] or self.leaked
+        )
         text = self.markdown()
         print(text)
         if self.args.out:
@@ -593,6 +596,15 @@ class Campaign:
             "|---|---|",
             f"| crashes | {len(self.crashes)} |",
             f"| wrong data / unlinked while mapped | {len(self.findings)} |",
+            *(
+                [
+                    f"| of which of kinds known open, not failing this run "
+                    f"({', '.join(sorted(a.known_open))}) | "
+                    f"{sum(f['kind'] in a.known_open for f in self.findings)} |"
+                ]
+                if a.known_open
+                else []
+            ),
             f"| leaked files | {len(self.leaked)} ({sum(s for _, s in self.leaked)} bytes) |",
             f"| slow calls (> {SLOW_S:g} s, worker not stopped) | {len(self.slow_real())} |",
             f"| channel objects lost (a get raised StoreNotFoundError; not counted as a "
@@ -656,6 +668,13 @@ def main() -> int:
     ap.add_argument("--no-tmpfs", dest="tmpfs", action="store_false")
     ap.add_argument("--no-plant", dest="plant", action="store_false")
     ap.add_argument("--out", help="also write the report (markdown) here")
+    ap.add_argument(
+        "--known-open",
+        action="append",
+        metavar="KIND",
+        help="a finding kind (e.g. unlinked_while_mapped) that is an open, documented defect: "
+        "reported, but not failing the run (CI's short campaign; the long one fails on it)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the campaign's directory")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
