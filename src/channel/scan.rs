@@ -77,12 +77,7 @@ pub fn is_headless_channel(path: &Path, ident: (u64, u64)) -> bool {
         return false;
     };
     let mut head = [0u8; 8];
-    if file.read_exact_at(&mut head, 0).is_err()
-        || &head == MAGIC
-        || head == crate::archive::header::MAGIC
-        || head == crate::archive::header::UNSEALED_MAGIC
-        || &head == crate::arena::MAGIC
-    {
+    if file.read_exact_at(&mut head, 0).is_err() || magic_kind(&head).is_some() {
         return false;
     }
     let (mut ok, mut lo, mut hi) = (true, u64::MAX, 0u64);
@@ -106,11 +101,17 @@ pub fn channel_magic(path: &Path) -> Option<bool> {
     let (file, _) = open_ours(path)?;
     let mut head = [0u8; 8];
     file.read_exact_at(&mut head, 0).ok()?;
-    if &head == MAGIC {
+    magic_kind(&head)
+}
+
+/// What the first 8 bytes of a file of ours say: `Some(true)` a channel, `Some(false)` an
+/// archive (sealed or being written) or an arena, `None` none of our magics.
+fn magic_kind(head: &[u8; 8]) -> Option<bool> {
+    if head == MAGIC {
         Some(true)
-    } else if head == crate::archive::header::MAGIC
-        || head == crate::archive::header::UNSEALED_MAGIC
-        || &head == crate::arena::MAGIC
+    } else if *head == crate::archive::header::MAGIC
+        || *head == crate::archive::header::UNSEALED_MAGIC
+        || head == crate::arena::MAGIC
     {
         Some(false)
     } else {
