@@ -49,17 +49,24 @@ test-python: build ## pytest (slow tests included)
 
 test: build test-rust test-python ## set up everything, then run the Rust and Python tests
 
+# A venv of its own ($(1), made once) with package $(2) and the dev requirements, and this
+# project's release wheel (built into $(3)) installed over it: what test-torch and test-ray
+# share.
+define venv_with_wheel
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q $(2) -r requirements-dev.lock
+	rm -rf $(3)
+	$(VENV)/bin/maturin build --release -q -o $(3) -i $(1)/bin/python
+	$(1)/bin/python -m pip install -q --force-reinstall --no-deps $(3)/*.whl
+endef
+
 # torch (~6 GB installed with its CUDA libraries from PyPI; about 2 min to download and install
 # here) is kept out of .venv and `make test`; this target runs the tests that skip without it
 # (real DataLoader, torch.distributed, torchrun --nnodes=2 across namespace machines) in
 # .venv-torch. CI runs it after `make test` (.ci/run).
 TORCH_VENV ?= .venv-torch
 test-torch: venv ## the integration tests with real torch, in .venv-torch (~6 GB, installed once)
-	test -x $(TORCH_VENV)/bin/python || $(PYTHON) -m venv $(TORCH_VENV)
-	$(TORCH_VENV)/bin/python -m pip install -q torch -r requirements-dev.lock
-	rm -rf target/torch-wheel
-	$(VENV)/bin/maturin build --release -q -o target/torch-wheel -i $(TORCH_VENV)/bin/python
-	$(TORCH_VENV)/bin/python -m pip install -q --force-reinstall --no-deps target/torch-wheel/*.whl
+	$(call venv_with_wheel,$(TORCH_VENV),torch,target/torch-wheel)
 	$(TORCH_VENV)/bin/python -m pytest -q tests/test_integrations.py tests/test_examples.py \
 		tests/test_guides.py tests/test_torch_pin.py \
 		tests/test_cluster.py
@@ -69,11 +76,7 @@ test-torch: venv ## the integration tests with real torch, in .venv-torch (~6 GB
 # two-node cluster on this machine), in .venv-ray.
 RAY_VENV ?= .venv-ray
 test-ray: venv ## shmstore.ray with real Ray (two nodes here) and from_buffer, in .venv-ray (installed once)
-	test -x $(RAY_VENV)/bin/python || $(PYTHON) -m venv $(RAY_VENV)
-	$(RAY_VENV)/bin/python -m pip install -q ray -r requirements-dev.lock
-	rm -rf target/ray-wheel
-	$(VENV)/bin/maturin build --release -q -o target/ray-wheel -i $(RAY_VENV)/bin/python
-	$(RAY_VENV)/bin/python -m pip install -q --force-reinstall --no-deps target/ray-wheel/*.whl
+	$(call venv_with_wheel,$(RAY_VENV),ray,target/ray-wheel)
 	$(RAY_VENV)/bin/python -m pytest -q tests/test_ray.py tests/test_foreign_buffer.py \
 		"tests/test_guides.py::test_guide_code_runs_as_written[ray]"
 
