@@ -342,15 +342,16 @@ impl Ring {
                 if at.load(Ordering::SeqCst) != pos {
                     continue; // claimed meanwhile: the next position
                 }
-                if !self.claimer_dead(pos, who, start) {
-                    // Another process between naming itself and moving `at`: a few
-                    // instructions, unless it was stopped there; then wait as for a change.
-                    blocked += 1;
-                    if blocked >= CLAIM_WAIT_LOOKS {
-                        return Ok(None);
-                    }
+                // Another process between naming itself and moving `at`: a few
+                // instructions, so look again a while before asking whether it lives (a
+                // read of /proc); a live one stopped there is waited for as for a change.
+                blocked += 1;
+                if blocked < CLAIM_WAIT_LOOKS {
                     std::hint::spin_loop();
                     continue;
+                }
+                if !self.claimer_dead(pos, who, start) {
+                    return Ok(None);
                 }
                 // Its claimer died before it moved `at`: take the claim over.
                 if name
@@ -679,8 +680,9 @@ impl Ring {
     }
 }
 
-/// Looks of one put or get at a cell another live process is naming itself in (between its
-/// name and moving the position: a few instructions) before it waits as for a change.
+/// Looks of one put or get at a cell another process is naming itself in (between its name
+/// and moving the position: a few instructions) before it asks whether that process lives
+/// (and waits as for a change if so).
 const CLAIM_WAIT_LOOKS: u32 = 256;
 /// Tries of one put or get before the ring is called corrupt: a racing process moves the
 /// position it contends for within a few tries; only a corrupt ring keeps a position behind
