@@ -453,11 +453,17 @@ impl<B: AsRef<[u8]>> Reader<B> {
                     let mut keys = Vec::with_capacity(n.min(1 << 16));
                     for i in 0..n {
                         let k = self.item_key(self.dict_key(node, i)?)?;
-                        keys.push((k.stable_hash(), k));
+                        // A key that equals nothing, itself included (a NaN, or a tuple
+                        // holding one), is never a duplicate; left out, so that a dict of
+                        // many NaNs (one hash) costs no comparison of each with each.
+                        if k.key_eq(&k) {
+                            keys.push((k.stable_hash(), k));
+                        }
                     }
                     // No key twice in Python's sense (`True == 1 == 1.0`): such a dict reads
                     // back shorter than `len()` says, and `to_python` refuses it. Equal keys
-                    // hash equal, so only neighbours of one hash are compared.
+                    // hash equal, so only neighbours of one hash are compared (distinct keys
+                    // of one 64-bit hash: the first pair of a run is already a duplicate).
                     keys.sort_unstable_by_key(|&(h, _)| h);
                     for run in keys.chunk_by(|a, b| a.0 == b.0) {
                         for (j, (_, a)) in run.iter().enumerate() {
