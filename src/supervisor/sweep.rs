@@ -175,11 +175,32 @@ pub fn holders_among(
     paths: &HashSet<PathBuf>,
     pids: impl IntoIterator<Item = u32>,
 ) -> HashMap<PathBuf, Vec<u32>> {
+    holders_among_with(paths, pids, |_| {})
+}
+
+/// [`holders_among`], calling `between(pid)` after reading a process's descriptors and
+/// before reading its mappings (tests make the process move from one to the other there).
+///
+/// Two orders matter here:
+/// - A file is known by its identity, and one identity can have several names at once: a
+///   segment being published is linked under its final name before its `.part-` name is
+///   removed. Every name of a used file is held, not just the last one looked at (else the
+///   final name of a segment whose writer holds it would look unused and be removed).
+/// - Descriptors are read before mappings. A process reading a segment goes from holding a
+///   descriptor to mapping the file (open, map, close); read the other way round, a
+///   process that made that move between the two reads would show neither.
+pub(crate) fn holders_among_with(
+    paths: &HashSet<PathBuf>,
+    pids: impl IntoIterator<Item = u32>,
+    mut between: impl FnMut(u32),
+) -> HashMap<PathBuf, Vec<u32>> {
     let mut out: HashMap<PathBuf, Vec<u32>> = HashMap::new();
-    let ids: HashMap<FileId, &PathBuf> = paths
-        .iter()
-        .filter_map(|p| file_id(p).map(|id| (id, p)))
-        .collect();
+    let mut ids: HashMap<FileId, Vec<&PathBuf>> = HashMap::new();
+    for p in paths {
+        if let Some(id) = file_id(p) {
+            ids.entry(id).or_default().push(p);
+        }
+    }
     if ids.is_empty() {
         return out;
     }
@@ -189,7 +210,16 @@ pub fn holders_among(
             continue;
         }
         let dir = PathBuf::from(format!("/proc/{pid}"));
-        let mut found: HashSet<&PathBuf> = HashSet::new();
+        let mut found: HashSet<FileId> = HashSet::new();
+        if let Ok(fds) = std::fs::read_dir(dir.join("fd")) {
+            for fd in fds.flatten() {
+                // metadata() follows the magic link to the open file, deleted or not.
+                if let Some(id) = file_id(&fd.path()).filter(|id| ids.contains_key(id)) {
+                    found.insert(id);
+                }
+            }
+        }
+        between(pid);
         if let Ok(maps) = std::fs::read_to_string(dir.join("maps")) {
             for line in maps.lines() {
                 // address perms offset dev inode pathname
@@ -203,21 +233,15 @@ pub fn holders_among(
                 if ino == 0 {
                     continue;
                 }
-                if let Some(hit) = maps_dev(dev).and_then(|d| ids.get(&(d, ino))) {
-                    found.insert(hit);
+                if let Some(dev) = maps_dev(dev).filter(|&d| ids.contains_key(&(d, ino))) {
+                    found.insert((dev, ino));
                 }
             }
         }
-        if let Ok(fds) = std::fs::read_dir(dir.join("fd")) {
-            for fd in fds.flatten() {
-                // metadata() follows the magic link to the open file, deleted or not.
-                if let Some(hit) = file_id(&fd.path()).and_then(|id| ids.get(&id)) {
-                    found.insert(hit);
-                }
+        for id in found {
+            for p in &ids[&id] {
+                out.entry((*p).clone()).or_default().push(pid);
             }
-        }
-        for p in found {
-            out.entry(p.clone()).or_default().push(pid);
         }
     }
     out
@@ -432,6 +456,126 @@ mod tests {
         assert_eq!(holders_among(&want, [child.id()])[&open], vec![child.id()]);
         drop(child.stdin.take());
         child.wait().unwrap();
+    }
+
+    /// A file with two names (a segment being published: its final name linked, its
+    /// `.part-` name not yet removed), held by a process through one of them: both names
+    /// are held, so neither is removed as unused.
+    #[test]
+    fn every_name_of_a_held_file_is_held() {
+        let dir = tempfile::tempdir().unwrap();
+        let part = dir.path().join("shmstore-pub.part-0123456789ab");
+        let published = dir.path().join("shmstore-pub");
+        std::fs::write(&part, b"x").unwrap();
+        seal(&part);
+        std::fs::hard_link(&part, &published).unwrap();
+        let mut child = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!("exec 3<{}; echo open; read line", part.display()))
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.as_mut().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        assert_eq!(line, "open\n");
+        let both: HashSet<PathBuf> = [part.clone(), published.clone()].into();
+        for _ in 0..4 {
+            // (the map is keyed by identity: any order of the names must give both)
+            let h = holders_among(&both, [child.id()]);
+            assert_eq!(h.get(&part), Some(&vec![child.id()]), "{h:?}");
+            assert_eq!(h.get(&published), Some(&vec![child.id()]), "{h:?}");
+        }
+        let swept = sweep(&[dir.path().to_owned()], &HashSet::new(), false);
+        assert!(swept.iter().all(|s| !s.removed), "{swept:?}");
+        assert!(part.exists() && published.exists());
+        drop(child.stdin.take());
+        child.wait().unwrap();
+    }
+
+    /// A process that goes from holding a file's descriptor to mapping it (open, map,
+    /// close: how every reader maps a segment) while the scan looks at it is seen holding
+    /// the file: descriptors are read before mappings. (The move is made between the two
+    /// reads, on cue, not left to chance.)
+    #[test]
+    fn a_process_moving_from_descriptor_to_mapping_is_seen() {
+        use std::io::{BufRead, BufReader, Write};
+        let dir = tempfile::tempdir().unwrap();
+        let seg = dir.path().join("shmstore-moving");
+        std::fs::write(&seg, vec![7u8; 4096]).unwrap();
+        seal(&seg);
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "supervisor::sweep::tests::child_open_then_map",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("SHMSTORE_TEST_MOVING", &seg)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut stdin = child.stdin.take().unwrap();
+        let mut out = BufReader::new(child.stdout.take().unwrap());
+        let mut expect = |what: &str| {
+            let mut line = String::new();
+            loop {
+                line.clear();
+                assert!(out.read_line(&mut line).unwrap() > 0, "child ended early");
+                // (the harness's "test ... " has no newline: a cue may end its line)
+                if line.trim_end().ends_with(what) {
+                    return;
+                }
+            }
+        };
+        expect("open");
+        let one: HashSet<PathBuf> = [seg.clone()].into();
+        let mut moved = false;
+        let h = holders_among_with(&one, [child.id()], |_| {
+            stdin.write_all(b"map\n").unwrap();
+            expect("mapped");
+            moved = true;
+        });
+        assert!(moved);
+        assert_eq!(h.get(&seg), Some(&vec![child.id()]), "{h:?}");
+        // And mapped only, it is seen by a scan of its own.
+        assert_eq!(
+            holders_among(&one, [child.id()]).get(&seg),
+            Some(&vec![child.id()])
+        );
+        drop(stdin);
+        child.wait().unwrap();
+    }
+
+    /// Runs only as a child of [`a_process_moving_from_descriptor_to_mapping_is_seen`]:
+    /// opens the file, then on cue maps it and closes the descriptor.
+    #[test]
+    #[ignore = "a helper process of a_process_moving_from_descriptor_to_mapping_is_seen"]
+    fn child_open_then_map() {
+        use std::io::{BufRead, Write};
+        let Some(path) = std::env::var_os("SHMSTORE_TEST_MOVING") else {
+            return;
+        };
+        let file = std::fs::File::open(path).unwrap();
+        let mut stdout = std::io::stdout();
+        writeln!(stdout, "open").unwrap();
+        stdout.flush().unwrap();
+        let mut line = String::new();
+        std::io::stdin().lock().read_line(&mut line).unwrap();
+        // SAFETY: a sealed file nobody writes; the map is only held, never read.
+        let map = unsafe { memmap2::Mmap::map(&file) }.unwrap();
+        drop(file);
+        writeln!(stdout, "mapped").unwrap();
+        stdout.flush().unwrap();
+        line.clear();
+        let _ = std::io::stdin().lock().read_line(&mut line); // until the parent lets go
+        drop(map);
     }
 
     #[test]
