@@ -38,6 +38,15 @@ pub const LOG_MAX: u64 = 1 << 20;
 /// lines left out is logged when lines are allowed again).
 const LOG_BURST: f64 = 200.0;
 const LOG_RATE: f64 = 50.0;
+
+/// Tests: what to do (once) between a settling round's read of the processes and its read
+/// of the channels, for a supervisor of the given segment directory.
+#[cfg(test)]
+pub(crate) type BetweenReads = Box<dyn FnOnce() + Send>;
+#[cfg(test)]
+pub(crate) static BETWEEN_READS: std::sync::Mutex<Vec<(PathBuf, BetweenReads)>> =
+    std::sync::Mutex::new(Vec::new());
+
 /// Per poll round: connections accepted, bytes read from one client.
 const ACCEPT_PER_ROUND: usize = 64;
 const READ_PER_ROUND: usize = 64 << 10;
@@ -815,6 +824,12 @@ impl State {
     /// pending. That ends: each further pass follows the removal of a holder, and nothing
     /// removed here is tracked again before this returns (only paths of the pass's own scan
     /// can be adopted).
+    ///
+    /// What uses a file is read in one order, each read after the one before: a process's
+    /// descriptors, then its mappings (`sweep::holders`), then the cells of the channels.
+    /// Users move only forward along it (a reader opens, maps, closes; a putter maps its
+    /// object, gives it to a channel, may die), so a user that moves between two reads is
+    /// seen by the later one.
     fn flush(&mut self) {
         loop {
             self.flush_once();
@@ -851,24 +866,11 @@ impl State {
                 idle.insert(p);
             }
         }
-        // A pin may live in another supervisor of this user (its processes found another
-        // state directory): an arena taken from a channel here, whose putter and its pin
-        // are another supervisor's, lost its last user here while the channel still holds
-        // its other objects. What a channel tracked here holds is pinned to it first.
-        self.pin_held_by_tracked_channels(&idle);
-        idle.retain(|p| !self.pinned(p));
         let orphans: HashSet<PathBuf> = if std::mem::take(&mut self.sweep_needed) {
-            let found: HashSet<PathBuf> = self
-                .dirs
+            self.dirs
                 .iter()
                 .flat_map(|d| segment_files(d))
                 .filter(|p| !self.segments.contains_key(p) && !self.locked.contains(p))
-                .collect();
-            self.pin_held_by_channels(&found);
-            // What a channel holds is tracked now (pinned), and settled with it.
-            found
-                .into_iter()
-                .filter(|p| !self.segments.contains_key(p))
                 .collect()
         } else {
             HashSet::new()
@@ -907,9 +909,36 @@ impl State {
                 unused.push(path);
             }
         }
-        // Every adoption first: a holder adopted by this scan keeps what it pins.
+        #[cfg(test)]
+        self.between_reads();
+        // Then what the channels hold, read after the processes were: a putter that gives
+        // an object to a channel and dies is seen by one of the two reads (in this order:
+        // holding it, or the channel holding it; the other order can miss both).
+        //
+        // An idle one: a pin may live in another supervisor of this user (its processes
+        // found another state directory): an arena taken from a channel here, whose
+        // putter and its pin are another supervisor's, lost its last user here while the
+        // channel still holds its other objects. What a channel tracked here holds is
+        // pinned to it.
+        let (unused_orphans, unused_idle): (HashSet<PathBuf>, HashSet<PathBuf>) =
+            unused.iter().cloned().partition(|p| orphans.contains(p));
+        self.pin_held_by_tracked_channels(&unused_idle);
+        // An orphan: after the putter and the supervisor that knew its pin were both
+        // killed, nothing else says that it is still wanted. Every channel file of the
+        // directories is read.
+        self.pin_held_by_channels(&unused_orphans);
+        // Every adoption and pin first: a holder adopted by this scan keeps what it pins.
         for path in unused {
-            if !self.pinned(&path) {
+            if self.pinned(&path) {
+                continue;
+            }
+            // Pinned just now to a channel this scan did not look at (tracked by that pin,
+            // its users unknown yet): the next pass settles both.
+            let holder_unsettled = self
+                .segments
+                .get(&path)
+                .is_some_and(|s| s.pinned_by.iter().any(|h| self.pending.contains(h)));
+            if !holder_unsettled {
                 self.remove(&path, ids[&path]);
             }
         }
@@ -973,6 +1002,22 @@ impl State {
             }
         }
         self.pin_what_channels_hold(channels, idle);
+    }
+
+    /// Run the test hooks set for one of this supervisor's directories ([`BETWEEN_READS`]).
+    #[cfg(test)]
+    fn between_reads(&self) {
+        let mine: Vec<BetweenReads> = {
+            let mut hooks = BETWEEN_READS.lock().unwrap_or_else(|p| p.into_inner());
+            let (mine, others) = std::mem::take(&mut *hooks)
+                .into_iter()
+                .partition(|(dir, _)| self.dirs.contains(dir));
+            *hooks = others;
+            mine.into_iter().map(|(_, hook)| hook).collect()
+        };
+        for hook in mine {
+            hook();
+        }
     }
 
     fn in_segment_dir(&self, path: &Path) -> bool {

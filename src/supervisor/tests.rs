@@ -809,3 +809,54 @@ fn client_pins_once_and_again_on_a_new_connection() {
     wait_gone(&arena, &mut conn, "the pinned file outlived its holder");
     assert!(outside.exists());
 }
+
+/// A putter gives its object to a channel and is killed while a supervisor that does not
+/// know the object (another supervisor's client made it) settles it: the object moves from
+/// "held by a process" to "held by the channel" between the supervisor's two reads (made to
+/// happen there, on cue). It is kept, pinned to the channel, and goes with the channel.
+#[test]
+fn an_object_given_to_a_channel_by_a_dying_putter_is_kept() {
+    let w = World::new();
+    let chan_name = &crate::segment::random_name();
+    let ring = crate::channel::Ring::create(w.dir(), chan_name, 4).unwrap();
+    let chan = w.dir().join(chan_name);
+    let obj = seg(w.dir(), "given");
+    let keeper = holder(&[&chan]); // a process using the channel
+    let putter = holder(&[&obj]); // the putter, holding its object
+    let (to_channel, dir) = (obj.clone(), w.dir().to_owned());
+    super::server::BETWEEN_READS.lock().unwrap().push((
+        dir,
+        Box::new(move || {
+            let h = crate::channel::Handle {
+                kind: crate::channel::SEGMENT,
+                path: to_channel,
+                offset: 0,
+                size: 0,
+                generation: 0,
+            };
+            assert!(ring.try_push(&h).unwrap().is_some());
+            release(putter);
+        }),
+    ));
+    // Its start-up sweep settles both files, neither of which it knows.
+    let server = w.start(200);
+    let mut a = w.conn();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let kept = format!("{} is held by channel {}", obj.display(), chan.display());
+    while !w.log().contains(&kept) {
+        assert!(
+            obj.exists(),
+            "the object the channel holds was removed: {}",
+            w.log()
+        );
+        assert!(Instant::now() < deadline, "never pinned: {}", w.log());
+        a.request(&Request::Hello(1)).unwrap();
+    }
+    assert!(obj.exists());
+    // The channel's last user goes: the channel and what it holds go too.
+    release(keeper);
+    wait_gone(&chan, &mut a, "the channel was not removed");
+    wait_gone(&obj, &mut a, "what the channel held was not removed");
+    drop(a);
+    server.join().unwrap().unwrap();
+}
