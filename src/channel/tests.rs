@@ -603,3 +603,68 @@ fn the_sweep_reads_what_a_channel_of_either_layout_holds() {
     a.u32_at(8).store(99, Ordering::SeqCst);
     assert!(scan::held_paths(&path).is_empty());
 }
+
+/// Pin the calling thread to the CPU it runs on now; that CPU, as the hint words say it.
+fn pin_to_this_cpu() -> u32 {
+    // SAFETY: `sched_getcpu` takes nothing; the CPU set lives on this stack for the call, and
+    // `sched_setaffinity(0, ...)` changes only the calling thread.
+    unsafe {
+        let cpu = libc::sched_getcpu();
+        assert!(cpu >= 0, "sched_getcpu failed");
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu as usize, &mut set);
+        assert_eq!(
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set),
+            0
+        );
+        cpu as u32 + 1
+    }
+}
+
+/// A put and a get say which CPU they ran on; a waiter whose other side last ran on its own
+/// CPU sleeps at once instead of spinning (on one core the spin only keeps the answer from
+/// being made), and spins again when the other side is elsewhere. Nothing is lost either way.
+#[test]
+fn a_waiter_does_not_spin_for_a_peer_on_its_own_cpu() {
+    let d = dir();
+    let a = Ring::create(d.path(), "shmstore-ch", 4).unwrap();
+    let b = Ring::open(&d.path().join("shmstore-ch")).unwrap();
+    // On a thread of its own: the pin does not outlive the test.
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let cpu = pin_to_this_cpu();
+            let pos = a.try_push(&chunk(1)).unwrap().unwrap();
+            assert_eq!(a.u32_at(AT_PUT_CPU).load(Ordering::Relaxed), cpu);
+            let (p, h) = b.try_pop().unwrap().unwrap();
+            assert_eq!((p, h.unwrap()), (pos, chunk(1)));
+            b.release(p);
+            assert_eq!(b.u32_at(AT_GET_CPU).load(Ordering::Relaxed), cpu);
+            // Both sides' last calls ran here: no spin, a sleep until the deadline.
+            assert_eq!(b.wait_to_get(soon()), Waited::TimedOut);
+            assert_eq!(b.spun.load(Ordering::Relaxed), 0);
+            for _ in 0..4 {
+                a.try_push(&chunk(2)).unwrap().unwrap();
+            }
+            assert_eq!(a.wait_to_put(soon()), Waited::TimedOut);
+            assert_eq!(a.spun.load(Ordering::Relaxed), 0);
+            // The other side elsewhere (the hint says another CPU): a wait spins first.
+            a.u32_at(AT_GET_CPU).store(cpu + 1, Ordering::Relaxed);
+            assert_eq!(a.wait_to_put(soon()), Waited::TimedOut);
+            assert_eq!(a.spun.load(Ordering::Relaxed), 1);
+            // A get that comes while the putter sleeps wakes it (no lost wake-up).
+            s.spawn(|| {
+                pin_to_this_cpu();
+                let (p, _) = b.try_pop().unwrap().unwrap();
+                b.release(p);
+            });
+            let until = Instant::now() + Duration::from_secs(30);
+            while a.try_push(&chunk(3)).unwrap().is_none() {
+                assert_eq!(
+                    a.wait_to_put(until),
+                    Waited::Again,
+                    "the get was never seen"
+                );
+            }
+        });
+    });
+}
