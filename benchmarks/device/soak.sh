@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# The fault campaign (benchmarks/soak.py) on a lent 16-core machine: more workers at once than
-# the 2-core VM can run, so more of them meet each other inside a put, a get or a sweep. Then
-# the read probe (benchmarks/probe_reads.py) for the record of that machine's read costs. From
-# the repository root, with shmstore's wheel in WHEELS (default .whl/):
+# The Channel rows of the benchmark matrix (idle, then busy loops on 1.5x the cores), then the
+# fault campaign (benchmarks/soak.py) on a lent 16-core machine: more workers at once than the
+# 2-core VM can run, so more of them meet each other inside a put, a get or a sweep. From the
+# repository root, with shmstore's wheel in WHEELS (default .whl/):
 #
 #     bash benchmarks/device/soak.sh OUTDIR
 #
-# Writes OUTDIR/{machine.txt, soak.md, probe-reads.md, log.txt}. As root the campaign mounts its
-# tiny tmpfs inside its own private directory and plants a state directory there; it changes no
-# kernel or machine setting. SOAK_WORKERS (default: the cores), SOAK_FAULTS (default 60000),
-# SOAK_SECONDS (default 330), PROBE_TIMEOUT (default 120 s).
+# Writes OUTDIR/{machine.txt, channel-idle.md, channel-busy<N>.md, soak.md, log.txt}. As root
+# the campaign mounts its tiny tmpfs inside its own private directory and plants a state
+# directory there; nothing changes a kernel or machine setting. SOAK_WORKERS (default: the
+# cores), SOAK_FAULTS (default 50000), SOAK_SECONDS (default 240), SOAK_INTERVAL (default
+# 0.004 s between faults), PART_TIMEOUT (default 60 s per Channel run), CHANNEL=0 to skip the
+# Channel rows.
 set -uo pipefail
 out=${1:?usage: soak.sh OUTDIR}
 mkdir -p "$out"
@@ -35,15 +37,21 @@ fi
     $py -c 'import shmstore; print("shmstore", shmstore.__version__, shmstore.__file__)'
 } | tee "$out/machine.txt"
 
+busy=${BUSY:-$(( cores * 3 / 2 ))}
+part_timeout=${PART_TIMEOUT:-60}
+for b in $([ "${CHANNEL:-1}" = 0 ] || echo 0 "$busy"); do
+    name=$([ "$b" = 0 ] && echo idle || echo "busy$b")
+    say "Channel rows, $name"
+    timeout $(( part_timeout + 30 )) $py benchmarks/matrix.py --device --busy "$b" \
+        --label "device-$name" --only channel --part-timeout "$part_timeout" \
+        --out "$out/channel-$name.md" || say "matrix ($name) ended with $?"
+done
+
 say "fault campaign"
-secs=${SOAK_SECONDS:-330}
-timeout $(( secs + 200 )) $py benchmarks/soak.py --seed 11 --workers "${SOAK_WORKERS:-$cores}" \
-    --faults "${SOAK_FAULTS:-60000}" --seconds "$secs" --settle 30 --interval 0.004 \
+secs=${SOAK_SECONDS:-240}
+timeout $(( secs + 150 )) $py benchmarks/soak.py --seed 11 --workers "${SOAK_WORKERS:-$cores}" \
+    --faults "${SOAK_FAULTS:-50000}" --seconds "$secs" --settle 30 --interval "${SOAK_INTERVAL:-0.004}" \
     --out "$out/soak.md" >/dev/null
 say "soak.py ended with $?"
 echo "load after the campaign: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/machine.txt"
-
-say "read probe"
-timeout "${PROBE_TIMEOUT:-120}" $py benchmarks/probe_reads.py --out "$out/probe-reads.md" \
-    || say "probe_reads.py ended with $?"
 say "done"
