@@ -24,22 +24,12 @@ part_timeout=${PART_TIMEOUT:-60}
 # matrix.py bounds each part; this bounds the whole run a little above that (it writes its
 # markdown only at the end).
 matrix_timeout=$(( part_timeout * nparts + 30 ))
-stamp() { date +%H:%M:%S; }
-say() { echo "[$(stamp)] $*"; }
+. "$(dirname "$0")/common.sh"
 
-if ls "$wheels"/*.whl >/dev/null 2>&1; then
-    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site "$wheels"/*.whl || exit 1
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+install_wheels || exit 1
 {
-    echo "date: $(date -u +%FT%TZ)"
-    echo "cores: $cores; $(grep -m1 'model name' /proc/cpuinfo)"
-    echo "memory: $(free -g | awk '/Mem:/ {print $2 " GiB"}')"
-    echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
-    echo "python: $($py --version 2>&1)"
-    $py -c 'import shmstore, torch, numpy; print("shmstore", shmstore.__version__, shmstore.__file__); print("torch", torch.__version__, "cuda", torch.cuda.is_available()); print("numpy", numpy.__version__)'
-    $py -c 'import shmstore._native as n; off = {k: v for k, v in n._fast_paths().items() if v is not True}; print("fast paths off:", off or "none")'
+    machine_facts
+    $py -c 'import torch, numpy; print("torch", torch.__version__, "cuda", torch.cuda.is_available()); print("numpy", numpy.__version__)'
     nvidia-smi -L 2>/dev/null || echo "nvidia-smi: not found"
 } | tee "$out/machine.txt"
 

@@ -19,23 +19,10 @@ exec > >(tee -a "$out/log.txt") 2>&1
 py=${PYTHON:-python3}
 wheels=${WHEELS:-.whl}
 cores=$(nproc)
-stamp() { date +%H:%M:%S; }
-say() { echo "[$(stamp)] $*"; }
+. "$(dirname "$0")/common.sh"
 
-if ls "$wheels"/*.whl >/dev/null 2>&1; then
-    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site "$wheels"/*.whl || exit 1
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
-{
-    echo "date: $(date -u +%FT%TZ)"
-    echo "cores: $cores; $(grep -m1 'model name' /proc/cpuinfo)"
-    echo "memory: $(free -g | awk '/Mem:/ {print $2 " GiB"}')"
-    echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
-    echo "python: $($py --version 2>&1)"
-    echo "user: $(id -un) (uid $(id -u))"
-    $py -c 'import shmstore; print("shmstore", shmstore.__version__, shmstore.__file__)'
-} | tee "$out/machine.txt"
+install_wheels || exit 1
+machine_facts | tee "$out/machine.txt"
 
 busy=${BUSY:-$(( cores * 3 / 2 ))}
 part_timeout=${PART_TIMEOUT:-60}
