@@ -641,24 +641,8 @@ impl Ring {
         let budget = Duration::from_nanos(u64::from(self.spin_ns.load(Ordering::Relaxed)));
         let cpu = this_cpu();
         let shared_core = cpu != 0 && self.u32_at(peer_cpu).load(Ordering::Relaxed) == cpu;
-        if !shared_core {
-            #[cfg(test)]
-            self.spun.fetch_add(1, Ordering::Relaxed);
-            let mut looks = 0u32;
-            loop {
-                if ready() {
-                    return Waited::Again;
-                }
-                looks = looks.wrapping_add(1);
-                // The clock is read every few looks only (it costs more than a look).
-                if looks % SPIN_CHECK == 0 {
-                    let spent = start.elapsed();
-                    if spent >= budget || looks >= SPIN_LOOKS_MAX || Instant::now() >= deadline {
-                        break;
-                    }
-                }
-                std::hint::spin_loop();
-            }
+        if !shared_core && self.spin(start, budget, deadline, &ready) {
+            return Waited::Again;
         }
         let word = self.u32_at(epoch);
         let count = self.u32_at(waiters);
@@ -684,6 +668,34 @@ impl Ring {
             self.adapt(start.elapsed(), budget);
         }
         outcome
+    }
+
+    /// Look at `ready` in a busy loop of pause instructions until it holds (true), or until
+    /// `budget` has passed since `start` or `deadline` has come (false).
+    fn spin(
+        &self,
+        start: Instant,
+        budget: Duration,
+        deadline: Instant,
+        ready: &impl Fn() -> bool,
+    ) -> bool {
+        #[cfg(test)]
+        self.spun.fetch_add(1, Ordering::Relaxed);
+        let mut looks = 0u32;
+        loop {
+            if ready() {
+                return true;
+            }
+            looks = looks.wrapping_add(1);
+            // The clock is read every few looks only (it costs more than a look).
+            if looks % SPIN_CHECK == 0 {
+                let spent = start.elapsed();
+                if spent >= budget || looks >= SPIN_LOOKS_MAX || Instant::now() >= deadline {
+                    return false;
+                }
+            }
+            std::hint::spin_loop();
+        }
     }
 
     /// After a wait that had to sleep and took `waited` in all: a longer spin would have
@@ -828,7 +840,6 @@ fn dead(who: u64, start: u64) -> bool {
     }
 }
 
-/// Sleep until `word` is woken or no longer holds `seen`, at most `timeout`.
 /// The CPU this thread runs on, plus one (0 where the system cannot say): the value of the
 /// hint words [`AT_PUT_CPU`] and [`AT_GET_CPU`].
 fn this_cpu() -> u32 {
@@ -837,6 +848,7 @@ fn this_cpu() -> u32 {
     u32::try_from(cpu).map_or(0, |c| c.wrapping_add(1))
 }
 
+/// Sleep until `word` is woken or no longer holds `seen`, at most `timeout`.
 fn futex_wait(word: &AtomicU32, seen: u32, timeout: Duration) {
     let ts = libc::timespec {
         tv_sec: timeout.as_secs() as libc::time_t,
