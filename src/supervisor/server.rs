@@ -953,6 +953,8 @@ impl State {
         if orphans.is_empty() {
             return;
         }
+        // Listed again, not taken from the round's list of orphans: what the channels hold is
+        // read after the processes were, and a channel made since then counts too.
         let files: Vec<PathBuf> = self.dirs.iter().flat_map(|d| segment_files(d)).collect();
         self.pin_what_channels_hold(files, orphans);
     }

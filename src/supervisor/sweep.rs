@@ -413,6 +413,25 @@ mod tests {
         assert_eq!(remove_if_ours(&sealed, id).unwrap(), Removal::Gone);
     }
 
+    /// A `sh` that holds `path` open until its stdin closes; returned once it says it does.
+    fn sh_holding(path: &Path) -> std::process::Child {
+        let mut child = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(format!("exec 3<{}; echo open; read line", path.display()))
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.as_mut().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        assert_eq!(line, "open\n", "the child did not open {}", path.display());
+        child
+    }
+
     #[test]
     fn sweep_keeps_files_in_use_and_removes_orphans() {
         let dir = tempfile::tempdir().unwrap();
@@ -428,22 +447,8 @@ mod tests {
         let saved = dir.path().join("shmstore-saved");
         std::fs::write(&saved, b"x").unwrap();
         // A child process holds `open` open: the sweep must leave it alone.
-        let mut child = std::process::Command::new("sh")
-            .arg("-c")
-            .arg(format!("exec 3<{}; read line", open.display()))
-            .stdin(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        // Wait (bounded) until the child really holds the file.
+        let mut child = sh_holding(&open);
         let want: HashSet<PathBuf> = [open.clone()].into();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while holders(&want).is_empty() {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "child never opened the file"
-            );
-            std::thread::yield_now();
-        }
         let keep: HashSet<PathBuf> = [kept.clone()].into();
         let dry = sweep(&[dir.path().to_owned()], &keep, true);
         assert!(orphan.exists(), "dry run removed a file");
@@ -469,20 +474,7 @@ mod tests {
         std::fs::write(&part, b"x").unwrap();
         seal(&part);
         std::fs::hard_link(&part, &published).unwrap();
-        let mut child = std::process::Command::new("sh")
-            .arg("-c")
-            .arg(format!("exec 3<{}; echo open; read line", part.display()))
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        std::io::BufRead::read_line(
-            &mut std::io::BufReader::new(child.stdout.as_mut().unwrap()),
-            &mut line,
-        )
-        .unwrap();
-        assert_eq!(line, "open\n");
+        let mut child = sh_holding(&part);
         let both: HashSet<PathBuf> = [part.clone(), published.clone()].into();
         for _ in 0..4 {
             // (the map is keyed by identity: any order of the names must give both)
