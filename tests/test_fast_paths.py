@@ -32,6 +32,7 @@ VIEW_PATHS = [
     "slots.DictIter.next",
     "slots.RecordIter.next",
     "slots.KeyIter.next",
+    "slots.int_index",
 ]
 
 
@@ -81,6 +82,47 @@ def test_views_made_by_the_fast_paths_read_correctly() -> None:
         assert list(iter(rec["a"])) == [1, 2.5, "x"]
     finally:
         del rec
+        lst.close()
+
+
+def test_int_indexes_read_the_same_on_either_side_of_the_compact_layout() -> None:
+    """An `int` index of one digit (below 2**30) is read from the int object itself
+    (`slots.int_index`); larger ones, and other index types, go through the interpreter's
+    conversion. Both give the same record, the same negative-index arithmetic and the same
+    IndexError, for a list view as for the list."""
+    n = 5
+    lst = shmstore.SharedList([[i, -i] for i in range(n)])
+    try:
+        view = lst[1]
+        for i in range(-n, n):
+            assert lst[i].to_python() == [i % n, -(i % n)]
+        for i in (-2, -1, 0, 1):
+            assert view[i] == [1, -1][i]
+        big = [2**30 - 1, 2**30, -(2**30), 2**40, 2**62, 2**63, 2**64, -(2**64), 2**100]
+        for i in big:
+            try:
+                lst[i]
+            except IndexError:
+                pass
+            else:  # pragma: no cover - a failure
+                raise AssertionError(f"lst[{i}] did not raise IndexError")
+            try:
+                view[i]
+            except IndexError:
+                pass
+            else:  # pragma: no cover - a failure
+                raise AssertionError(f"view[{i}] did not raise IndexError")
+
+        class Index:
+            def __index__(self) -> int:
+                return 3
+
+        # Not an exact int: the interpreter's conversion, the same records.
+        assert lst[True].to_python() == [1, -1]
+        assert lst[Index()].to_python() == [3, -3]
+        assert view[False] == 1
+    finally:
+        del view
         lst.close()
 
 

@@ -82,6 +82,10 @@ pub fn cleanup_owned() -> usize {
 /// library owns (a foreign buffer).
 pub struct Mapping {
     mmap: Mapped,
+    /// The bytes `mmap` holds, found once when made: every read of the archive asks for
+    /// them (several times per `lst[i]`), and a stored (address, length) is two loads where
+    /// finding them again is a match on the kind of mapping, a call that is not inlined.
+    bytes: Span,
     path: PathBuf,
     /// Set in the creating process: (path, pid) of the name it owns.
     owner: Mutex<Option<(PathBuf, u32)>>,
@@ -109,6 +113,20 @@ enum Mapped {
         len: usize,
     },
 }
+
+/// The bytes of a [`Mapping`]: `len` bytes at `ptr`, readable and unchanged while the
+/// mapping lives (a dangling, aligned `ptr` when `len` is 0).
+struct Span {
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: the bytes behind the pointer are only read, never written, and do not change while
+// the mapping that holds them lives (`Mapped::span`): reading them from any thread is as safe
+// as reading a `&[u8]`.
+unsafe impl Send for Span {}
+// SAFETY: as for `Send`: shared reads of bytes that nobody writes.
+unsafe impl Sync for Span {}
 
 /// The address of a foreign buffer's first byte.
 struct ForeignPtr(*const u8);
@@ -358,6 +376,18 @@ fn open_error(path: &Path, name: &str, e: std::io::Error) -> SegmentError {
 }
 
 impl Mapping {
+    /// A mapping over `mmap`'s bytes (found here once), named `path`.
+    fn new(mmap: Mapped, path: PathBuf, private_copy: bool) -> Self {
+        let bytes = mmap.span();
+        Mapping {
+            mmap,
+            bytes,
+            path,
+            owner: Mutex::new(None),
+            private_copy,
+        }
+    }
+
     /// Map `path` read-only. `require_owner`: refuse files of another user (segments in
     /// shared memory); saved archive files of other users are read from a private copy.
     /// Never blocks: a FIFO or device under the name is refused, not waited on
@@ -450,12 +480,11 @@ impl Mapping {
         // boundary of docs/security.md. The mapping is PROT_READ, so this process can never
         // write the pages.
         let mmap = unsafe { Mmap::map(&mapped) }.map_err(|e| SegmentError::io(path, e))?;
-        Ok(Mapping {
-            mmap: Mapped::Own(mmap),
-            path: path.to_owned(),
-            owner: Mutex::new(None),
+        Ok(Mapping::new(
+            Mapped::Own(mmap),
+            path.to_owned(),
             private_copy,
-        })
+        ))
     }
 
     /// The `len` bytes at `offset` of `arena`, an arena's mapping (a chunk's archive),
@@ -495,12 +524,11 @@ impl Mapping {
                 path: path.to_owned(),
             });
         };
-        Ok(Mapping {
-            mmap: Mapped::Window { arena, start, len },
-            path: path.to_owned(),
-            owner: Mutex::new(None),
-            private_copy: false,
-        })
+        Ok(Mapping::new(
+            Mapped::Window { arena, start, len },
+            path.to_owned(),
+            false,
+        ))
     }
 
     /// `len` bytes at `start` that `owner` keeps (a buffer of another library, e.g. Ray's
@@ -517,16 +545,15 @@ impl Mapping {
         len: usize,
         label: &Path,
     ) -> Self {
-        Mapping {
-            mmap: Mapped::Foreign {
+        Mapping::new(
+            Mapped::Foreign {
                 _owner: owner,
                 start: ForeignPtr(start),
                 len,
             },
-            path: label.to_owned(),
-            owner: Mutex::new(None),
-            private_copy: false,
-        }
+            label.to_owned(),
+            false,
+        )
     }
 
     /// A private copy of `bytes` in anonymous memory of this process, mapped read-only once
@@ -546,12 +573,7 @@ impl Mapping {
         let mmap = mmap
             .make_read_only()
             .map_err(|e| SegmentError::io(label, e))?;
-        Ok(Mapping {
-            mmap: Mapped::Own(mmap),
-            path: label.to_owned(),
-            owner: Mutex::new(None),
-            private_copy: true,
-        })
+        Ok(Mapping::new(Mapped::Own(mmap), label.to_owned(), true))
     }
 
     /// The whole mapping these bytes lie in, as (address, length): the segment's or saved
@@ -611,33 +633,48 @@ impl Mapping {
     }
 }
 
-impl AsRef<[u8]> for Mapping {
-    fn as_ref(&self) -> &[u8] {
-        match &self.mmap {
-            Mapped::Own(m) => m,
-            // SAFETY: the window lies inside the arena's mapping (checked in `chunk`), which
-            // lives as long as `self` holds its `Arc`. `as_ptr` makes no reference to the
-            // bytes outside the window (other chunks, which may change). The window's bytes
-            // do not change while it exists: it is a chunk this process holds (a lease, or
-            // for the creator its own handle count, `ArenaFile::lease_own`), which the
-            // creator never writes or reuses while held (it writes other chunks through its
-            // writable mapping with raw pointers, never references), and nobody else can
-            // write the file (ours, checked by `ArenaFile::open`; docs/arena.md).
-            Mapped::Window { arena, start, len } => unsafe {
-                std::slice::from_raw_parts(arena.as_ptr().add(*start), *len)
-            },
-            // SAFETY: `Mapping::foreign`'s contract: the bytes are readable and unchanged
-            // while `owner` lives, and it lives as long as `self`. An empty buffer's address
-            // may be anything non-null or dangling: a slice of length 0 reads nothing, and
-            // a null one is replaced by a dangling, aligned pointer.
-            Mapped::Foreign { start, len, .. } => unsafe {
-                if *len == 0 || start.0.is_null() {
-                    &[]
-                } else {
-                    std::slice::from_raw_parts(start.0, *len)
-                }
-            },
+impl Mapped {
+    /// Where the bytes are: found once, when the mapping is made (`Mapping::new`).
+    fn span(&self) -> Span {
+        let (ptr, len) = match self {
+            Mapped::Own(m) => (m.as_ptr(), m.len()),
+            // The window lies inside the arena's mapping (checked in `chunk`), which lives as
+            // long as the window holds its `Arc`. Only the address is computed here (no
+            // reference to the bytes outside the window, other chunks, which may change).
+            // SAFETY: `start + len <= arena.len()` (checked in `chunk`), so the offset stays
+            // inside the arena's mapping.
+            Mapped::Window { arena, start, len } => (unsafe { arena.as_ptr().add(*start) }, *len),
+            Mapped::Foreign { start, len, .. } => (start.0, *len),
+        };
+        if len == 0 || ptr.is_null() {
+            // A slice of length 0 reads nothing; a null address (an empty foreign buffer may
+            // have any) is replaced by a dangling, aligned one.
+            return Span {
+                ptr: std::ptr::NonNull::<u8>::dangling().as_ptr(),
+                len: 0,
+            };
         }
+        Span { ptr, len }
+    }
+}
+
+impl AsRef<[u8]> for Mapping {
+    #[inline]
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: `bytes` is the span of `self.mmap` (set once in `Mapping::new`, never
+        // changed), whose pages stay where they are as long as `self` lives (a mapping's
+        // address does not move with the value that owns it). They are readable and do not
+        // change meanwhile:
+        // - `Own`: our PROT_READ mapping of a sealed or trusted file (`from_file`) or of a
+        //   private copy;
+        // - `Window`: a chunk this process holds (a lease, or for the creator its own handle
+        //   count, `ArenaFile::lease_own`), which the creator never writes or reuses while
+        //   held (it writes other chunks through its writable mapping with raw pointers,
+        //   never references), and nobody else can write the file (ours, checked by
+        //   `ArenaFile::open`; docs/arena.md);
+        // - `Foreign`: `Mapping::foreign`'s contract (readable and unchanged while the owner,
+        //   which `self` holds, lives).
+        unsafe { std::slice::from_raw_parts(self.bytes.ptr, self.bytes.len) }
     }
 }
 

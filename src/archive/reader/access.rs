@@ -11,13 +11,13 @@ impl<B: AsRef<[u8]>> Reader<B> {
         let (start, end) = self.span(rec)?;
         // A record is read front to back, but its reads depend on one another (a field's
         // position comes from what precedes it): ask for its first lines at once, so that
-        // in random order their misses overlap instead of following one another.
-        let b = self.bytes();
-        let mut at = start;
-        while at < end.min(start + ROOT_PREFETCH) {
-            prefetch(b, at);
-            at += 64;
-        }
+        // in random order their misses overlap instead of following one another. Not the
+        // line of its first byte, which is read next anyway.
+        prefetch_lines(
+            self.bytes(),
+            (start | 63) + 1,
+            end.min(start + ROOT_PREFETCH),
+        );
         Ok(Node {
             rec: rec as u32,
             form: Form::Tagged,

@@ -144,12 +144,11 @@ impl<B: AsRef<[u8]>> Reader<B> {
             bytes,
             self.header.blocks_off as usize + (b + 1) * BLOCK_ENTRY + 8,
         );
-        let stop = end.saturating_add(NEXT_BLOCK_PREFETCH).min(self.rec_end);
-        let mut at = end;
-        while at < stop {
-            prefetch(bytes, at);
-            at += 64;
-        }
+        prefetch_lines(
+            bytes,
+            end,
+            end.saturating_add(NEXT_BLOCK_PREFETCH).min(self.rec_end),
+        );
     }
 
     /// The block holding record `rec` (< count). Blocks hold similar numbers of records, so

@@ -199,9 +199,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
                     prefetch(b, at);
                 }
                 if let Some(start) = slot.start_hint() {
-                    for line in (start..start.saturating_add(PREFETCH_AHEAD)).step_by(64) {
-                        prefetch(b, line);
-                    }
+                    prefetch_lines(b, start, start.saturating_add(PREFETCH_AHEAD));
                 }
                 // And what reading the record will look at first: its index entry and, if it
                 // is not checked yet in this process, its block's entries.

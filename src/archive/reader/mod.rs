@@ -206,6 +206,30 @@ pub fn prefetch(bytes: &[u8], at: usize) {
     let _ = (bytes, at);
 }
 
+/// Start loading the cache lines of `bytes[start..end]` (`end` past the bytes is cut to
+/// them): one bound for the whole range, so a line costs the prefetch and a compare.
+#[inline(always)]
+pub fn prefetch_lines(bytes: &[u8], start: usize, end: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let end = end.min(bytes.len());
+        let base = bytes.as_ptr();
+        let mut at = start;
+        while at < end {
+            // SAFETY: as in `prefetch`; `at < end <= bytes.len()`, so the address is inside
+            // `bytes`.
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                    base.add(at) as *const i8
+                )
+            };
+            at += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (bytes, start, end);
+}
+
 impl<B: AsRef<[u8]>> Reader<B> {
     /// Check the header and metadata; records are checked lazily on first access.
     pub fn open(backing: B) -> Result<Self, ArchiveError> {

@@ -46,6 +46,7 @@ pub(crate) const NAMES: &[&str] = &[
     "slots.DictIter.next",
     "slots.RecordIter.next",
     "slots.KeyIter.next",
+    "slots.int_index",
 ];
 
 /// The fast paths in the order they were reported, each `Ok` (on) or the reason it is off.

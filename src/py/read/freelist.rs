@@ -433,6 +433,7 @@ pub(crate) mod imp {
             report("slots.DictView.iter", slots::install_iter::<DictView>(py));
             report("slots.ListIter.next", slots::install_next::<ListIter>(py));
             report("slots.DictIter.next", slots::install_next::<DictIter>(py));
+            report("slots.int_index", slots::install_int_index(py));
         }
         Ok(())
     }

@@ -25,6 +25,8 @@
 
 #[cfg(not(feature = "abi3"))]
 use std::panic::{catch_unwind, AssertUnwindSafe};
+#[cfg(not(feature = "abi3"))]
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 use pyo3::prelude::*;
@@ -46,6 +48,116 @@ pub(crate) trait FastGet: PyClass + PyTypeInfo {
     fn original() -> &'static OnceLock<ffi::binaryfunc>;
 }
 
+/// How the fast paths read an exact `int`'s value: from the object itself when it has at
+/// most one digit (CPython's "compact" ints, every index below 2**30), else through
+/// `PyLong_AsSsize_t`, a call that costs about as much as the rest of the index's handling.
+/// The layout is CPython's, not part of its stable API, so it is switched on only after the
+/// check at import ([`install_int_index`]) read a set of ints both ways and found them equal;
+/// otherwise every index takes the call, and `_fast_paths()` says why.
+#[cfg(not(feature = "abi3"))]
+static INT_LAYOUT: AtomicU8 = AtomicU8::new(INT_CALL);
+/// Ask `PyLong_AsSsize_t` for every value.
+#[cfg(not(feature = "abi3"))]
+const INT_CALL: u8 = 0;
+/// CPython 3.11: `ob_size` holds the sign and the number of digits.
+#[cfg(not(feature = "abi3"))]
+const INT_SIZE: u8 = 1;
+/// CPython 3.12 and later: `lv_tag` holds the number of digits (shifted by 3) and the sign
+/// in its two low bits (0 positive, 1 zero, 2 negative).
+#[cfg(not(feature = "abi3"))]
+const INT_TAG: u8 = 2;
+
+/// The value of the exact int at `p` if it is compact and this process has the layout on.
+///
+/// # Safety
+/// `p` is a live exact `int` and the GIL is held.
+#[cfg(not(feature = "abi3"))]
+#[inline(always)]
+unsafe fn compact_value(p: *mut ffi::PyObject) -> Option<isize> {
+    // Both layouts: a 16-byte object header, one word (`ob_size` or `lv_tag`), then the
+    // 30-bit digits as `u32`. An int object always has room for one digit.
+    let word = p.cast::<usize>();
+    let digit = p.cast::<u8>();
+    // SAFETY: the caller's contract; `INT_LAYOUT` is not `INT_CALL` only where the check at
+    // import found this layout (`install_int_index`), so both reads are inside the object.
+    unsafe {
+        match INT_LAYOUT.load(Ordering::Relaxed) {
+            INT_SIZE => {
+                let size = *word.add(2) as isize;
+                (size.unsigned_abs() <= 1).then(|| size * *digit.add(24).cast::<u32>() as isize)
+            }
+            INT_TAG => {
+                let tag = *word.add(2);
+                (tag < 2 << 3)
+                    .then(|| (1 - (tag & 3) as isize) * *digit.add(24).cast::<u32>() as isize)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Switch the compact-int read on for this interpreter if its layout is the one expected:
+/// the version says which, and ints from 0 to past 2**62 of both signs must read the same
+/// as through `PyLong_AsSsize_t` (and those of two digits or more must not be taken).
+///
+/// # Safety
+/// The GIL is held, the interpreter has one, and no fast path runs yet (module init).
+#[cfg(not(feature = "abi3"))]
+pub(crate) unsafe fn install_int_index(py: Python<'_>) -> Result<(), String> {
+    let v = py.version_info();
+    let layout = match (v.major, v.minor) {
+        (3, 11) => INT_SIZE,
+        (3, 12..=14) => INT_TAG,
+        _ => {
+            return Err(format!(
+                "off: the int layout of CPython {}.{} is not known to this build",
+                v.major, v.minor
+            ))
+        }
+    };
+    INT_LAYOUT.store(layout, Ordering::Relaxed);
+    let probes: [isize; 16] = [
+        0,
+        1,
+        -1,
+        2,
+        -2,
+        7,
+        255,
+        -256,
+        1 << 29,
+        (1 << 30) - 1,
+        -((1 << 30) - 1),
+        1 << 30,
+        -(1 << 30),
+        1 << 40,
+        isize::MAX,
+        isize::MIN,
+    ];
+    for n in probes {
+        // SAFETY: the GIL is held; the new reference is released below.
+        let obj = unsafe { ffi::PyLong_FromSsize_t(n) };
+        if obj.is_null() {
+            INT_LAYOUT.store(INT_CALL, Ordering::Relaxed);
+            // SAFETY: the GIL is held.
+            unsafe { ffi::PyErr_Clear() };
+            return Err("off: could not make an int to check the layout".to_owned());
+        }
+        // SAFETY: `obj` is a live exact int (made just now), the GIL is held.
+        let (read, exact) = unsafe { (compact_value(obj), ffi::PyLong_CheckExact(obj) != 0) };
+        // SAFETY: the GIL is held; `obj` is our reference.
+        unsafe { ffi::Py_DECREF(obj) };
+        let expected = (n.unsigned_abs() < 1 << 30).then_some(n);
+        if !exact || read != expected {
+            INT_LAYOUT.store(INT_CALL, Ordering::Relaxed);
+            return Err(format!(
+                "off: {n} read as {read:?} from the object, expected {expected:?} (the int layout differs)"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// An exact `int` that fits an `isize`, read without making a `PyErr` (which the fast paths
 /// must not drop); `None` for anything else.
 #[inline(always)]
@@ -56,6 +168,10 @@ pub(crate) fn exact_index(key: &Bound<'_, PyAny>) -> Option<isize> {
     unsafe {
         if ffi::PyLong_CheckExact(p) == 0 {
             return None;
+        }
+        #[cfg(not(feature = "abi3"))]
+        if let Some(i) = compact_value(p) {
+            return Some(i);
         }
         let i = ffi::PyLong_AsSsize_t(p);
         if i == -1 && !ffi::PyErr_Occurred().is_null() {
