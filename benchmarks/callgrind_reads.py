@@ -28,6 +28,9 @@ k = 7
 ann = lst[k]["annotations"][0]
 rec = lst[k]
 idx = list(range(64))
+import gc
+gc.collect()
+gc.disable()  # a collection in one of the two runs and not the other would not cancel out
 if what == "empty":
     for _ in range(n):
         pass
@@ -56,10 +59,19 @@ def instructions(python: str, what: str, n: int) -> int:
         with open(script, "w") as f:
             f.write(BODY.format(bench=bench, n=n, what=what))
         out = os.path.join(d, "cg.out")
+        # A fixed hash seed: the loop's global names are looked up in dicts whose probe
+        # sequences otherwise change from run to run (tens of instructions per call); one
+        # BLAS thread: idle BLAS threads spin, and valgrind runs them in turn with the loop;
+        # no supervisor: whether the build finds one running or starts one differs between
+        # the two runs and would not cancel out.
+        env = dict(
+            os.environ, PYTHONHASHSEED="0", OPENBLAS_NUM_THREADS="1", SHMSTORE_SUPERVISOR="0"
+        )
         subprocess.run(
             ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", python, script],
             check=True,
             capture_output=True,
+            env=env,
         )
         with open(out) as f:
             for line in f:
