@@ -954,3 +954,25 @@ fn an_indexed_dict_with_a_nan_key_confirms_a_miss() {
     r.confirm_miss(0).unwrap();
     r.validate_all().unwrap();
 }
+
+/// Prefetching is a hint: any range, however far past the bytes or reversed, is cut to
+/// them and never panics (it runs inside the read slots, where a panic would be an error).
+#[test]
+fn prefetch_lines_accepts_any_range() {
+    use super::reader::prefetch_lines;
+    let bytes = vec![7u8; 1000];
+    for (start, end) in [
+        (0, 0),
+        (0, 1000),
+        (10, 5),
+        (999, 100_000),
+        (1000, 2000),
+        (5000, 6000),
+        (usize::MAX - 1, usize::MAX),
+        (0, usize::MAX),
+    ] {
+        prefetch_lines(&bytes, start, end);
+        prefetch_lines(&bytes[..0], start, end);
+    }
+    assert_eq!(bytes, vec![7u8; 1000]);
+}
