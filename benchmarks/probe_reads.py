@@ -81,7 +81,8 @@ def machine() -> list[str]:
         f"load: {' '.join(open('/proc/loadavg').read().split()[:3])}; cores: {os.cpu_count()}",
         "this process:",
         *speculation(),
-        f"shmstore: {shmstore.__version__}, fast paths off: {fast_paths_off() or 'none'}",
+        f"shmstore: {shmstore.__version__} from {os.path.dirname(shmstore.__file__)}, "
+        f"fast paths off: {fast_paths_off() or 'none'}",
     ]
     try:
         with open("/proc/cpuinfo") as f:
