@@ -12,22 +12,14 @@
 # matrix-reads-busy<N>.md, log.txt}. Changes no kernel or machine setting. ROUNDS (default 3),
 # PROBE_N (default 200000), PART_TIMEOUT (default 60 s per matrix run).
 set -uo pipefail
-out=${1:?usage: reads.sh OUTDIR}
-mkdir -p "$out"
-exec > >(tee -a "$out/log.txt") 2>&1
-py=${PYTHON:-python3}
-wheels=${WHEELS:-.whl}
-cores=$(nproc)
-busy=${BUSY:-$(( cores * 3 / 2 ))}
-part_timeout=${PART_TIMEOUT:-60}
 . "$(dirname "$0")/common.sh"
+start "${1:?usage: reads.sh OUTDIR}"
 
 install_wheels || exit 1
 machine_facts | tee "$out/machine.txt"
 builds=(new)
 if [ -n "${BASE_WHEELS:-}" ]; then
-    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site-base "$BASE_WHEELS"/*.whl || exit 1
+    install_wheels "$BASE_WHEELS" /tmp/site-base || exit 1
     builds+=(base)
 fi
 
@@ -41,11 +33,5 @@ for round in $(seq 1 "${ROUNDS:-3}"); do
     done
 done
 
-for b in 0 "$busy"; do
-    name=$([ "$b" = 0 ] && echo idle || echo "busy$b")
-    say "matrix reads, $name"
-    timeout $(( part_timeout + 30 )) $py benchmarks/matrix.py --device --busy "$b" \
-        --label "device-reads-$name" --only format --part-timeout "$part_timeout" \
-        --out "$out/matrix-reads-$name.md" || say "matrix $name ended with $?"
-done
+matrix_idle_busy format matrix-reads
 say "done"

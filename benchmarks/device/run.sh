@@ -11,20 +11,9 @@
 # no kernel or machine setting. Each step's time limit: GPU_TIMEOUT (default 150 s), PART_TIMEOUT
 # (default 60 s per matrix part), MATRIX_PARTS (default format,channel,arrays).
 set -uo pipefail
-out=${1:?usage: run.sh OUTDIR}
-mkdir -p "$out"
-exec > >(tee -a "$out/log.txt") 2>&1
-py=${PYTHON:-python3}
-wheels=${WHEELS:-.whl}
-cores=$(nproc)
-busy=${BUSY:-$(( cores * 3 / 2 ))}
-parts=${MATRIX_PARTS:-format,channel,arrays}
-nparts=$(( $(tr -cd , <<<"$parts" | wc -c) + 1 ))
-part_timeout=${PART_TIMEOUT:-60}
-# matrix.py bounds each part; this bounds the whole run a little above that (it writes its
-# markdown only at the end).
-matrix_timeout=$(( part_timeout * nparts + 30 ))
 . "$(dirname "$0")/common.sh"
+start "${1:?usage: run.sh OUTDIR}"
+parts=${MATRIX_PARTS:-format,channel,arrays}
 
 install_wheels || exit 1
 {
@@ -37,13 +26,5 @@ say "GPU pinning"
 timeout "${GPU_TIMEOUT:-150}" $py benchmarks/device/gpu_pin.py --out "$out/gpu-pin.md" \
     || say "gpu_pin.py ended with $?"
 
-say "matrix idle ($parts)"
-timeout "$matrix_timeout" $py benchmarks/matrix.py --device --busy 0 \
-    --label "device-idle" --only "$parts" --part-timeout "$part_timeout" \
-    --out "$out/matrix-idle.md" || say "matrix idle ended with $?"
-
-say "matrix with $busy busy loops ($parts)"
-timeout "$matrix_timeout" $py benchmarks/matrix.py --device --busy "$busy" \
-    --label "device-busy$busy" --only "$parts" --part-timeout "$part_timeout" \
-    --out "$out/matrix-busy$busy.md" || say "matrix busy ended with $?"
+matrix_idle_busy "$parts" matrix
 say "done"

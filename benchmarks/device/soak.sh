@@ -13,26 +13,13 @@
 # 0.004 s between faults), PART_TIMEOUT (default 60 s per Channel run), CHANNEL=0 to skip the
 # Channel rows.
 set -uo pipefail
-out=${1:?usage: soak.sh OUTDIR}
-mkdir -p "$out"
-exec > >(tee -a "$out/log.txt") 2>&1
-py=${PYTHON:-python3}
-wheels=${WHEELS:-.whl}
-cores=$(nproc)
 . "$(dirname "$0")/common.sh"
+start "${1:?usage: soak.sh OUTDIR}"
 
 install_wheels || exit 1
 machine_facts | tee "$out/machine.txt"
 
-busy=${BUSY:-$(( cores * 3 / 2 ))}
-part_timeout=${PART_TIMEOUT:-60}
-for b in $([ "${CHANNEL:-1}" = 0 ] || echo 0 "$busy"); do
-    name=$([ "$b" = 0 ] && echo idle || echo "busy$b")
-    say "Channel rows, $name"
-    timeout $(( part_timeout + 30 )) $py benchmarks/matrix.py --device --busy "$b" \
-        --label "device-$name" --only channel --part-timeout "$part_timeout" \
-        --out "$out/channel-$name.md" || say "matrix ($name) ended with $?"
-done
+[ "${CHANNEL:-1}" = 0 ] || matrix_idle_busy channel channel
 
 say "fault campaign"
 secs=${SOAK_SECONDS:-240}
