@@ -192,18 +192,7 @@ const PREFETCH_AHEAD: usize = 1024;
 /// Start loading the cache line of `bytes[at]`; out-of-range positions are ignored.
 #[inline(always)]
 pub fn prefetch(bytes: &[u8], at: usize) {
-    #[cfg(target_arch = "x86_64")]
-    if at < bytes.len() {
-        let p = bytes[at..].as_ptr();
-        // SAFETY: `_mm_prefetch` needs SSE, which every x86_64 CPU has (it is in the
-        // target's baseline). A prefetch is a hint: it never faults and has no effect on
-        // program state, and `p` points inside `bytes` anyway.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
-        };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (bytes, at);
+    prefetch_lines(bytes, at, at.saturating_add(1));
 }
 
 /// Start loading the cache lines of `bytes[start..end]` (`end` past the bytes is cut to

@@ -74,26 +74,27 @@ const INT_TAG: u8 = 2;
 #[cfg(not(feature = "abi3"))]
 #[inline(always)]
 unsafe fn compact_value(p: *mut ffi::PyObject) -> Option<isize> {
+    let layout = INT_LAYOUT.load(Ordering::Relaxed);
+    if layout == INT_CALL {
+        return None;
+    }
     // Both layouts: a 16-byte object header, one word (`ob_size` or `lv_tag`), then the
     // 30-bit digits as `u32`. An int object always has room for one digit.
-    let word = p.cast::<usize>();
-    let digit = p.cast::<u8>();
-    // SAFETY: the caller's contract; `INT_LAYOUT` is not `INT_CALL` only where the check at
-    // import found this layout (`install_int_index`), so both reads are inside the object.
-    unsafe {
-        match INT_LAYOUT.load(Ordering::Relaxed) {
-            INT_SIZE => {
-                let size = *word.add(2) as isize;
-                (size.unsigned_abs() <= 1).then(|| size * *digit.add(24).cast::<u32>() as isize)
-            }
-            INT_TAG => {
-                let tag = *word.add(2);
-                (tag < 2 << 3)
-                    .then(|| (1 - (tag & 3) as isize) * *digit.add(24).cast::<u32>() as isize)
-            }
-            _ => None,
-        }
-    }
+    // SAFETY: the caller's contract; the layout is not `INT_CALL` only where the check at
+    // import found it (`install_int_index`), so both reads are inside the object.
+    let (word, digit) = unsafe {
+        (
+            *p.cast::<usize>().add(2),
+            *p.cast::<u8>().add(24).cast::<u32>(),
+        )
+    };
+    // The sign (-1, 0 or 1) of a one-digit int; a longer one takes the call.
+    let sign = match layout {
+        INT_SIZE if (word as isize).unsigned_abs() <= 1 => word as isize,
+        INT_TAG if word < 2 << 3 => 1 - (word & 3) as isize,
+        _ => return None,
+    };
+    Some(sign * digit as isize)
 }
 
 /// Switch the compact-int read on for this interpreter if its layout is the one expected:
