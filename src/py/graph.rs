@@ -88,8 +88,8 @@ fn gc_unreachable(objects: &Bound<'_, PyList>) -> PyResult<Vec<usize>> {
         .into());
     }
     // Why no `py.detach()` here: the refcounts and the edges must be one consistent snapshot,
-    // and the caller relies on no other thread running between them (it also raises the
-    // switch interval). The whole call stays attached; it never calls back into Python.
+    // and the caller relies on no other thread running between them: the whole call holds
+    // the GIL and never calls back into Python, so no other thread runs until it returns.
     let list = objects.as_ptr();
     let mut ptrs: Vec<*mut ffi::PyObject> = Vec::with_capacity(total);
     for i in 0..total {

@@ -21,10 +21,6 @@ __all__ = ["detect"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# A switch interval long enough that no other thread takes the GIL while the analysis reads
-# refcounts and edges (it does no I/O, so it never releases the GIL by itself).
-_QUIET_SWITCH_INTERVAL = 1000.0
-
 
 class _GcPause:
     """Automatic gc off while any detect() block runs, restored when the last one ends.
@@ -44,6 +40,11 @@ class _GcPause:
                 self._was_enabled = gc.isenabled()
                 gc.disable()
             self._depth += 1
+
+    def alone(self) -> bool:
+        """Whether exactly one block runs (the caller's, in any thread)."""
+        with self._lock:
+            return self._depth == 1
 
     def leave(self) -> tuple[bool, bool]:
         """Returns (this was the outermost block, gc was enabled before it)."""
@@ -66,18 +67,37 @@ class _Entry:
     is: the entry objects still alive, in their entry order, then the new ones. Comparing ids
     alone is not enough: an entry object freed in the block leaves its address to a new
     object (pymalloc reuses it at once). The walk below stops at the first object that is not
-    the next surviving entry object (same id and type, in order). The free-threaded build has
-    no generation list (get_objects(0) returns every object in memory order): there the
-    (id, type) pairs are compared, and an object reusing the address of a freed entry object
-    of the same type is missed.
+    the next surviving entry object (same id and type, in order).
+
+    The free-threaded build has no generation list (get_objects(0) returns every object in
+    memory order), and its allocator hands a freed object's address to the next object of
+    its size at once, so (id, type) pairs would take a new list for the freed one before it.
+    There the block's entry freezes every tracked object (`gc.freeze()`: a bit in each
+    object, which `gc.get_objects()` leaves out) and its exit unfreezes them, so the objects
+    seen at exit are exactly those tracked since entry. That needs the freeze to be ours
+    alone: when the program has frozen objects itself (`gc.get_freeze_count()`), or another
+    block runs (in any thread), the (id, type) pairs are compared instead, and a new object
+    at a freed entry object's address, of its type, is missed.
     """
 
-    __slots__ = ("ordered", "pos")
+    __slots__ = ("frozen", "ordered", "pos")
 
     def __init__(self, scope: str) -> None:
         self.ordered = not _free_threaded()
+        self.frozen = False
+        if scope == "block" and not self.ordered and _PAUSE.alone() and not gc.get_freeze_count():
+            gc.freeze()
+            self.frozen = True
+            self.pos: dict[int, tuple[int, int]] = {}
+            return
         objs = gc.get_objects(0) if scope == "block" else []
-        self.pos: dict[int, tuple[int, int]] = {id(o): (i, id(type(o))) for i, o in enumerate(objs)}
+        self.pos = {id(o): (i, id(type(o))) for i, o in enumerate(objs)}
+
+    def release(self) -> None:
+        """Unfreeze what the entry froze (once)."""
+        if self.frozen:
+            self.frozen = False
+            gc.unfreeze()
 
     def new_objects(self, objs: list[Any]) -> list[Any]:
         pos = self.pos
@@ -286,6 +306,7 @@ class detect:  # lower case: used like a function, `with detect() as report`
             exclude = {id(report), id(entry), id(entry.pos)}
             found = self._analyse(report, entry, tagger, exclude)
         finally:
+            entry.release()
             entry = None
             if started_tracing:
                 tracemalloc.stop()
@@ -326,12 +347,7 @@ class detect:  # lower case: used like a function, `with detect() as report`
             report.skipped = reason
             return False
         t0 = time.perf_counter()
-        switch = sys.getswitchinterval()
-        sys.setswitchinterval(_QUIET_SWITCH_INTERVAL)
-        try:
-            garbage, analysed = _collect_garbage(self.scope, entry, exclude)
-        finally:
-            sys.setswitchinterval(switch)
+        garbage, analysed = _collect_garbage(self.scope, entry, exclude)
         report.analysed_objects = analysed
         report.garbage_objects = len(garbage)
         report.engine = "native" if native_available() else "python"
@@ -361,6 +377,26 @@ def _collect_garbage(scope: str, entry: _Entry, exclude: set[int]) -> tuple[list
     del new
     n = len(cand)
     idx = find_unreachable(cand)
+    if threading.active_count() > 1 and not native_available():
+        idx = _confirmed(cand, idx)
     garbage = [cand[i] for i in idx]
     del cand
     return garbage, n
+
+
+def _confirmed(cand: list[Any], idx: list[int]) -> list[int]:
+    """With other threads and the Python analysis, the garbage of a first analysis (`idx`)
+    that a second one agrees on.
+
+    The analysis reads every candidate's refcount, its edges, then the refcounts again: one
+    snapshot only while no other thread changes them. The native analysis is one call that
+    holds the GIL throughout; the Python one is three, and another thread may run between
+    them (with a GIL at a switch, on a free-threaded interpreter all along), so an object it
+    is using (a list it is filling) can change count between the reads and look unreachable.
+    Garbage cannot change: nothing can reach it. So an object is kept only if a second
+    analysis also finds it unreachable and its refcount, read after each, did not move: an
+    object another thread is using at that moment is left out (a leak missed this time, not
+    a live object reported)."""
+    first = {i: sys.getrefcount(cand[i]) for i in idx}
+    again = find_unreachable(cand)
+    return [i for i in again if i in first and sys.getrefcount(cand[i]) == first[i]]
