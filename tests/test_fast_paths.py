@@ -66,6 +66,12 @@ def test_every_fast_path_this_build_should_have_is_on() -> None:
             assert isinstance(state, str) and "free-threaded" in state, (name, state)
         else:
             assert state is True, f"{name} is off: {state}"
+    if _free_threaded():
+        # The types of what reads make are immortal there, so that threads making views in
+        # parallel do not take turns at their reference counts.
+        assert paths["freethreaded.immortal_view_types"] is True
+    else:
+        assert "freethreaded.immortal_view_types" not in paths
     avx2 = paths["hash.xxh3_avx2"]
     if platform.machine() == "x86_64" and _has_avx2():
         assert avx2 is True, avx2

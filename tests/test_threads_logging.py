@@ -1,6 +1,8 @@
 """Concurrent readers in one process, and Rust log records reaching Python logging."""
 
+import gc
 import logging
+import os
 import threading
 
 import shmstore
@@ -51,6 +53,77 @@ def test_close_while_other_threads_hold_views():
     t.start()
     t.join()
     assert done.is_set()
+
+
+def _mapped(st: os.stat_result) -> bool:
+    """Whether this process maps the file with that (device, inode)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[4] == str(st.st_ino):
+                try:
+                    if os.stat(parts[5]).st_dev == st.st_dev:
+                        return True
+                except OSError:
+                    return True  # the name went (unlinked), the mapping stays
+    return False
+
+
+def test_threads_reading_through_a_handle_that_another_thread_closes():
+    """Readers in several threads go through one handle (on a free-threaded interpreter each
+    gets a store reference of its own, kept by the handle) while the main thread closes it:
+    every read before the close is right, every one after it raises StoreClosedError, the
+    views each thread kept still read after the close, and once they are gone the store is
+    unmapped (the handle let go of every thread's reference)."""
+    n = 2000
+    records = [{"id": i, "xs": [i, i + 1]} for i in range(n)]
+    lst = shmstore.SharedList(records)
+    st = os.stat(os.path.join(os.environ["SHMSTORE_DIR"], lst.name))
+    start = threading.Barrier(5)
+    first_round = [threading.Event() for _ in range(4)]
+    errors: list[BaseException] = []
+    kept: list[list[object]] = [[] for _ in range(4)]
+    closed_seen = [False] * 4
+
+    def reader(k: int) -> None:
+        try:
+            start.wait()
+            for rnd in range(10_000):  # bounded: the close ends it far sooner
+                for i in range(k, n, 4):
+                    try:
+                        v = lst[i]
+                    except shmstore.StoreClosedError:
+                        closed_seen[k] = True
+                        return
+                    assert v["id"] == i and v["xs"][1] == i + 1
+                    if rnd == 0 and i % 101 == k:
+                        kept[k].append(v)
+                first_round[k].set()
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+        finally:
+            first_round[k].set()
+
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    start.wait()
+    for e in first_round:
+        assert e.wait(300)
+    lst.close()
+    for t in threads:
+        t.join(300)
+    assert errors == []
+    assert all(closed_seen)
+    for k, views in enumerate(kept):
+        assert views, k
+        for v in views:
+            assert v["xs"][1] == v["id"] + 1
+    assert _mapped(st)  # the kept views hold the mapping
+    del views, v
+    kept.clear()
+    gc.collect()
+    assert not _mapped(st)
 
 
 def test_rust_logs_reach_python_logging(caplog):

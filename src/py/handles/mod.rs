@@ -24,7 +24,7 @@ use pyo3::PyClass;
 use pyo3::PyClassInitializer;
 
 use super::errors::Error;
-use super::read::{new_untracked, ArrayOwner, StoreRef};
+use super::read::{new_untracked, per_thread, thread_key, ArrayOwner, StoreRef};
 use super::store::{self, Source, Store};
 use crate::archive::Kind;
 
@@ -81,33 +81,111 @@ pub(crate) struct StoreHandle {
 /// A handle's store, until `close()` takes it. Every read or write of it happens inside a
 /// critical section on the handle object (`with_critical_section`): with the GIL that costs
 /// nothing (the GIL already serialises them), on a free-threaded interpreter it is the
-/// handle's own lock. Inside, only a reference is cloned or taken — nothing calls back into
-/// Python, so the section is never suspended while the slot is borrowed. `lst[i]` thus pays
-/// no lock and no atomic instruction to reach its store.
-struct Slot(UnsafeCell<Option<StoreRef>>);
+/// handle's own lock. Inside, only references are cloned, taken or stored — nothing calls
+/// back into Python, so the section is never suspended while the slot is borrowed. `lst[i]`
+/// thus pays no lock and no atomic instruction to reach its store.
+///
+/// On a free-threaded interpreter the handle also keeps one reference for each thread that
+/// reads through it (`read::per_thread`, src/py/read/owner.rs), made by that thread, so
+/// that the views each thread makes count references on an object it owns instead of all
+/// threads counting on one. At most [`PER_THREAD_MAX`] threads get one; later ones share
+/// the handle's own (slower with many threads, never wrong), which is logged once.
+struct Slot(UnsafeCell<SlotState>);
 
-// SAFETY: the slot is only touched through `Slot::get`/`Slot::take`, each inside a critical
-// section on the handle that owns it (see above), which serialises every access.
+struct SlotState {
+    /// The handle's reference; `None` once closed.
+    main: Option<StoreRef>,
+    /// Free-threaded interpreter: (`read::thread_key`, that thread's reference).
+    threads: Vec<(u64, StoreRef)>,
+    /// The per-thread table was full once (logged).
+    full: bool,
+}
+
+/// Threads that get a reference of their own per handle.
+const PER_THREAD_MAX: usize = 256;
+
+// SAFETY: the slot is only touched through `Slot::get`/`Slot::take`/`Slot::is_none`, each
+// inside a critical section on the handle that owns it (see above), which serialises every
+// access.
 unsafe impl Sync for Slot {}
 
 impl Slot {
-    fn get(&self, owner: &Bound<'_, PyAny>) -> Option<StoreRef> {
-        let py = owner.py();
-        with_critical_section(owner, || {
-            // SAFETY: inside the owner's critical section (the type's contract); the clone
-            // is a reference-count increment, no call into Python.
-            unsafe { (*self.0.get()).as_ref().map(|s| s.clone_ref(py)) }
-        })
+    fn new(main: StoreRef) -> Self {
+        Slot(UnsafeCell::new(SlotState {
+            main: Some(main),
+            threads: Vec::new(),
+            full: false,
+        }))
     }
 
-    fn take(&self, owner: &Bound<'_, PyAny>) -> Option<StoreRef> {
-        // SAFETY: as in `get`; the store is dropped by the caller, after the section.
-        with_critical_section(owner, || unsafe { (*self.0.get()).take() })
+    fn get(&self, owner: &Bound<'_, PyAny>) -> Option<StoreRef> {
+        let py = owner.py();
+        if !per_thread() {
+            return with_critical_section(owner, || {
+                // SAFETY: inside the owner's critical section (the type's contract); the
+                // clone is a reference-count increment, no call into Python.
+                unsafe { (*self.0.get()).main.as_ref().map(|s| s.clone_ref(py)) }
+            });
+        }
+        let me = thread_key();
+        // This thread's reference, or else the handle's (None: closed).
+        let (mine, main) = with_critical_section(owner, || {
+            // SAFETY: as above.
+            let st = unsafe { &*self.0.get() };
+            match (&st.main, st.threads.iter().find(|(k, _)| *k == me)) {
+                (None, _) => (None, None),
+                (Some(_), Some((_, r))) => (Some(r.clone_ref(py)), None),
+                (Some(m), None) => (None, Some(m.clone_ref(py))),
+            }
+        });
+        if mine.is_some() {
+            return mine;
+        }
+        let main = main?;
+        // This thread's first read through the handle: its own reference, made outside the
+        // section (allocating may run the collector, which runs Python code).
+        let Ok(own) = StoreRef::new(py, Arc::clone(main.arc())) else {
+            return Some(main);
+        };
+        let kept = own.clone_ref(py);
+        let (unused, first_full) = with_critical_section(owner, || {
+            // SAFETY: as above; pushing moves a reference in, nothing is dropped here.
+            let st = unsafe { &mut *self.0.get() };
+            if st.main.is_none() || st.threads.iter().any(|(k, _)| *k == me) {
+                (Some(kept), false)
+            } else if st.threads.len() >= PER_THREAD_MAX {
+                let first = !st.full;
+                st.full = true;
+                (Some(kept), first)
+            } else {
+                st.threads.push((me, kept));
+                (None, false)
+            }
+        });
+        if first_full {
+            log::warn!(
+                "shmstore: more than {PER_THREAD_MAX} threads read through one handle; \
+                 the others share one reference count (slower on a free-threaded interpreter)"
+            );
+        }
+        // Dropped after the section (a reference; the store stays: `main` and `own` hold it).
+        drop(unused);
+        drop(main);
+        Some(own)
+    }
+
+    /// The handle's references (its own, then the threads'), taken out: closed from now on.
+    fn take(&self, owner: &Bound<'_, PyAny>) -> (Option<StoreRef>, Vec<(u64, StoreRef)>) {
+        // SAFETY: as in `get`; the references are dropped by the caller, after the section.
+        with_critical_section(owner, || unsafe {
+            let st = &mut *self.0.get();
+            (st.main.take(), std::mem::take(&mut st.threads))
+        })
     }
 
     fn is_none(&self, owner: &Bound<'_, PyAny>) -> bool {
         // SAFETY: as in `get`.
-        with_critical_section(owner, || unsafe { (*self.0.get()).is_none() })
+        with_critical_section(owner, || unsafe { (*self.0.get()).main.is_none() })
     }
 }
 
@@ -116,7 +194,7 @@ impl StoreHandle {
         Ok(StoreHandle {
             source: store.source.clone(),
             kind: store.kind(),
-            inner: Slot(UnsafeCell::new(Some(StoreRef::new(py, store)?))),
+            inner: Slot::new(StoreRef::new(py, store)?),
             created,
         })
     }

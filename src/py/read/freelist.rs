@@ -408,6 +408,15 @@ pub(crate) mod imp {
             for name in NAMES {
                 report(*name, Err(FREE_THREADED.to_owned()));
             }
+            super::super::set_per_thread();
+            let types = [
+                ListView::type_object(py),
+                DictView::type_object(py),
+                ListIter::type_object(py),
+                DictIter::type_object(py),
+                super::super::owner::StoreCell::type_object(py),
+            ];
+            report(IMMORTAL_TYPES, immortal_types(py, &types));
             return Ok(());
         }
         // SAFETY: the GIL is held, the interpreter has one (checked above) and no instance
@@ -434,6 +443,53 @@ pub(crate) mod imp {
             report("slots.ListIter.next", slots::install_next::<ListIter>(py));
             report("slots.DictIter.next", slots::install_next::<DictIter>(py));
             report("slots.int_index", slots::install_int_index(py));
+        }
+        Ok(())
+    }
+
+    /// On a free-threaded interpreter, the name under which `_fast_paths()` reports
+    /// whether the view types were made immortal.
+    pub(crate) const IMMORTAL_TYPES: &str = "freethreaded.immortal_view_types";
+
+    /// Free-threaded interpreter: make the types of the objects a read makes (views, their
+    /// iterators, the store references) immortal. Every object holds a reference to its
+    /// type, and pyo3's dealloc gives it back with a plain `Py_DECREF`, which other threads
+    /// than the type's owner make with an atomic add on the type object's header, where the
+    /// interpreter also reads the instance size at every allocation: threads making views
+    /// in parallel took turns at that cache line (in `perf`, 28% of a two-thread read loop
+    /// on one load of the type's size). An immortal object's count is never written. The
+    /// types live as long as the module anyway (pyo3 keeps them in statics). CPython has no
+    /// public call for it: `_Py_SetImmortal` (3.12+) is looked up at run time, and the
+    /// result checked with `sys._is_immortal`; either failing is reported, not fatal.
+    fn immortal_types(
+        py: Python<'_>,
+        types: &[Bound<'_, pyo3::types::PyType>],
+    ) -> Result<(), String> {
+        // SAFETY: dlsym with RTLD_DEFAULT and a NUL-terminated name only looks the symbol up.
+        let sym = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"_Py_SetImmortal".as_ptr()) };
+        if sym.is_null() {
+            return Err("off: this interpreter does not export _Py_SetImmortal".into());
+        }
+        // SAFETY: the symbol is CPython's `void _Py_SetImmortal(PyObject *)` (3.12-3.14).
+        let set: unsafe extern "C" fn(*mut ffi::PyObject) = unsafe { std::mem::transmute(sym) };
+        let check = py
+            .import("sys")
+            .and_then(|m| m.getattr("_is_immortal"))
+            .map_err(|e| format!("off: no sys._is_immortal to check with ({e})"))?;
+        for ty in types {
+            // SAFETY: the thread is attached and `ty` is a live type object that lives as
+            // long as the process (a pyo3 class's type, kept in a static).
+            unsafe { set(ty.as_ptr()) };
+            let done = check
+                .call1((ty,))
+                .and_then(|v| v.is_truthy())
+                .unwrap_or(false);
+            if !done {
+                return Err(format!(
+                    "off: {} did not become immortal",
+                    ty.name().map(|n| n.to_string()).unwrap_or_default()
+                ));
+            }
         }
         Ok(())
     }

@@ -5,10 +5,18 @@
 //! to clone and one to drop. `StoreRef` puts the `Arc` in a small Python object and counts
 //! references to that object instead: with the GIL, CPython's reference count is a plain
 //! increment; on a free-threaded interpreter it is biased towards the owning thread, which
-//! is also cheap there. The object holds no Python references, so it is kept out of the
+//! is also cheap there — for the owning thread. Other threads count in a shared atomic
+//! word, and threads that all count references to one object take turns at its cache line:
+//! on a free-threaded interpreter two threads reading through one handle ran slower than
+//! one (benchmarks/bench_threads.py). So there a handle gives each thread a `StoreRef` of
+//! its own ([`per_thread`]; `handles` keeps them), which every view that thread makes
+//! from it, and every view made from those, shares: each thread counts on an object it
+//! owns. The object holds no Python references, so it is kept out of the
 //! cyclic GC, and views holding it still cannot be part of a cycle.
 
+use std::cell::Cell;
 use std::ops::Deref;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use pyo3::prelude::*;
@@ -59,4 +67,34 @@ impl Deref for StoreRef {
     fn deref(&self) -> &Store {
         &self.0.get().0
     }
+}
+
+/// Whether handles give each thread its own `StoreRef` (set once at module init: on a
+/// free-threaded interpreter).
+static PER_THREAD: AtomicBool = AtomicBool::new(false);
+
+/// Give each thread its own reference from now on (module init, free-threaded interpreter).
+pub(crate) fn set_per_thread() {
+    PER_THREAD.store(true, Ordering::Relaxed);
+}
+
+/// Whether each thread gets its own reference (see the module's documentation).
+#[inline]
+pub(crate) fn per_thread() -> bool {
+    PER_THREAD.load(Ordering::Relaxed)
+}
+
+/// This thread's number: unique in the process, never reused (0 is never given).
+#[inline]
+pub(crate) fn thread_key() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local! {
+        static KEY: Cell<u64> = const { Cell::new(0) };
+    }
+    KEY.with(|k| {
+        if k.get() == 0 {
+            k.set(NEXT.fetch_add(1, Ordering::Relaxed));
+        }
+        k.get()
+    })
 }
