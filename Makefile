@@ -85,9 +85,9 @@ test-ray: venv ## shmstore.ray with real Ray (two nodes here) and from_buffer, i
 # requirements-dev.lock, and the suite against the installed wheel. MATRIX_PYTEST picks the
 # tests (default: all but the slow ones, which `make test` runs on 3.11; CONTRIBUTING.md has
 # the time budget). A CPython missing here fails the target (.ci/test-matrix).
-MATRIX ?= 3.12 3.13 abi3
+MATRIX ?= 3.12 3.13 3.14 3.14t abi3
 MATRIX_PYTEST ?= -m "not slow"
-test-matrix: venv ## wheels for CPython 3.12, 3.13 and abi3, each tested in its own venv (not slow tests)
+test-matrix: venv ## wheels for CPython 3.12, 3.13, 3.14, 3.14t and abi3, each tested in its own venv (not slow tests)
 	MATRIX_PYTEST='$(MATRIX_PYTEST)' .ci/test-matrix $(MATRIX)
 
 # The declared rust-version (Cargo.toml): a real `cargo check` with Rust of that version

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -54,9 +55,13 @@ def test_plain_list_read_in_workers_fails_with_types(
     assert by_type["dict"].example == "records[i]"
     assert by_type["list"].example == "records[i]['bbox']"
     assert by_type["float"].example == "records[i]['bbox'][j]"
-    # the records' own objects (the names share the dicts' allocator pools) fill the pages
-    data = sum(by_type[t].nbytes for t in ("dict", "list", "float", "int", "str"))
-    assert data >= 0.9 * a.page_bytes
+    # the records' own objects fill the pages (the names too where they share the dicts'
+    # allocator pools, as with pymalloc; the free-threaded build's allocator keeps each size
+    # apart, so there the unread names' pages stay shared)
+    data = sum(by_type[t].nbytes for t in ("dict", "list", "float", "int", "str") if t in by_type)
+    # (mimalloc, the free-threaded build's allocator, keeps more of a page free or for
+    # other objects of the size: 0.89 of the pages there where pymalloc's are >= 0.9)
+    assert data >= (0.8 if sysconfig.get_config_var("Py_GIL_DISABLED") else 0.9) * a.page_bytes
 
 
 def test_shared_list_reader_passes(records: list[dict[str, Any]]) -> None:
