@@ -64,8 +64,11 @@ def main() -> None:
         # Collect after every task, whatever it costs (a demo; the default guard collects when
         # RSS grew by 64 MiB, within 5% of the run time).
         guard = leaks.GcGuard(min_growth=0, max_gc_fraction=1.0)
+        # Made before the block: joblib links a Parallel and its backend both ways, a cycle
+        # of joblib's own that lives as long as the Parallel (not the tasks' garbage).
+        parallel = shmstore.joblib.Parallel(n_jobs=2, backend="threading", guard=guard)
         with leaks.detect() as report:
-            scores = shmstore.joblib.Parallel(n_jobs=2, backend="threading", guard=guard)(
+            scores = parallel(
                 delayed(train_with_cycle)(data, rows, seed) for rows in chunks for seed in range(2)
             )
         st = guard.stats

@@ -164,12 +164,6 @@ class GuardedThreadingBackend(ThreadingBackend):
 
     def terminate(self) -> None:
         super().terminate()
-        # joblib links the backend and its Parallel both ways (`parallel._backend`,
-        # `backend.parallel`): a cycle that outlives every call, which a detect() block around
-        # the call reports (on a free-threaded interpreter; with a GIL the collection below
-        # moves it out of the young generation the block looks at). The call is over here:
-        # the next one configures the backend again.
-        self.parallel = None
         # gc_guard bounds the garbage *during* the call (it collects when RSS grew, skips when
         # another thread is collecting or its time budget is spent), so the last tasks' cycles
         # may still be there. One full collection when the call ends leaves none behind; it
