@@ -161,6 +161,25 @@ def pytest_configure(config: pytest.Config) -> None:
     PRIVATE_ROOT = _make_private_root()
 
 
+def mappings_of(path: str | os.stat_result) -> list[tuple[int, int, str]]:
+    """(start, end, perms) of this process's mappings of the file `path` (or of the file
+    with that stat result: matched by device and inode, as /proc/self/maps may show
+    another name of the file, e.g. the temporary name it was built under)."""
+    st = path if isinstance(path, os.stat_result) else os.stat(path)
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6:
+                continue
+            major, minor = (int(x, 16) for x in parts[3].split(":"))
+            dev = os.makedev(major, minor)
+            if int(parts[4]) == st.st_ino and dev == st.st_dev:
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                out.append((lo, hi, parts[1]))
+    return out
+
+
 def segment_dir() -> Path:
     """The current test's segment directory (``$SHMSTORE_DIR``)."""
     return Path(os.environ["SHMSTORE_DIR"])

@@ -6,6 +6,7 @@ import os
 import threading
 
 import shmstore
+from conftest import mappings_of
 
 
 def test_threads_read_one_store_concurrently():
@@ -53,20 +54,6 @@ def test_close_while_other_threads_hold_views():
     t.start()
     t.join()
     assert done.is_set()
-
-
-def _mapped(st: os.stat_result) -> bool:
-    """Whether this process maps the file with that (device, inode)."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) >= 6 and parts[4] == str(st.st_ino):
-                try:
-                    if os.stat(parts[5]).st_dev == st.st_dev:
-                        return True
-                except OSError:
-                    return True  # the name went (unlinked), the mapping stays
-    return False
 
 
 def test_threads_reading_through_a_handle_that_another_thread_closes():
@@ -119,11 +106,11 @@ def test_threads_reading_through_a_handle_that_another_thread_closes():
         assert views, k
         for v in views:
             assert v["xs"][1] == v["id"] + 1
-    assert _mapped(st)  # the kept views hold the mapping
+    assert mappings_of(st)  # the kept views hold the mapping
     del views, v
     kept.clear()
     gc.collect()
-    assert not _mapped(st)
+    assert not mappings_of(st)
 
 
 def test_rust_logs_reach_python_logging(caplog):
