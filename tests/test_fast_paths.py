@@ -21,6 +21,12 @@ VIEW_PATHS = [
     "freelist.DictIter",
     "freelist.RecordIter",
     "freelist.KeyIter",
+    "direct.ListView",
+    "direct.DictView",
+    "direct.ListIter",
+    "direct.DictIter",
+    "direct.RecordIter",
+    "direct.KeyIter",
     "slots.ListView.subscript",
     "slots.DictView.subscript",
     "slots.SharedList.subscript",
@@ -61,8 +67,9 @@ def test_every_fast_path_this_build_should_have_is_on() -> None:
         if _abi3():
             # The stable ABI hides the type objects' slots: the views use pyo3's paths.
             assert isinstance(state, str) and "abi3" in state, (name, state)
-        elif _free_threaded():
-            # Without a GIL the free lists (guarded by the GIL) and the slots stay off.
+        elif _free_threaded() and name.startswith("freelist."):
+            # Without a GIL nothing is recycled (the free lists are guarded by the GIL); the
+            # views are made and freed directly, and the slots are on, as with a GIL.
             assert isinstance(state, str) and "free-threaded" in state, (name, state)
         else:
             assert state is True, f"{name} is off: {state}"

@@ -39,6 +39,47 @@ def test_threads_read_one_store_concurrently():
         assert errors == []
 
 
+def test_threads_share_views_and_one_iterator():
+    """The read slots (`view[k]`, `len`, `iter`, `next`) on objects several threads use at
+    once: views made by one thread, read by all, and one iterator that all of them advance.
+    A shared iterator may yield an item twice (its position is not locked), never skips one
+    and never yields anything that is not there: every thread's items are the list's, and
+    together they are all of it."""
+    n = 2000
+    records = [{"id": i, "vals": [i, -i, str(i)], "sub": {"x": i * 2}} for i in range(n)]
+    with shmstore.SharedList(records) as lst:
+        views = [lst[i] for i in range(0, n, 10)]
+        shared = iter(lst)
+        start = threading.Barrier(6)
+        seen: list[list[int]] = [[] for _ in range(6)]
+        errors: list[BaseException] = []
+
+        def reader(t: int) -> None:
+            try:
+                start.wait()
+                for rounds in range(3):
+                    for v in views:
+                        i = v["id"]
+                        assert len(v) == 3 and len(v["vals"]) == 3
+                        assert list(v["vals"]) == [i, -i, str(i)]
+                        assert v["sub"]["x"] == i * 2 and list(v["sub"]) == ["x"]
+                for rec in shared:
+                    assert rec["vals"][2] == str(rec["id"])
+                    seen[t].append(rec["id"])
+            except BaseException as e:  # surfaced below
+                errors.append(e)
+
+        threads = [threading.Thread(target=reader, args=(t,)) for t in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert sorted(set().union(*map(set, seen))) == list(range(n))
+        assert next(shared, None) is None
+        del views, shared
+
+
 def test_close_while_other_threads_hold_views():
     lst = shmstore.SharedList([{"x": list(range(50))}] * 200)
     views = [lst[i] for i in range(200)]

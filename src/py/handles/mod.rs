@@ -144,8 +144,16 @@ impl Slot {
         let main = main?;
         // This thread's first read through the handle: its own reference, made outside the
         // section (allocating may run the collector, which runs Python code).
-        let Ok(own) = StoreRef::new(py, Arc::clone(main.arc())) else {
-            return Some(main);
+        let own = match StoreRef::new(py, Arc::clone(main.arc())) {
+            Ok(own) => own,
+            Err(err) => {
+                // Out of memory: this read shares the handle's reference. The error is
+                // handed to the interpreter and cleared there, not dropped here (see above).
+                err.restore(py);
+                // SAFETY: the thread is attached; this clears the error just restored.
+                unsafe { pyo3::ffi::PyErr_Clear() };
+                return Some(main);
+            }
         };
         let kept = own.clone_ref(py);
         let (unused, first_full) = with_critical_section(owner, || {
@@ -168,9 +176,16 @@ impl Slot {
                  the others share one reference count (slower on a free-threaded interpreter)"
             );
         }
-        // Dropped after the section (a reference; the store stays: `main` and `own` hold it).
-        drop(unused);
-        drop(main);
+        // Given back after the section, by a plain decrement (this runs in the read slots'
+        // fast path, which must not drop a `Py`: src/py/read/slots.rs); the store stays:
+        // `own` holds it.
+        // SAFETY: the thread is attached (`owner` is bound to it).
+        unsafe {
+            if let Some(unused) = unused {
+                unused.release();
+            }
+            main.release();
+        }
         Some(own)
     }
 

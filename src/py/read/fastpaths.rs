@@ -22,11 +22,14 @@ use pyo3::types::PyDict;
 /// Why a fast path is off for the whole build: expected, not warned about.
 pub(crate) const ABI3: &str = "off: stable ABI (abi3) build, which hides the type slots";
 pub(crate) const FREE_THREADED: &str =
-    "off: free-threaded interpreter (the free lists are guarded by the GIL)";
+    "off: free-threaded interpreter (the free lists are guarded by the GIL; views are made \
+     and freed directly there)";
 pub(crate) const NO_AVX2: &str = "off: this CPU has no AVX2";
 pub(crate) const NOT_X86: &str = "off: not an x86-64 build";
 
-/// Every view fast path's name (those `freelist::install` reports).
+/// Every view fast path's name (those `freelist::install` reports; the stable ABI build
+/// reports them all off).
+#[cfg(feature = "abi3")]
 pub(crate) const NAMES: &[&str] = &[
     "freelist.ListView",
     "freelist.DictView",
@@ -34,6 +37,12 @@ pub(crate) const NAMES: &[&str] = &[
     "freelist.DictIter",
     "freelist.RecordIter",
     "freelist.KeyIter",
+    "direct.ListView",
+    "direct.DictView",
+    "direct.ListIter",
+    "direct.DictIter",
+    "direct.RecordIter",
+    "direct.KeyIter",
     "slots.ListView.subscript",
     "slots.DictView.subscript",
     "slots.SharedList.subscript",

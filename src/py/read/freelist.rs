@@ -6,9 +6,11 @@
 //! pyo3's own `freelist` option guards its list with a mutex, which costs more than the
 //! allocation it saves (about 18 ns per view here). These lists are guarded by the GIL
 //! instead: `tp_alloc` and `tp_free` run with it held, so only one thread touches a list at a
-//! time. On a free-threaded interpreter there is no GIL, so the lists are not installed
-//! (`install` checks at run time), nor with the stable ABI (abi3), which hides the type
-//! object's slots.
+//! time. On a free-threaded interpreter there is no GIL, so nothing is recycled there
+//! (`install` checks at run time; `RECYCLE` stays off): views are made and released
+//! directly (below) with the interpreter's allocator, which is per thread there already.
+//! With the stable ABI (abi3), which hides the type object's slots, none of this is
+//! installed.
 //!
 //! Where the lists are installed, instances of these types are also born untracked (the
 //! allocator untracks a fresh object at once), so making a view needs no separate untrack
@@ -28,8 +30,9 @@
 //! not a public interface, so it is checked at module init against each type object's size
 //! and weak-reference slot (`Layout::of_type`): the object must be exactly its header, the
 //! value and (if any) the weak-reference list, in that order. A type whose layout differs
-//! keeps pyo3's path, and that is reported (`_fast_paths()`, a warning at import:
-//! src/py/read/fastpaths.rs), never silent.
+//! keeps pyo3's path, and that is reported (`direct.<type>` in `_fast_paths()`, a warning at
+//! import: src/py/read/fastpaths.rs), never silent. The direct path needs no GIL: on a
+//! free-threaded interpreter it is on as well, without the recycling.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -38,8 +41,14 @@ use pyo3::PyClass;
 
 use super::StoreRef;
 
-/// Whether `install` put the free lists (and untracked allocation) in place.
+/// Whether `install` put the types' allocation (untracked from birth, and the direct path
+/// where the layout is known) in place.
 static INSTALLED: AtomicBool = AtomicBool::new(false);
+
+/// Whether dropped objects are kept for reuse: only where the GIL serialises the lists (set
+/// by `install` before any object exists, never cleared).
+#[cfg(not(feature = "abi3"))]
+static RECYCLE: AtomicBool = AtomicBool::new(false);
 
 /// What a recycled type's value holds that needs releasing: its store (the rest is plain
 /// data).
@@ -70,8 +79,9 @@ pub(crate) fn new_view<T: Recycled>(py: Python<'_>, value: T) -> PyResult<Bound<
     if INSTALLED.load(Ordering::Relaxed) {
         #[cfg(not(feature = "abi3"))]
         {
-            // SAFETY: the lists are installed, so the GIL serialises every use of them
-            // (`install` refuses interpreters without one).
+            // SAFETY: the lists are installed; with a GIL it serialises every use of them,
+            // and without one (free-threaded) no thread touches a list's items (`RECYCLE` is
+            // off): `make` only allocates, directly.
             return unsafe { T::list().make(py, value) };
         }
         #[allow(unreachable_code)]
@@ -147,11 +157,14 @@ pub(crate) mod imp {
         layout: UnsafeCell<Option<Layout>>,
     }
 
-    // SAFETY: a list is read and written only by `alloc`, `free`, `make` and the type's
-    // dealloc below, which run with the GIL held (CPython calls tp_alloc, tp_free and
-    // tp_dealloc with it; `make` is called with it), and by `install`, also under the GIL,
-    // before any of them for this type: the GIL serialises every access. `install` refuses
-    // free-threaded interpreters, where there is no GIL.
+    // SAFETY: `ty` and `layout` are written only by `install`, during the module's init,
+    // before any object of the type exists (the type is not reachable from Python code yet),
+    // and only read afterwards. `items` is read and written only by `alloc`, `free`, `make`
+    // and the type's dealloc below, and only while `RECYCLE` is on, which `install` sets
+    // only on an interpreter with a GIL: there they run with the GIL held (CPython calls
+    // tp_alloc, tp_free and tp_dealloc with it; `make` is called with it), which serialises
+    // every access. On a free-threaded interpreter no thread touches `items` (`alloc` and
+    // `keep` check `RECYCLE` first).
     unsafe impl Sync for FreeList {}
 
     impl FreeList {
@@ -166,20 +179,21 @@ pub(crate) mod imp {
         /// A new object of `T` holding `value`.
         ///
         /// # Safety
-        /// The GIL is held and the lists are installed; `self` is `T`'s list.
+        /// The thread is attached (holds the GIL where there is one) and the lists are
+        /// installed; `self` is `T`'s list.
         #[inline(always)]
         pub(crate) unsafe fn make<'py, T: Recycled>(
             &self,
             py: Python<'py>,
             value: T,
         ) -> PyResult<Bound<'py, T>> {
-            // SAFETY: the GIL is held (the caller's contract).
+            // SAFETY: written only at install, before any object exists (see `Sync`).
             let (ty, layout) = unsafe { (*self.ty.get(), *self.layout.get()) };
             let Some(layout) = layout else {
                 // SAFETY: as above.
                 return unsafe { self.make_slow(py, value) };
             };
-            // SAFETY: the GIL is held and `ty` is `T`'s type (set by `install`).
+            // SAFETY: the thread is attached and `ty` is `T`'s type (set by `install`).
             let obj = unsafe { self.alloc(ty, 0) };
             if obj.is_null() {
                 return Err(PyErr::fetch(py));
@@ -218,16 +232,20 @@ pub(crate) mod imp {
         }
 
         /// # Safety
-        /// The GIL is held; `subtype` is a valid type object.
+        /// The thread is attached (holds the GIL where there is one); `subtype` is a valid
+        /// type object.
         #[inline(always)]
         unsafe fn alloc(
             &self,
             subtype: *mut ffi::PyTypeObject,
             nitems: ffi::Py_ssize_t,
         ) -> *mut ffi::PyObject {
-            // SAFETY: the GIL is held (the caller's contract), so nothing else uses the list.
-            let (ty, items) = unsafe { (*self.ty.get(), &mut *self.items.get()) };
-            if nitems == 0 && std::ptr::eq(subtype, ty) {
+            // SAFETY: written only at install (see `Sync`).
+            let ty = unsafe { *self.ty.get() };
+            if nitems == 0 && std::ptr::eq(subtype, ty) && super::RECYCLE.load(Ordering::Relaxed) {
+                // SAFETY: recycling is on, so the GIL is held (the caller's contract) and
+                // nothing else uses the list.
+                let items = unsafe { &mut *self.items.get() };
                 if let Some(obj) = items.pop() {
                     // SAFETY: `obj` is the memory of a dropped instance of exactly this type
                     // (`keep` holds nothing else), released by a dealloc: its value is
@@ -259,13 +277,19 @@ pub(crate) mod imp {
         /// increment, with no call into the interpreter.
         ///
         /// # Safety
-        /// The GIL is held; `obj` is an instance of this list's type whose dealloc has run
-        /// (the value is dropped) and which holds a reference to its type.
+        /// The thread is attached (holds the GIL where there is one); `obj` is an instance
+        /// of this list's type whose dealloc has run (the value is dropped) and which holds
+        /// a reference to its type.
         #[inline(always)]
         unsafe fn keep(&self, obj: *mut ffi::PyObject) -> bool {
+            // Nothing is kept without a GIL (see `Sync`): checked before the list is touched.
+            if !super::RECYCLE.load(Ordering::Relaxed) {
+                return false;
+            }
             // Not tracked by the collector: born untracked (`alloc`), never tracked since, and
             // pyo3's dealloc untracks before calling `free` too.
-            // SAFETY: the GIL is held (the caller's contract).
+            // SAFETY: recycling is on, so the GIL is held (the caller's contract) and
+            // serialises every use of the list.
             let items = unsafe { &mut *self.items.get() };
             // SAFETY: `Py_TYPE` reads the header of a live allocation.
             let exact = unsafe { std::ptr::eq(ffi::Py_TYPE(obj), *self.ty.get()) };
@@ -282,14 +306,15 @@ pub(crate) mod imp {
         /// `tp_free` (pyo3's dealloc calls it, then releases the type).
         ///
         /// # Safety
-        /// The GIL is held; `obj` is an instance of this list's type whose dealloc has run.
+        /// The thread is attached (holds the GIL where there is one); `obj` is an instance
+        /// of this list's type whose dealloc has run.
         #[inline(always)]
         unsafe fn free(&self, obj: *mut c_void) {
             let obj = obj.cast::<ffi::PyObject>();
             if obj.is_null() {
                 return;
             }
-            // SAFETY: the GIL is held; `obj` is a released instance of this type. A kept
+            // SAFETY: the thread is attached; `obj` is a released instance of this type. A kept
             // object holds a reference to its type (`keep`); pyo3's dealloc gives back the
             // object's own after this returns, so the kept one is taken here (the type is
             // alive: the object's reference to it is not given back yet).
@@ -310,7 +335,8 @@ pub(crate) mod imp {
     /// without its trampoline. Nothing here can panic.
     unsafe extern "C" fn dealloc<T: Recycled>(obj: *mut ffi::PyObject) {
         let list = T::list();
-        // SAFETY: CPython calls tp_dealloc with the GIL held, on an object of `T`'s type
+        // SAFETY: CPython calls tp_dealloc on an attached thread (with the GIL held where
+        // there is one), on an object of `T`'s type
         // whose reference count reached 0; the type's layout is known (this dealloc is
         // installed only then, and never removed), so the value and the weak-reference
         // list are where `layout` says. The value is moved out once and the memory goes
@@ -350,26 +376,28 @@ pub(crate) mod imp {
         subtype: *mut ffi::PyTypeObject,
         nitems: ffi::Py_ssize_t,
     ) -> *mut ffi::PyObject {
-        // SAFETY: CPython calls tp_alloc with the GIL held and a valid type.
+        // SAFETY: CPython calls tp_alloc on an attached thread, with a valid type.
         unsafe { T::list().alloc(subtype, nitems) }
     }
 
     /// `tp_free` of a recycled type.
     unsafe extern "C" fn free<T: Recycled>(obj: *mut c_void) {
-        // SAFETY: CPython (pyo3's dealloc) calls tp_free with the GIL held, on an instance
+        // SAFETY: CPython (pyo3's dealloc) calls tp_free on an attached thread, on an instance
         // of a type whose tp_free this is.
         unsafe { T::list().free(obj) }
     }
 
     /// Put `T`'s free list in place (its `tp_alloc` and `tp_free`), and with them our
-    /// dealloc if `T`'s layout is the expected one; reported as `freelist.<type>`.
+    /// direct path (`make`, our dealloc) if `T`'s layout is the expected one; reported as
+    /// `freelist.<type>` (objects recycled: with a GIL) and `direct.<type>` (the layout).
     ///
     /// # Safety
-    /// The GIL is held, the interpreter has one (`install` checks) and no instance of `T`
-    /// exists yet (module init), so no alloc, free or dealloc of this type is under way.
+    /// The thread is attached, `RECYCLE` is set as it stays (by `install`) and no instance
+    /// of `T` exists yet (module init), so no alloc, free or dealloc of this type is under
+    /// way and no other thread can reach the type.
     pub(crate) unsafe fn install_type<T: Recycled>(py: Python<'_>) {
         let ty = <T as PyTypeInfo>::type_object_raw(py);
-        // SAFETY: the GIL is held and `ty` is `T`'s live type object.
+        // SAFETY: the thread is attached and `ty` is `T`'s live type object.
         let layout = unsafe { Layout::of_type::<T>(ty) };
         // SAFETY: the caller's contract. The type is a heap type that pyo3 made for this
         // module; it is not subclassable, and its allocation and release go through these
@@ -388,7 +416,13 @@ pub(crate) mod imp {
             .rsplit("::")
             .next()
             .unwrap_or("?");
-        super::super::fastpaths::report(format!("freelist.{name}"), layout.map(drop));
+        let recycled = if super::RECYCLE.load(Ordering::Relaxed) {
+            Ok(())
+        } else {
+            Err(super::super::fastpaths::FREE_THREADED.to_owned())
+        };
+        super::super::fastpaths::report(format!("freelist.{name}"), recycled);
+        super::super::fastpaths::report(format!("direct.{name}"), layout.map(drop));
     }
 
     super::recycled! {
@@ -400,14 +434,13 @@ pub(crate) mod imp {
 
     /// Install the free lists of the view types, and of the types that `more` installs
     /// (with [`install_type`]: the handles' iterators, which this layer does not name), then
-    /// the views' fast slots.
+    /// the views' fast slots. On a free-threaded interpreter the same, without recycling
+    /// (see the module's text), and each thread reads through a handle with a store
+    /// reference of its own; the types of what reads make are made immortal.
     pub(crate) fn install(py: Python<'_>, more: &[unsafe fn(Python<'_>)]) -> PyResult<()> {
-        use super::super::fastpaths::{report, FREE_THREADED, NAMES};
+        use super::super::fastpaths::report;
         use super::super::slots;
         if free_threaded(py)? {
-            for name in NAMES {
-                report(*name, Err(FREE_THREADED.to_owned()));
-            }
             super::super::set_per_thread();
             let types = [
                 ListView::type_object(py),
@@ -417,9 +450,10 @@ pub(crate) mod imp {
                 super::super::owner::StoreCell::type_object(py),
             ];
             report(IMMORTAL_TYPES, immortal_types(py, &types));
-            return Ok(());
+        } else {
+            super::RECYCLE.store(true, Ordering::Relaxed);
         }
-        // SAFETY: the GIL is held, the interpreter has one (checked above) and no instance
+        // SAFETY: the thread is attached, `RECYCLE` is set for good (above) and no instance
         // exists yet (this runs in the module's init, before any view is made).
         unsafe {
             install_type::<ListView>(py);
@@ -431,8 +465,8 @@ pub(crate) mod imp {
             }
         }
         super::INSTALLED.store(true, Ordering::Relaxed);
-        // SAFETY: the GIL is held, the interpreter has one (checked above) and no instance
-        // exists yet (module init). None of these types is subclassable.
+        // SAFETY: the thread is attached and no instance exists yet (module init), so no
+        // other thread can call these slots yet. None of these types is subclassable.
         unsafe {
             report("slots.ListView.subscript", slots::install::<ListView>(py));
             report("slots.DictView.subscript", slots::install::<DictView>(py));

@@ -20,7 +20,9 @@ pub(crate) use freelist::{install as install_freelists, new_view, recycled, Hold
 #[cfg(not(feature = "abi3"))]
 pub(crate) use freelist::{install_type as install_free_list, FreeList};
 pub(crate) use list_view::{ListIter, ListView};
-pub(crate) use owner::{per_thread, set_per_thread, thread_key, StoreRef};
+#[cfg(not(feature = "abi3"))]
+pub(crate) use owner::set_per_thread;
+pub(crate) use owner::{per_thread, thread_key, StoreRef};
 
 use pyo3::prelude::*;
 use pyo3::pyclass::CompareOp;

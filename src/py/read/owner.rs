@@ -73,7 +73,9 @@ impl Deref for StoreRef {
 /// free-threaded interpreter).
 static PER_THREAD: AtomicBool = AtomicBool::new(false);
 
-/// Give each thread its own reference from now on (module init, free-threaded interpreter).
+/// Give each thread its own reference from now on (module init, free-threaded interpreter;
+/// the stable ABI build, which no free-threaded interpreter loads, never calls it).
+#[cfg_attr(feature = "abi3", allow(dead_code))]
 pub(crate) fn set_per_thread() {
     PER_THREAD.store(true, Ordering::Relaxed);
 }

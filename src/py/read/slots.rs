@@ -18,8 +18,11 @@
 //! - a panic is caught here and raised as `SystemError`: nothing unwinds into CPython;
 //! - an error they return (a corrupt record) is raised as pyo3 would raise it.
 //!
-//! The slots are replaced only where the view free lists are installed (an interpreter with
-//! a GIL, not the stable ABI): the same conditions, checked in the same place. Each
+//! On a free-threaded interpreter the same holds with "the thread is attached" for "the GIL
+//! is held": CPython calls every slot on an attached thread, and what the fast paths read
+//! is immutable (views, ints) or taken under the handle's critical section (its store).
+//! The slots are replaced where the views' allocation is installed (not the stable ABI,
+//! which hides them), checked in the same place. Each
 //! `install*` says whether it replaced the slot or why not, which init reports
 //! (src/py/read/fastpaths.rs): a slot left as pyo3 made it is never silent.
 
@@ -78,14 +81,20 @@ unsafe fn compact_value(p: *mut ffi::PyObject) -> Option<isize> {
     if layout == INT_CALL {
         return None;
     }
-    // Both layouts: a 16-byte object header, one word (`ob_size` or `lv_tag`), then the
-    // 30-bit digits as `u32`. An int object always has room for one digit.
+    // Both layouts: the object header (16 bytes with a GIL, 32 on a free-threaded
+    // interpreter, as this build's `PyObject`), one word (`ob_size` or `lv_tag`), then the
+    // 30-bit digits as `u32`. An int object always has room for one digit, and its value
+    // never changes, so the reads need no lock.
+    const HEADER: usize = std::mem::size_of::<ffi::PyObject>();
     // SAFETY: the caller's contract; the layout is not `INT_CALL` only where the check at
     // import found it (`install_int_index`), so both reads are inside the object.
     let (word, digit) = unsafe {
+        let base = p.cast::<u8>();
         (
-            *p.cast::<usize>().add(2),
-            *p.cast::<u8>().add(24).cast::<u32>(),
+            *base.add(HEADER).cast::<usize>(),
+            *base
+                .add(HEADER + std::mem::size_of::<usize>())
+                .cast::<u32>(),
         )
     };
     // The sign (-1, 0 or 1) of a one-digit int; a longer one takes the call.
@@ -102,7 +111,7 @@ unsafe fn compact_value(p: *mut ffi::PyObject) -> Option<isize> {
 /// as through `PyLong_AsSsize_t` (and those of two digits or more must not be taken).
 ///
 /// # Safety
-/// The GIL is held, the interpreter has one, and no fast path runs yet (module init).
+/// The thread is attached and no fast path runs yet (module init).
 #[cfg(not(feature = "abi3"))]
 pub(crate) unsafe fn install_int_index(py: Python<'_>) -> Result<(), String> {
     let v = py.version_info();
@@ -267,8 +276,8 @@ unsafe extern "C" fn subscript<T: FastGet>(
 /// Replace `T`'s `mp_subscript` with [`subscript`], keeping pyo3's.
 ///
 /// # Safety
-/// The GIL is held, the interpreter has one (not free-threaded), and no instance of `T` is
-/// being indexed (this runs in the module's init).
+/// The thread is attached and no instance of `T` exists yet (this runs in the module's
+/// init, before any other thread can reach the type).
 #[cfg(not(feature = "abi3"))]
 pub(crate) unsafe fn install<T: FastGet>(py: Python<'_>) -> Result<(), String> {
     let ty = T::type_object_raw(py);
