@@ -141,12 +141,15 @@ soak-short: build ## bounded fault campaign for CI (under 3 minutes)
 	$(PY) benchmarks/soak.py --seed 1 --faults 10000 --seconds 90 --settle 30 --interval 0.005
 
 # Release artifacts (docs/install.md), linked for glibc 2.17 (manylinux2014) with zig (ziglang
-# from PyPI): one version-specific wheel per CPython found here (the fast build), one abi3 wheel
-# that every later CPython installs (the fallback: a little slower, benchmarks/results/abi3.md),
-# and the sdist.
-WHEEL_INTERPRETERS ?= $(shell for v in 3.11 3.12 3.13 3.14; do \
-	for p in python$$v $$HOME/.pyenv/versions/$$v*/bin/python$$v /usr/bin/python$$v; do \
-	if $$p -c "" 2>/dev/null; then command -v $$p; break; fi; done; done)
+# from PyPI): one version-specific wheel per CPython found here (the fast build; 3.14t, the
+# free-threaded build, has no stable ABI and needs its own), one abi3 wheel that every later
+# CPython with a GIL installs (the fallback: a little slower, benchmarks/results/abi3.md), and
+# the sdist. Each interpreter is checked to be the build its name says (GIL or free-threaded).
+WHEEL_INTERPRETERS ?= $(shell for v in 3.11 3.12 3.13 3.14 3.14t; do \
+	for p in python$$v $$HOME/.pyenv/versions/$${v%t}*/bin/python$$v /usr/bin/python$$v \
+		$(CURDIR)/target/cpython/$${v%t}.*/bin/python$$v; do \
+	if $$p -c "import sys, sysconfig; sys.exit(bool(sysconfig.get_config_var('Py_GIL_DISABLED')) != '$$v'.endswith('t'))" 2>/dev/null; \
+	then command -v $$p; break; fi; done; done)
 ZIG_BUILD = $(VENV)/bin/maturin build --release --zig --compatibility manylinux2014 \
 	--target x86_64-unknown-linux-gnu -o dist
 wheels: venv ## manylinux2014 x86_64 wheels (per CPython found + abi3 fallback) and sdist into dist/
@@ -213,6 +216,7 @@ lint: build ## everything CI checks besides the tests (also run by pre-commit)
 	cargo clippy --all-targets -q -- -D warnings
 	cargo clippy --all-targets --features python -q -- -D warnings
 	cargo clippy --all-targets --features python,fuzzing -q -- -D warnings
+	cargo clippy --all-targets --features python,abi3 -q -- -D warnings  # the stable-ABI wheel's code
 	.ci/check-exceptions
 	.ci/check-layers
 	$(VENV)/bin/ruff check $(PY_SOURCES)

@@ -78,5 +78,17 @@ def test_release_workflow_publishes_only_tags_with_trusted_publishing() -> None:
     assert wf["permissions"] == {"contents": "read"}
     build = "\n".join(s.get("run", "") for s in jobs["build"]["steps"])
     assert "make wheels" in build and ".ci/pypi-metadata" in build
-    for tag in ("cp311-cp311", "cp312-cp312", "cp313-cp313", "cp311-abi3"):
-        assert tag in build
+    wheels = {
+        "cp311-cp311": "python3.11",
+        "cp312-cp312": "python3.12",
+        "cp313-cp313": "python3.13",
+        "cp314-cp314": "python3.14",
+        "cp314-cp314t": "python3.14t",
+    }
+    for tag, interpreter in wheels.items():
+        assert tag in build and interpreter in build, tag
+    assert "cp311-abi3" in build
+    # Every wheel's CPython is smoke-tested, the free-threaded one included.
+    assert {"3.11", "3.12", "3.13", "3.14", "3.14t"} <= set(
+        jobs["smoke"]["strategy"]["matrix"]["python"]
+    )
