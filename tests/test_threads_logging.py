@@ -57,7 +57,7 @@ def test_threads_share_views_and_one_iterator():
         def reader(t: int) -> None:
             try:
                 start.wait()
-                for rounds in range(3):
+                for _ in range(3):
                     for v in views:
                         i = v["id"]
                         assert len(v) == 3 and len(v["vals"]) == 3
@@ -77,7 +77,6 @@ def test_threads_share_views_and_one_iterator():
         assert errors == []
         assert sorted(set().union(*map(set, seen))) == list(range(n))
         assert next(shared, None) is None
-        del views, shared
 
 
 def test_close_while_other_threads_hold_views():
