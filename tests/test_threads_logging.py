@@ -4,9 +4,32 @@ import gc
 import logging
 import os
 import threading
+from collections.abc import Callable
 
 import shmstore
 from conftest import mappings_of
+
+
+def run_in_threads(n: int, body: Callable[[int], None]) -> None:
+    """`body(k)` in threads k = 0..n-1, released together by a barrier; the first exception
+    any of them raised is raised here once all have finished."""
+    start = threading.Barrier(n)
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            start.wait()
+            body(k)
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
 
 
 def test_threads_read_one_store_concurrently():
@@ -14,29 +37,18 @@ def test_threads_read_one_store_concurrently():
         {"id": i, "tags": [f"t{i % 7}", i * 0.5], "nested": {"k": (i, str(i))}} for i in range(3000)
     ]
     with shmstore.SharedList(records) as lst:
-        errors: list[BaseException] = []
-        start = threading.Barrier(8)
 
         def reader(offset: int) -> None:
-            try:
-                start.wait()
-                it = iter(lst)  # one shared iterator across threads is also allowed
-                for k in range(len(lst)):
-                    i = (k * 7 + offset) % len(lst)
-                    r = lst[i]
-                    assert r["id"] == i
-                    assert r["tags"][1] == i * 0.5
-                    assert r["nested"]["k"] == (i, str(i))
-                    next(it, None)
-            except BaseException as e:  # surfaced below
-                errors.append(e)
+            it = iter(lst)  # one shared iterator across threads is also allowed
+            for k in range(len(lst)):
+                i = (k * 7 + offset) % len(lst)
+                r = lst[i]
+                assert r["id"] == i
+                assert r["tags"][1] == i * 0.5
+                assert r["nested"]["k"] == (i, str(i))
+                next(it, None)
 
-        threads = [threading.Thread(target=reader, args=(n,)) for n in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert errors == []
+        run_in_threads(8, reader)
 
 
 def test_threads_share_views_and_one_iterator():
@@ -50,31 +62,20 @@ def test_threads_share_views_and_one_iterator():
     with shmstore.SharedList(records) as lst:
         views = [lst[i] for i in range(0, n, 10)]
         shared = iter(lst)
-        start = threading.Barrier(6)
         seen: list[list[int]] = [[] for _ in range(6)]
-        errors: list[BaseException] = []
 
         def reader(t: int) -> None:
-            try:
-                start.wait()
-                for _ in range(3):
-                    for v in views:
-                        i = v["id"]
-                        assert len(v) == 3 and len(v["vals"]) == 3
-                        assert list(v["vals"]) == [i, -i, str(i)]
-                        assert v["sub"]["x"] == i * 2 and list(v["sub"]) == ["x"]
-                for rec in shared:
-                    assert rec["vals"][2] == str(rec["id"])
-                    seen[t].append(rec["id"])
-            except BaseException as e:  # surfaced below
-                errors.append(e)
+            for _ in range(3):
+                for v in views:
+                    i = v["id"]
+                    assert len(v) == 3 and len(v["vals"]) == 3
+                    assert list(v["vals"]) == [i, -i, str(i)]
+                    assert v["sub"]["x"] == i * 2 and list(v["sub"]) == ["x"]
+            for rec in shared:
+                assert rec["vals"][2] == str(rec["id"])
+                seen[t].append(rec["id"])
 
-        threads = [threading.Thread(target=reader, args=(t,)) for t in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert errors == []
+        run_in_threads(6, reader)
         assert sorted(set().union(*map(set, seen))) == list(range(n))
         assert next(shared, None) is None
 
