@@ -598,8 +598,13 @@ def test_xgboost_joblib_workload_with_gc_guard_leaves_no_cycles():
         by_loky = sj.Parallel(n_jobs=2)(delayed(_train)(ref, c, s) for c in chunks for s in (0, 1))
         # threads: every task under gc_guard; the leak detector sees what is left at the end
         guard = leaks.GcGuard(min_growth=0, max_gc_fraction=1.0)
+        # Made before the block, as in examples/xgboost_joblib.py: joblib links a Parallel and
+        # its backend both ways, a cycle of joblib's own that lives as long as the Parallel
+        # (on a free-threaded interpreter the block sees it; with a GIL the backend's closing
+        # collection has moved it out of the generation the block reads).
+        parallel = sj.Parallel(n_jobs=2, backend="threading", guard=guard)
         with leaks.detect() as report:
-            by_threads = sj.Parallel(n_jobs=2, backend="threading", guard=guard)(
+            by_threads = parallel(
                 delayed(_train_with_cycle)(ref, c, s) for c in chunks for s in (0, 1)
             )
         # the same without the guard: the cycles (and their copies of X) are retained
