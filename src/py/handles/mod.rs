@@ -37,8 +37,8 @@ super::read::recycled! {
 /// the fast slots of the handle types.
 ///
 /// # Safety
-/// As `read::install_free_list`: the GIL is held, the interpreter has one and no instance of
-/// these types exists yet (module init).
+/// As `read::install_free_list`: the thread is attached, the read layer has set whether
+/// objects are recycled, and no instance of these types exists yet (module init).
 pub(crate) unsafe fn install_freelists(py: Python<'_>) {
     #[cfg(not(feature = "abi3"))]
     // SAFETY: the caller's contract. None of these types is subclassable.
