@@ -144,12 +144,8 @@ soak-short: build ## bounded fault campaign for CI (under 3 minutes)
 # from PyPI): one version-specific wheel per CPython found here (the fast build; 3.14t, the
 # free-threaded build, has no stable ABI and needs its own), one abi3 wheel that every later
 # CPython with a GIL installs (the fallback: a little slower, benchmarks/results/abi3.md), and
-# the sdist. Each interpreter is checked to be the build its name says (GIL or free-threaded).
-WHEEL_INTERPRETERS ?= $(shell for v in 3.11 3.12 3.13 3.14 3.14t; do \
-	for p in python$$v $$HOME/.pyenv/versions/$${v%t}*/bin/python$$v /usr/bin/python$$v \
-		$(CURDIR)/target/cpython/$${v%t}.*/bin/python$$v; do \
-	if $$p -c "import sys, sysconfig; sys.exit(bool(sysconfig.get_config_var('Py_GIL_DISABLED')) != '$$v'.endswith('t'))" 2>/dev/null; \
-	then command -v $$p; break; fi; done; done)
+# the sdist. The interpreters are found as the matrix finds them (.ci/find-python).
+WHEEL_INTERPRETERS ?= $(shell for v in 3.11 3.12 3.13 3.14 3.14t; do .ci/find-python $$v; done)
 ZIG_BUILD = $(VENV)/bin/maturin build --release --zig --compatibility manylinux2014 \
 	--target x86_64-unknown-linux-gnu -o dist
 wheels: venv ## manylinux2014 x86_64 wheels (per CPython found + abi3 fallback) and sdist into dist/
