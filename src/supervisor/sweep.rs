@@ -407,6 +407,9 @@ mod tests {
         let reader = std::fs::File::open(&sealed).unwrap();
         rustix::fs::flock(&reader, rustix::fs::FlockOperation::LockShared).unwrap();
         assert_eq!(remove_if_ours(&sealed, id).unwrap(), Removal::Locked);
+        // Unlocked, not only closed: a process another test forks meanwhile would keep a
+        // copy of the descriptor, and with it the lock (it belongs to the open file).
+        rustix::fs::flock(&reader, rustix::fs::FlockOperation::Unlock).unwrap();
         drop(reader);
         assert_eq!(remove_if_ours(&sealed, id).unwrap(), Removal::Removed);
         assert!(!sealed.exists());

@@ -92,10 +92,27 @@ fn put(arenas: &Arenas<Use>, dir: &Path, len: u64) -> Held {
 }
 
 /// Another process's lease on `held`'s chunk: a shared lock through a descriptor of its own.
-fn lease_elsewhere(held: &Held) -> File {
-    let f = File::open(&held.path).unwrap();
-    assert!(ofd_lock(&f, Lock::Shared, held.chunk.offset, held.chunk.size).unwrap());
-    f
+fn lease_elsewhere(held: &Held) -> Elsewhere {
+    let file = File::open(&held.path).unwrap();
+    let (offset, size) = (held.chunk.offset, held.chunk.size);
+    assert!(ofd_lock(&file, Lock::Shared, offset, size).unwrap());
+    Elsewhere { file, offset, size }
+}
+
+/// A lease taken through a descriptor of its own, as another process would hold one.
+/// Dropped, it unlocks its range before closing: closing alone would leave the lock held
+/// while any process forked meanwhile (another test of this binary) still has a copy of
+/// the descriptor, since an OFD lock belongs to the open file description.
+struct Elsewhere {
+    file: File,
+    offset: u64,
+    size: u64,
+}
+
+impl Drop for Elsewhere {
+    fn drop(&mut self) {
+        ofd_lock(&self.file, Lock::Unlock, self.offset, self.size).unwrap();
+    }
 }
 
 fn capacities(arenas: &Arenas<Use>) -> Vec<u64> {
@@ -216,7 +233,7 @@ fn a_full_arena_retries_every_chunk_leased_elsewhere_before_a_new_one_is_made() 
     }
     assert!(held.len() > 3 && held.len() < 64, "{} chunks", held.len());
     // Three neighbours released here, leased elsewhere: refused, the arena stays full.
-    let elsewhere: Vec<File> = held[..3].iter().map(lease_elsewhere).collect();
+    let elsewhere: Vec<Elsewhere> = held[..3].iter().map(lease_elsewhere).collect();
     let freed: Vec<Held> = held.drain(..3).collect();
     let start = freed.iter().map(|h| h.chunk.offset).min().unwrap();
     drop(freed);
