@@ -16,6 +16,7 @@ import select
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -314,6 +315,34 @@ def test_fetch_lock_refuses_a_directory_others_can_write(tmp_path, records):
     )
     assert out.stdout.strip() == "refused True", out.stderr
     lst.unlink()
+
+
+def test_a_child_forked_during_a_fetch_does_not_keep_the_fetch_lock(tmp_path):
+    """A process forked while this one held the machine's fetch lock has a copy of the lock's
+    descriptor (fork copies every one, close-on-exec or not). Leaving the lock must release it
+    all the same, or the machine's next fetch would wait for that child to exit."""
+    d = tmp_path / "segments"
+    d.mkdir(mode=0o700)
+    r, w = os.pipe()
+    with sc._FetchLock(d, timeout=30) as lock:
+        assert lock.fd >= 0
+        with warnings.catch_warnings():
+            # Earlier tests may have left threads (Dask's); the child only reads and exits.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            child = os.fork()
+        if child == 0:  # holds its copy of the descriptor until the pipe closes
+            os.close(w)
+            os.read(r, 1)
+            os._exit(0)
+    os.close(r)
+    try:
+        # Taken at the first try: a held lock would be retried until the timeout, then
+        # raise TimeoutError.
+        with sc._FetchLock(d, timeout=30) as again:
+            assert again.fd >= 0
+    finally:
+        os.close(w)
+        assert os.waitpid(child, 0)[1] == 0
 
 
 def test_map_mode_maps_the_shared_file_in_place(tmp_path, records):

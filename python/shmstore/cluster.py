@@ -576,8 +576,15 @@ class _FetchLock:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        os.close(self.fd)  # releases the flock
-        self.fd = -1
+        # Unlocked before the close: closing alone would leave the lock held by any process
+        # another thread forked meanwhile (a flock belongs to the open file, which the
+        # child's copy of the descriptor keeps), and this machine's next fetch would wait
+        # for that child to exit.
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+        finally:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def info(handle: Any) -> dict[str, Any]:
