@@ -12,6 +12,7 @@ import io
 import multiprocessing as mp
 import os
 import pickle
+import threading
 import weakref
 
 import numpy as np
@@ -262,6 +263,31 @@ def test_joblib_threading_backend_collects_cycles_with_gc_guard():
     # threads interleave and on glibc's reuse of freed memory: only "at least once")
     assert guard.stats.collections >= 1 and guard.stats.collected_objects >= 1
     assert left == 0  # and the end of the call collects what the last tasks left
+
+
+_THREAD_LOCAL = threading.local()
+
+
+class _SlowToEnd:
+    """Held by a thread-local: released as its thread ends, and takes a moment then."""
+
+    def __del__(self) -> None:
+        threading.Event().wait(0.5)
+
+
+def _current_thread(_: int) -> threading.Thread:
+    _THREAD_LOCAL.held = _SlowToEnd()
+    return threading.current_thread()
+
+
+def test_a_threading_call_ends_with_its_threads_ended():
+    """A thread that ends leaves garbage behind (its thread-locals' bookkeeping): the end of
+    a gc-guarded threading call waits for its pool's threads to end before the collection
+    that leaves nothing behind, so that garbage never appears after the call. Plain joblib
+    only tells them to end (here each thread's end takes half a second)."""
+    ran = sj.Parallel(n_jobs=2, backend="threading")(delayed(_current_thread)(i) for i in range(8))
+    assert ran and threading.current_thread() not in ran
+    assert not any(t.is_alive() for t in ran)
 
 
 def _pid(_: int) -> int:

@@ -7,6 +7,7 @@ import contextvars
 import gc
 import logging
 import sys
+import threading
 import time
 import warnings
 from typing import Any, Iterator, Optional, Union
@@ -150,6 +151,11 @@ class ShmMultiprocessingBackend(_SharingMixin, MultiprocessingBackend):
         return super().configure(*args, **kwargs)
 
 
+# Seconds to wait, in all, for a terminated thread pool's threads to end (each has been
+# told to; they end as soon as their current task does).
+_WORKER_EXIT_WAIT = 30.0
+
+
 class GuardedThreadingBackend(ThreadingBackend):
     """joblib's threading backend, every task wrapped with :func:`shmstore.leaks.gc_guard`."""
 
@@ -159,11 +165,32 @@ class GuardedThreadingBackend(ThreadingBackend):
         super().__init__(*args, **kwargs)
         self.guard = guard
 
+    _aborting = False
+
     def submit(self, func: Any, callback: Any = None) -> Any:
         return super().submit(gc_guard(func, guard=self.guard), callback)
 
+    def abort_everything(self, ensure_ready: bool = True) -> None:
+        self._aborting = True
+        try:
+            super().abort_everything(ensure_ready)
+        finally:
+            self._aborting = False
+
     def terminate(self) -> None:
+        # The pool's threads, to wait for below: terminating a thread pool tells them to end
+        # but does not wait for them, and a thread that ends leaves garbage behind (its
+        # thread-locals' bookkeeping), which would otherwise appear after the collection.
+        workers = [
+            w
+            for w in getattr(self._pool, "_pool", None) or ()
+            if isinstance(w, threading.Thread) and w is not threading.current_thread()
+        ]
         super().terminate()
+        if not self._aborting:  # an aborted call's threads may still run a task: not waited for
+            deadline = time.monotonic() + _WORKER_EXIT_WAIT
+            for w in workers:
+                w.join(max(0.0, deadline - time.monotonic()))
         # gc_guard bounds the garbage *during* the call (it collects when RSS grew, skips when
         # another thread is collecting or its time budget is spent), so the last tasks' cycles
         # may still be there. One full collection when the call ends leaves none behind; it
