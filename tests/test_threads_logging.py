@@ -3,7 +3,9 @@
 import gc
 import logging
 import os
+import sys
 import threading
+import weakref
 from collections.abc import Callable
 
 import shmstore
@@ -78,6 +80,43 @@ def test_threads_share_views_and_one_iterator():
         run_in_threads(6, reader)
         assert sorted(set().union(*map(set, seen))) == list(range(n))
         assert next(shared, None) is None
+
+
+def test_views_dropped_by_other_threads_and_by_threads_that_end_are_made_afresh():
+    """Views are recycled (on a free-threaded interpreter, by each thread in lists of its
+    own, which outlive the thread for threads that start later). Views made in one thread
+    and dropped in another, by threads that then end, in rounds of new threads: every view
+    read afterwards is a fresh object (its own values, one reference, no weak reference of
+    a former life)."""
+    n = 300
+    records = [{"id": i, "vals": [i, str(i)], "sub": {"x": i}} for i in range(n)]
+    with shmstore.SharedList(records) as lst:
+
+        def one_round(round_: int) -> None:
+            handed: list[list[object]] = [[] for _ in range(4)]
+            made = threading.Barrier(4)
+
+            def body(t: int) -> None:
+                # Made here, dropped by the next thread (after the barrier).
+                handed[(t + 1) % 4].extend(lst[i]["vals"] for i in range(t, n, 4))
+                made.wait()
+                handed[t].clear()
+                for i in range((t + round_) % 7, n, 7):
+                    rec = lst[i]
+                    vals, sub = rec["vals"], rec["sub"]
+                    assert (rec["id"], list(vals), sub["x"]) == (i, [i, str(i)], i)
+                    fresh: list[int] = []  # a new object, held as `vals` is
+                    assert sys.getrefcount(vals) == sys.getrefcount(fresh)
+                    if i % 3 == 0:
+                        ref = weakref.ref(sub)
+                        del sub
+                        assert ref() is None
+
+            run_in_threads(4, body)
+
+        for round_ in range(6):  # new threads each round
+            one_round(round_)
+        assert [lst[i]["vals"][1] for i in range(n)] == [str(i) for i in range(n)]
 
 
 def test_close_while_other_threads_hold_views():

@@ -7,8 +7,8 @@
 //! - reported by `shmstore._native._fast_paths()` (`{name: True | "why it is off"}`), which
 //!   `tests/test_fast_paths.py` checks against what this interpreter and build should have;
 //! - logged once, as a warning on the `shmstore.store` logger, at import, unless it is off
-//!   for a reason that holds for the whole build (the stable ABI, a free-threaded
-//!   interpreter, a CPU without AVX2), which the report says instead;
+//!   for a reason that holds for the whole build (the stable ABI, a CPU without AVX2), which
+//!   the report says instead;
 //! - an `ImportError` when the environment variable `SHMSTORE_REQUIRE_FAST_PATHS` is `1`
 //!   (for CI and benchmark machines: a result measured without them is not comparable).
 //!
@@ -21,9 +21,6 @@ use pyo3::types::PyDict;
 
 /// Why a fast path is off for the whole build: expected, not warned about.
 pub(crate) const ABI3: &str = "off: stable ABI (abi3) build, which hides the type slots";
-pub(crate) const FREE_THREADED: &str =
-    "off: free-threaded interpreter (the free lists are guarded by the GIL; views are made \
-     and freed directly there)";
 pub(crate) const NO_AVX2: &str = "off: this CPU has no AVX2";
 pub(crate) const NOT_X86: &str = "off: not an x86-64 build";
 
@@ -63,7 +60,7 @@ static PATHS: Mutex<Vec<(String, Result<(), String>)>> = Mutex::new(Vec::new());
 
 /// Whether `reason` is one that holds for the whole build (not a layout that differs).
 fn expected(reason: &str) -> bool {
-    [ABI3, FREE_THREADED, NO_AVX2, NOT_X86].contains(&reason)
+    [ABI3, NO_AVX2, NOT_X86].contains(&reason)
 }
 
 /// Record the state of the fast path `name` (a later report of the same name replaces it).

@@ -6,11 +6,10 @@
 //! pyo3's own `freelist` option guards its list with a mutex, which costs more than the
 //! allocation it saves (about 18 ns per view here). These lists are guarded by the GIL
 //! instead: `tp_alloc` and `tp_free` run with it held, so only one thread touches a list at a
-//! time. On a free-threaded interpreter there is no GIL, so nothing is recycled there
-//! (`install` checks at run time; `RECYCLE` stays off): views are made and released
-//! directly (below) with the interpreter's allocator, which is per thread there already.
-//! With the stable ABI (abi3), which hides the type object's slots, none of this is
-//! installed.
+//! time. On a free-threaded interpreter there is no GIL: there these lists stay unused
+//! (`install` checks at run time; `RECYCLE` stays off) and each thread recycles its own
+//! views instead, in lists per thread (`thread_lists`), on the direct path below. With the
+//! stable ABI (abi3), which hides the type object's slots, none of this is installed.
 //!
 //! Where the lists are installed, instances of these types are also born untracked (the
 //! allocator untracks a fresh object at once), so making a view needs no separate untrack
@@ -32,7 +31,7 @@
 //! value and (if any) the weak-reference list, in that order. A type whose layout differs
 //! keeps pyo3's path, and that is reported (`direct.<type>` in `_fast_paths()`, a warning at
 //! import: src/py/read/fastpaths.rs), never silent. The direct path needs no GIL: on a
-//! free-threaded interpreter it is on as well, without the recycling.
+//! free-threaded interpreter it is on as well, recycling through the lists per thread.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -96,11 +95,21 @@ pub(crate) mod imp {
     use std::os::raw::c_void;
     use std::sync::atomic::Ordering;
 
+    use std::sync::atomic::AtomicUsize;
+
     use pyo3::prelude::*;
     use pyo3::{ffi, PyTypeInfo};
 
+    use super::super::thread_lists;
     use super::super::{DictIter, DictView, ListIter, ListView};
     use super::Recycled;
+
+    /// The next type's slot in the lists per thread (`thread_lists`), given out by
+    /// `install_type`.
+    static NEXT_SLOT: AtomicUsize = AtomicUsize::new(0);
+
+    /// A type without a slot in the lists per thread.
+    const NO_SLOT: usize = usize::MAX;
 
     /// Dropped views kept per type: enough for the views alive at once in any usual loop
     /// (a record's nested containers), few enough to be negligible memory.
@@ -155,6 +164,9 @@ pub(crate) mod imp {
         items: UnsafeCell<Vec<*mut ffi::PyObject>>,
         /// Set by `install` if the type's layout is the expected one (`None`: pyo3's path).
         layout: UnsafeCell<Option<Layout>>,
+        /// The type's list in each thread's lists (free-threaded, direct path only), or
+        /// `NO_SLOT`; set by `install` like `layout`.
+        slot: UnsafeCell<usize>,
     }
 
     // SAFETY: `ty` and `layout` are written only by `install`, during the module's init,
@@ -164,7 +176,7 @@ pub(crate) mod imp {
     // only on an interpreter with a GIL: there they run with the GIL held (CPython calls
     // tp_alloc, tp_free and tp_dealloc with it; `make` is called with it), which serialises
     // every access. On a free-threaded interpreter no thread touches `items` (`alloc` and
-    // `keep` check `RECYCLE` first).
+    // `keep` check `RECYCLE` first); `slot` is set at install like `layout`.
     unsafe impl Sync for FreeList {}
 
     impl FreeList {
@@ -173,6 +185,7 @@ pub(crate) mod imp {
                 ty: UnsafeCell::new(std::ptr::null_mut()),
                 items: UnsafeCell::new(Vec::new()),
                 layout: UnsafeCell::new(None),
+                slot: UnsafeCell::new(NO_SLOT),
             }
         }
 
@@ -194,7 +207,7 @@ pub(crate) mod imp {
                 return unsafe { self.make_slow(py, value) };
             };
             // SAFETY: the thread is attached and `ty` is `T`'s type (set by `install`).
-            let obj = unsafe { self.alloc(ty, 0) };
+            let obj = unsafe { self.alloc_direct(ty) };
             if obj.is_null() {
                 return Err(PyErr::fetch(py));
             }
@@ -229,6 +242,33 @@ pub(crate) mod imp {
             value: T,
         ) -> PyResult<Bound<'py, T>> {
             Bound::new(py, value.init())
+        }
+
+        /// A new object for the direct path (`make`): on a free-threaded interpreter one
+        /// this thread kept (`thread_lists`), initialised as a fresh object, else as `alloc`.
+        ///
+        /// # Safety
+        /// The thread is attached (holds the GIL where there is one); `ty` is this list's
+        /// type and its layout is known (the direct path is installed).
+        #[inline(always)]
+        unsafe fn alloc_direct(&self, ty: *mut ffi::PyTypeObject) -> *mut ffi::PyObject {
+            // SAFETY: written only at install (see `Sync`).
+            let slot = unsafe { *self.slot.get() };
+            if slot != NO_SLOT {
+                // SAFETY: a slot is set only with the lists per thread on, and is below
+                // `thread_lists::TYPES`; the thread is attached.
+                if let Some(obj) = unsafe { thread_lists::pop(slot) } {
+                    // SAFETY: `obj` is the memory of a dropped object of exactly this type
+                    // (only our dealloc keeps objects there, each under its type's slot):
+                    // its value dropped, weak references cleared, untracked, holding no
+                    // reference to its type. `PyObject_Init` makes it a new object with one
+                    // reference (this thread its owner, the type set and referenced, as
+                    // `PyType_GenericAlloc` would); `make` writes all of its contents.
+                    return unsafe { ffi::PyObject_Init(obj, ty) };
+                }
+            }
+            // SAFETY: the caller's contract.
+            unsafe { self.alloc(ty, 0) }
         }
 
         /// # Safety
@@ -359,13 +399,21 @@ pub(crate) mod imp {
             }
             let value = base.add(layout.value).cast::<T>().read();
             let ty = ffi::Py_TYPE(obj);
-            // Kept: the object keeps its reference to the type (`keep`).
-            let kept = list.keep(obj);
+            let slot = *list.slot.get();
+            // Kept by this thread (free-threaded): memory only, the type's reference given
+            // back below. Kept in the global list (with a GIL): the object keeps its
+            // reference to the type (`keep`).
+            let per_thread = slot != NO_SLOT;
+            let kept = if per_thread {
+                thread_lists::keep(slot, obj)
+            } else {
+                list.keep(obj)
+            };
             if !kept {
                 ffi::PyObject_GC_Del(obj.cast());
             }
             value.into_store().release();
-            if !kept {
+            if !kept || per_thread {
                 ffi::Py_DECREF(ty.cast());
             }
         }
@@ -412,15 +460,34 @@ pub(crate) mod imp {
                 (*ty).tp_dealloc = Some(dealloc::<T>);
             }
         }
+        // Without a GIL, recycled by each thread on the direct path (a slot of its own in
+        // every thread's lists).
+        let per_thread = if super::RECYCLE.load(Ordering::Relaxed) {
+            None
+        } else if layout.is_err() {
+            Some(Err(
+                "off: recycled per thread on the direct path only, which is off".to_owned(),
+            ))
+        } else if !thread_lists::on() {
+            Some(Err(thread_lists::why_off()))
+        } else {
+            let slot = NEXT_SLOT.fetch_add(1, Ordering::Relaxed);
+            if slot < thread_lists::TYPES {
+                // SAFETY: as above (module init, no instance yet).
+                unsafe { *T::list().slot.get() = slot };
+                Some(Ok(()))
+            } else {
+                Some(Err(format!(
+                    "off: more than {} recycled types",
+                    thread_lists::TYPES
+                )))
+            }
+        };
         let name = std::any::type_name::<T>()
             .rsplit("::")
             .next()
             .unwrap_or("?");
-        let recycled = if super::RECYCLE.load(Ordering::Relaxed) {
-            Ok(())
-        } else {
-            Err(super::super::fastpaths::FREE_THREADED.to_owned())
-        };
+        let recycled = per_thread.unwrap_or(Ok(()));
         super::super::fastpaths::report(format!("freelist.{name}"), recycled);
         super::super::fastpaths::report(format!("direct.{name}"), layout.map(drop));
     }
@@ -442,6 +509,7 @@ pub(crate) mod imp {
         use super::super::slots;
         if free_threaded(py)? {
             super::super::set_per_thread();
+            thread_lists::init();
             let types = [
                 ListView::type_object(py),
                 DictView::type_object(py),

@@ -13,6 +13,8 @@ mod ndarray;
 mod owner;
 pub(crate) mod protocol;
 pub(crate) mod slots;
+#[cfg(not(feature = "abi3"))]
+mod thread_lists;
 
 pub(crate) use array::ArrayOwner;
 pub(crate) use dict_view::{DictIter, DictView};
