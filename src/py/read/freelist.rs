@@ -111,6 +111,12 @@ pub(crate) mod imp {
     /// A type without a slot in the lists per thread.
     const NO_SLOT: usize = usize::MAX;
 
+    /// Whether this build is for a free-threaded interpreter, known when compiling: its
+    /// object header is larger (the owning thread and two counts, 32 bytes, against 16).
+    /// The lists per thread are compiled only there, so that the paths with a GIL carry
+    /// no branch for them (the run-time check, `RECYCLE`, still decides).
+    const FT_BUILD: bool = std::mem::size_of::<ffi::PyObject>() > 16;
+
     /// Dropped views kept per type: enough for the views alive at once in any usual loop
     /// (a record's nested containers), few enough to be negligible memory.
     const CAP: usize = 256;
@@ -254,7 +260,7 @@ pub(crate) mod imp {
         unsafe fn alloc_direct(&self, ty: *mut ffi::PyTypeObject) -> *mut ffi::PyObject {
             // SAFETY: written only at install (see `Sync`).
             let slot = unsafe { *self.slot.get() };
-            if slot != NO_SLOT {
+            if FT_BUILD && slot != NO_SLOT {
                 // SAFETY: a slot is set only with the lists per thread on, and is below
                 // `thread_lists::TYPES`; the thread is attached.
                 if let Some(obj) = unsafe { thread_lists::pop(slot) } {
@@ -300,8 +306,23 @@ pub(crate) mod imp {
                     return obj;
                 }
             }
-            // SAFETY: the generic allocator, as the type had before `install`; the new
-            // object is untracked at once (it holds no reference a traversal would need).
+            // SAFETY: the caller's contract.
+            unsafe { self.alloc_fresh(subtype, nitems) }
+        }
+
+        /// A new object from the generic allocator, as the type had before `install`,
+        /// untracked at once (it holds no reference a traversal would need).
+        ///
+        /// # Safety
+        /// As `alloc`.
+        #[inline(always)]
+        unsafe fn alloc_fresh(
+            &self,
+            subtype: *mut ffi::PyTypeObject,
+            nitems: ffi::Py_ssize_t,
+        ) -> *mut ffi::PyObject {
+            // SAFETY: the thread is attached and `subtype` a valid type (the caller's
+            // contract); the object is untracked before anything else sees it.
             unsafe {
                 let obj = ffi::PyType_GenericAlloc(subtype, nitems);
                 if !obj.is_null() {
@@ -326,14 +347,25 @@ pub(crate) mod imp {
             if !super::RECYCLE.load(Ordering::Relaxed) {
                 return false;
             }
+            // SAFETY: `Py_TYPE` reads the header of a live allocation.
+            let exact = unsafe { std::ptr::eq(ffi::Py_TYPE(obj), *self.ty.get()) };
+            // SAFETY: recycling is on and the type exact: the caller's contract is `keep_own`'s.
+            exact && unsafe { self.keep_own(obj) }
+        }
+
+        /// `keep` for an object known to be of exactly this list's type, with recycling on.
+        ///
+        /// # Safety
+        /// As `keep`, and `RECYCLE` is on (so the GIL is held) and `obj`'s type is exactly
+        /// this list's.
+        #[inline(always)]
+        unsafe fn keep_own(&self, obj: *mut ffi::PyObject) -> bool {
             // Not tracked by the collector: born untracked (`alloc`), never tracked since, and
             // pyo3's dealloc untracks before calling `free` too.
             // SAFETY: recycling is on, so the GIL is held (the caller's contract) and
             // serialises every use of the list.
             let items = unsafe { &mut *self.items.get() };
-            // SAFETY: `Py_TYPE` reads the header of a live allocation.
-            let exact = unsafe { std::ptr::eq(ffi::Py_TYPE(obj), *self.ty.get()) };
-            if !exact || items.len() >= CAP {
+            if items.len() >= CAP {
                 return false;
             }
             if items.capacity() == 0 {
@@ -399,21 +431,23 @@ pub(crate) mod imp {
             }
             let value = base.add(layout.value).cast::<T>().read();
             let ty = ffi::Py_TYPE(obj);
-            let slot = *list.slot.get();
-            // Kept by this thread (free-threaded): memory only, the type's reference given
-            // back below. Kept in the global list (with a GIL): the object keeps its
-            // reference to the type (`keep`).
-            let per_thread = slot != NO_SLOT;
-            let kept = if per_thread {
-                thread_lists::keep(slot, obj)
+            // Kept in the global list (with a GIL): the object keeps its reference to the
+            // type (`keep`). Kept by this thread (free-threaded): memory only, the type's
+            // reference given back below. The object is exactly `T` (this dealloc is
+            // `T`'s only, and `T` has no subclasses).
+            let recycle = super::RECYCLE.load(Ordering::Relaxed);
+            let kept = if recycle {
+                list.keep_own(obj)
             } else {
-                list.keep(obj)
+                let slot = *list.slot.get();
+                FT_BUILD && slot != NO_SLOT && thread_lists::keep(slot, obj)
             };
             if !kept {
                 ffi::PyObject_GC_Del(obj.cast());
             }
+            let type_back = !kept || !recycle;
             value.into_store().release();
-            if !kept || per_thread {
+            if type_back {
                 ffi::Py_DECREF(ty.cast());
             }
         }
