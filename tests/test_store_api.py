@@ -544,8 +544,9 @@ def test_dropped_views_and_iterators_give_their_store_back():
 
 @pytest.mark.skipif(
     bool(sysconfig.get_config_var("Py_GIL_DISABLED")),
-    reason="free-threaded interpreter: the free lists are off there, and a heap type's "
-    "references are counted per thread (deferred), so sys.getrefcount of a type says nothing",
+    reason="free-threaded interpreter: a heap type's references are counted per thread "
+    "(deferred), and the view types are immortal there, so sys.getrefcount of a type says "
+    "nothing",
 )
 def test_made_and_dropped_views_leave_their_types_reference_counts_alone():
     """A recycled view or iterator keeps its reference to its type while it waits in a free
