@@ -306,23 +306,8 @@ pub(crate) mod imp {
                     return obj;
                 }
             }
-            // SAFETY: the caller's contract.
-            unsafe { self.alloc_fresh(subtype, nitems) }
-        }
-
-        /// A new object from the generic allocator, as the type had before `install`,
-        /// untracked at once (it holds no reference a traversal would need).
-        ///
-        /// # Safety
-        /// As `alloc`.
-        #[inline(always)]
-        unsafe fn alloc_fresh(
-            &self,
-            subtype: *mut ffi::PyTypeObject,
-            nitems: ffi::Py_ssize_t,
-        ) -> *mut ffi::PyObject {
-            // SAFETY: the thread is attached and `subtype` a valid type (the caller's
-            // contract); the object is untracked before anything else sees it.
+            // SAFETY: the generic allocator, as the type had before `install`; the new
+            // object is untracked at once (it holds no reference a traversal would need).
             unsafe {
                 let obj = ffi::PyType_GenericAlloc(subtype, nitems);
                 if !obj.is_null() {
@@ -364,15 +349,7 @@ pub(crate) mod imp {
             // pyo3's dealloc untracks before calling `free` too.
             // SAFETY: recycling is on, so the GIL is held (the caller's contract) and
             // serialises every use of the list.
-            let items = unsafe { &mut *self.items.get() };
-            if items.len() >= CAP {
-                return false;
-            }
-            if items.capacity() == 0 {
-                items.reserve_exact(CAP);
-            }
-            items.push(obj);
-            true
+            thread_lists::push_bounded(unsafe { &mut *self.items.get() }, obj, CAP)
         }
 
         /// `tp_free` (pyo3's dealloc calls it, then releases the type).

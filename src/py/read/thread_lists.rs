@@ -176,12 +176,22 @@ pub(crate) unsafe fn keep(slot: usize, obj: *mut ffi::PyObject) -> bool {
         return false;
     }
     // SAFETY: as in `pop`.
-    let items = unsafe { &mut (*lists).items[slot] };
-    if items.len() >= CAP {
+    push_bounded(unsafe { &mut (*lists).items[slot] }, obj, CAP)
+}
+
+/// Push `obj` onto a free list of at most `cap` objects (its room made at the first push);
+/// false if it is full.
+#[inline(always)]
+pub(crate) fn push_bounded(
+    items: &mut Vec<*mut ffi::PyObject>,
+    obj: *mut ffi::PyObject,
+    cap: usize,
+) -> bool {
+    if items.len() >= cap {
         return false;
     }
     if items.capacity() == 0 {
-        items.reserve_exact(CAP);
+        items.reserve_exact(cap);
     }
     items.push(obj);
     true
