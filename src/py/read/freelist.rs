@@ -93,9 +93,7 @@ pub(crate) fn new_view<T: Recycled>(py: Python<'_>, value: T) -> PyResult<Bound<
 pub(crate) mod imp {
     use std::cell::UnsafeCell;
     use std::os::raw::c_void;
-    use std::sync::atomic::Ordering;
-
-    use std::sync::atomic::AtomicUsize;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     use pyo3::prelude::*;
     use pyo3::{ffi, PyTypeInfo};
@@ -478,6 +476,10 @@ pub(crate) mod imp {
         } else if layout.is_err() {
             Some(Err(
                 "off: recycled per thread on the direct path only, which is off".to_owned(),
+            ))
+        } else if !FT_BUILD {
+            Some(Err(
+                "off: a free-threaded interpreter, but not a build for one".to_owned(),
             ))
         } else if !thread_lists::on() {
             Some(Err(thread_lists::why_off()))
