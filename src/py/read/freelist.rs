@@ -347,7 +347,15 @@ pub(crate) mod imp {
             // pyo3's dealloc untracks before calling `free` too.
             // SAFETY: recycling is on, so the GIL is held (the caller's contract) and
             // serialises every use of the list.
-            thread_lists::push_bounded(unsafe { &mut *self.items.get() }, obj, CAP)
+            let items = unsafe { &mut *self.items.get() };
+            if items.len() >= CAP {
+                return false;
+            }
+            if items.capacity() == 0 {
+                items.reserve_exact(CAP);
+            }
+            items.push(obj);
+            true
         }
 
         /// `tp_free` (pyo3's dealloc calls it, then releases the type).

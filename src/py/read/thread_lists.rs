@@ -14,14 +14,18 @@
 //!
 //! Finding the thread's lists is one `pthread_getspecific` (a few instructions; a Rust
 //! thread-local in a shared object is a call to the dynamic linker's `__tls_get_addr`, and
-//! its destructor may run after the thread's Python state is gone). Nothing about the
-//! lists needs Python: when a thread ends, the key's destructor puts its lists, objects and
-//! all, into a pool (atomic slots, no lock: a fork can never find it held) that a thread
-//! starting later takes them from. The number of lists is thus the most threads that ever
-//! made views at once; only beyond [`POOL`] such threads ending together are a thread's
-//! lists left allocated (their objects with them, at most `TYPES * CAP` of them). A forked
-//! child keeps the lists of the thread that forked and of the pool; those of the parent's
-//! other threads (which the child does not have) stay allocated, unused.
+//! its destructor may run after the thread's Python state is gone). Ending a thread needs
+//! no Python: the key's destructor puts its lists, objects and all, into a pool (atomic
+//! slots, no lock: a fork can never find it held). A thread's first read takes lists from
+//! there if any and frees the objects in them (it is attached then), then fills them with
+//! its own: a thread must not reuse an ended thread's objects, whose pages the allocator
+//! may have handed to another thread since, which then puts its new objects next to them
+//! (two threads took turns at those cache lines: every second run of two threads read at
+//! the speed of one). The number of lists is thus the most threads that ever made views at
+//! once; only beyond [`POOL`] such threads ending together are a thread's lists left
+//! allocated (their objects with them, at most `TYPES * CAP` of them). A forked child keeps
+//! the lists of the thread that forked and of the pool; those of the parent's other
+//! threads (which the child does not have) stay allocated, unused.
 
 use std::os::raw::c_void;
 use std::ptr::null_mut;
@@ -35,16 +39,25 @@ use pyo3::ffi;
 pub(crate) const TYPES: usize = 8;
 
 /// Objects kept per type and thread: the views alive at once in a usual loop (a record's
-/// nested containers), few enough that a thread's lists stay small (at most `TYPES * CAP`
-/// objects of ~48-72 bytes).
+/// nested containers), few enough that a thread's lists stay small (5 KiB, and at most
+/// `TYPES * CAP` objects of ~80 bytes).
 const CAP: usize = 64;
 
 /// Slots of the pool of ended threads' lists (see the module's text).
 const POOL: usize = 1024;
 
-/// One thread's lists: dropped objects per type, by the type's slot.
+/// One thread's lists: dropped objects per type, by the type's slot. Each list is
+/// written at every view made and dropped, so each has cache lines of its own (two: the
+/// adjacent-line prefetch pairs them): two threads' lists side by side in memory took turns
+/// at a shared line, and two threads read at the speed of one about half the time.
 struct ThreadLists {
-    items: [Vec<*mut ffi::PyObject>; TYPES],
+    lists: [List; TYPES],
+}
+
+#[repr(C, align(128))]
+struct List {
+    len: usize,
+    items: [*mut ffi::PyObject; CAP],
 }
 
 /// Whether the lists are in use (set once by [`init`], before any view exists).
@@ -96,29 +109,51 @@ pub(crate) fn on() -> bool {
 
 /// This thread's lists, made (or taken from the pool) at its first use; null if the key
 /// cannot hold them (out of memory).
+///
+/// # Safety
+/// `on()`; the thread is attached.
 #[inline(always)]
-fn current() -> *mut ThreadLists {
+unsafe fn current() -> *mut ThreadLists {
     // SAFETY: the key was made by `init` (callers check `on()`); getspecific only reads
     // this thread's value of it.
     let p = unsafe { libc::pthread_getspecific(KEY.load(Ordering::Relaxed)) };
     if !p.is_null() {
         return p.cast();
     }
-    first_use()
+    // SAFETY: the caller's contract.
+    unsafe { first_use() }
 }
 
+/// # Safety
+/// The thread is attached (the objects of an ended thread's lists are freed here).
 #[cold]
 #[inline(never)]
-fn first_use() -> *mut ThreadLists {
-    let lists = PUT_BACK
+unsafe fn first_use() -> *mut ThreadLists {
+    let pooled = PUT_BACK
         .iter()
         .map(|slot| slot.swap(null_mut(), Ordering::Acquire))
-        .find(|p| !p.is_null())
-        .unwrap_or_else(|| {
-            Box::into_raw(Box::new(ThreadLists {
-                items: [const { Vec::new() }; TYPES],
-            }))
-        });
+        .find(|p| !p.is_null());
+    if let Some(p) = pooled {
+        // SAFETY: taken out of the pool with a swap: this thread's alone now.
+        for list in unsafe { &mut (*p).lists } {
+            for &obj in &list.items[..list.len] {
+                // SAFETY: a kept object (memory only, see `keep`): this frees it as our
+                // dealloc would have; the thread is attached (the caller's contract).
+                unsafe { ffi::PyObject_GC_Del(obj.cast()) };
+            }
+            list.len = 0;
+        }
+    }
+    let lists = pooled.unwrap_or_else(|| {
+        Box::into_raw(Box::new(ThreadLists {
+            lists: [const {
+                List {
+                    len: 0,
+                    items: [null_mut(); CAP],
+                }
+            }; TYPES],
+        }))
+    });
     // SAFETY: the key is valid (as above); `lists` is owned by this thread from here on.
     if unsafe { libc::pthread_setspecific(KEY.load(Ordering::Relaxed), lists.cast()) } != 0 {
         put_back(lists);
@@ -151,15 +186,18 @@ fn put_back(lists: *mut ThreadLists) {
 /// (module text): the caller initialises it (`PyObject_Init`) before anything else.
 #[inline(always)]
 pub(crate) unsafe fn pop(slot: usize) -> Option<*mut ffi::PyObject> {
-    let lists = current();
+    // SAFETY: the caller's contract.
+    let lists = unsafe { current() };
     if lists.is_null() {
         return None;
     }
     // SAFETY: `lists` is this thread's alone (set for it by `first_use`, taken out of the
     // pool with a swap); no other reference to it is alive: `pop` and `keep` end their
     // borrow before returning and call nothing that could re-enter them.
-    let items = unsafe { &mut (*lists).items[slot] };
-    items.pop()
+    let list = unsafe { &mut (*lists).lists[slot] };
+    let len = list.len.checked_sub(1)?;
+    list.len = len;
+    list.items.get(len).copied()
 }
 
 /// Keep `obj` in this thread's list of `slot` if there is room; the caller frees it
@@ -171,28 +209,17 @@ pub(crate) unsafe fn pop(slot: usize) -> Option<*mut ffi::PyObject> {
 /// reference to the type.
 #[inline(always)]
 pub(crate) unsafe fn keep(slot: usize, obj: *mut ffi::PyObject) -> bool {
-    let lists = current();
+    // SAFETY: the caller's contract.
+    let lists = unsafe { current() };
     if lists.is_null() {
         return false;
     }
     // SAFETY: as in `pop`.
-    push_bounded(unsafe { &mut (*lists).items[slot] }, obj, CAP)
-}
-
-/// Push `obj` onto a free list of at most `cap` objects (its room made at the first push);
-/// false if it is full.
-#[inline(always)]
-pub(crate) fn push_bounded(
-    items: &mut Vec<*mut ffi::PyObject>,
-    obj: *mut ffi::PyObject,
-    cap: usize,
-) -> bool {
-    if items.len() >= cap {
+    let list = unsafe { &mut (*lists).lists[slot] };
+    let Some(at) = list.items.get_mut(list.len) else {
         return false;
-    }
-    if items.capacity() == 0 {
-        items.reserve_exact(cap);
-    }
-    items.push(obj);
+    };
+    *at = obj;
+    list.len += 1;
     true
 }
