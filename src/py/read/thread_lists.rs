@@ -48,8 +48,7 @@ const POOL: usize = 1024;
 
 /// One thread's lists: dropped objects per type, by the type's slot. Each list is
 /// written at every view made and dropped, so each has cache lines of its own (two: the
-/// adjacent-line prefetch pairs them): two threads' lists side by side in memory took turns
-/// at a shared line, and two threads read at the speed of one about half the time.
+/// adjacent-line prefetch pairs them), and no two threads' lists ever share one.
 struct ThreadLists {
     lists: [List; TYPES],
 }
@@ -129,8 +128,11 @@ unsafe fn current() -> *mut ThreadLists {
 #[cold]
 #[inline(never)]
 unsafe fn first_use() -> *mut ThreadLists {
+    // Looked at before it is taken: a swap of each empty slot would write every line of
+    // the pool at each thread's start.
     let pooled = PUT_BACK
         .iter()
+        .filter(|slot| !slot.load(Ordering::Relaxed).is_null())
         .map(|slot| slot.swap(null_mut(), Ordering::Acquire))
         .find(|p| !p.is_null());
     if let Some(p) = pooled {
@@ -170,9 +172,10 @@ unsafe extern "C" fn thread_ended(p: *mut c_void) {
 /// Hand `lists` (no longer any thread's) to the pool; left allocated if it is full.
 fn put_back(lists: *mut ThreadLists) {
     for slot in &PUT_BACK {
-        if slot
-            .compare_exchange(null_mut(), lists, Ordering::AcqRel, Ordering::Relaxed)
-            .is_ok()
+        if slot.load(Ordering::Relaxed).is_null()
+            && slot
+                .compare_exchange(null_mut(), lists, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
         {
             return;
         }
