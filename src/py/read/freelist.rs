@@ -79,8 +79,8 @@ pub(crate) fn new_view<T: Recycled>(py: Python<'_>, value: T) -> PyResult<Bound<
         #[cfg(not(feature = "abi3"))]
         {
             // SAFETY: the lists are installed; with a GIL it serialises every use of them,
-            // and without one (free-threaded) no thread touches a list's items (`RECYCLE` is
-            // off): `make` only allocates, directly.
+            // and without one (free-threaded) no thread touches the global lists' items
+            // (`RECYCLE` is off): `make` uses this thread's own (`thread_lists`).
             return unsafe { T::list().make(py, value) };
         }
         #[allow(unreachable_code)]
@@ -452,14 +452,43 @@ pub(crate) mod imp {
         unsafe { T::list().free(obj) }
     }
 
-    /// Put `T`'s free list in place (its `tp_alloc` and `tp_free`), and with them our
-    /// direct path (`make`, our dealloc) if `T`'s layout is the expected one; reported as
-    /// `freelist.<type>` (objects recycled: with a GIL) and `direct.<type>` (the layout).
+    /// Without a GIL: give `T` a slot in every thread's lists (recycled by each thread on
+    /// the direct path, so only if `direct` is on); why not, otherwise.
     ///
     /// # Safety
-    /// The thread is attached, `RECYCLE` is set as it stays (by `install`) and no instance
-    /// of `T` exists yet (module init), so no alloc, free or dealloc of this type is under
-    /// way and no other thread can reach the type.
+    /// As `install_type`.
+    unsafe fn give_slot<T: Recycled>(direct: bool) -> Result<(), String> {
+        if !direct {
+            return Err("off: recycled per thread on the direct path only, which is off".into());
+        }
+        if !FT_BUILD {
+            return Err("off: a free-threaded interpreter, but not a build for one".into());
+        }
+        if !thread_lists::on() {
+            return Err(thread_lists::why_off());
+        }
+        let slot = NEXT_SLOT.fetch_add(1, Ordering::Relaxed);
+        if slot >= thread_lists::TYPES {
+            return Err(format!(
+                "off: more than {} recycled types",
+                thread_lists::TYPES
+            ));
+        }
+        // SAFETY: written before any object of `T` exists and only read afterwards (the
+        // caller's contract; see `Sync`).
+        unsafe { *T::list().slot.get() = slot };
+        Ok(())
+    }
+
+    /// Put `T`'s free list in place (its `tp_alloc` and `tp_free`), and with them our
+    /// direct path (`make`, our dealloc) if `T`'s layout is the expected one; reported as
+    /// `freelist.<type>` (objects recycled: with a GIL, or per thread without one) and
+    /// `direct.<type>` (the layout).
+    ///
+    /// # Safety
+    /// The thread is attached, `RECYCLE` and the lists per thread are set up as they stay
+    /// (by `install`) and no instance of `T` exists yet (module init), so no alloc, free or
+    /// dealloc of this type is under way and no other thread can reach the type.
     pub(crate) unsafe fn install_type<T: Recycled>(py: Python<'_>) {
         let ty = <T as PyTypeInfo>::type_object_raw(py);
         // SAFETY: the thread is attached and `ty` is `T`'s live type object.
@@ -477,38 +506,16 @@ pub(crate) mod imp {
                 (*ty).tp_dealloc = Some(dealloc::<T>);
             }
         }
-        // Without a GIL, recycled by each thread on the direct path (a slot of its own in
-        // every thread's lists).
-        let per_thread = if super::RECYCLE.load(Ordering::Relaxed) {
-            None
-        } else if layout.is_err() {
-            Some(Err(
-                "off: recycled per thread on the direct path only, which is off".to_owned(),
-            ))
-        } else if !FT_BUILD {
-            Some(Err(
-                "off: a free-threaded interpreter, but not a build for one".to_owned(),
-            ))
-        } else if !thread_lists::on() {
-            Some(Err(thread_lists::why_off()))
+        let recycled = if super::RECYCLE.load(Ordering::Relaxed) {
+            Ok(())
         } else {
-            let slot = NEXT_SLOT.fetch_add(1, Ordering::Relaxed);
-            if slot < thread_lists::TYPES {
-                // SAFETY: as above (module init, no instance yet).
-                unsafe { *T::list().slot.get() = slot };
-                Some(Ok(()))
-            } else {
-                Some(Err(format!(
-                    "off: more than {} recycled types",
-                    thread_lists::TYPES
-                )))
-            }
+            // SAFETY: as above (module init, no instance yet).
+            unsafe { give_slot::<T>(layout.is_ok()) }
         };
         let name = std::any::type_name::<T>()
             .rsplit("::")
             .next()
             .unwrap_or("?");
-        let recycled = per_thread.unwrap_or(Ok(()));
         super::super::fastpaths::report(format!("freelist.{name}"), recycled);
         super::super::fastpaths::report(format!("direct.{name}"), layout.map(drop));
     }
@@ -522,9 +529,9 @@ pub(crate) mod imp {
 
     /// Install the free lists of the view types, and of the types that `more` installs
     /// (with [`install_type`]: the handles' iterators, which this layer does not name), then
-    /// the views' fast slots. On a free-threaded interpreter the same, without recycling
-    /// (see the module's text), and each thread reads through a handle with a store
-    /// reference of its own; the types of what reads make are made immortal.
+    /// the views' fast slots. On a free-threaded interpreter the same, recycling in lists
+    /// per thread (see the module's text), and each thread reads through a handle with a
+    /// store reference of its own; the types of what reads make are made immortal.
     pub(crate) fn install(py: Python<'_>, more: &[unsafe fn(Python<'_>)]) -> PyResult<()> {
         use super::super::fastpaths::report;
         use super::super::slots;
