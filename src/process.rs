@@ -1,6 +1,7 @@
-//! The process: its id (cached, forgotten in a forked child), and the one `pthread_atfork`
+//! The process: its id (cached, forgotten in a forked child), the one `pthread_atfork`
 //! registration of the crate, with the order in which every process-wide lock is taken
-//! before a fork.
+//! before a fork, and the reader seats' flags, which a forked child tells apart from its
+//! parent's.
 //!
 //! A thread may hold one of these locks (with the GIL released) while another thread forks.
 //! The child would inherit it locked by a thread that does not exist there, and hang at its
@@ -23,7 +24,7 @@
 //!    (`segment::mapping`).
 //!
 //! After the fork they are released in the reverse order, in the parent and in the child;
-//! in the child the cached pid is forgotten first.
+//! in the child the cached pid is forgotten and the fork generation counted first.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Once, OnceLock};
@@ -43,6 +44,60 @@ pub fn pid() -> u32 {
 }
 
 static PID: AtomicU32 = AtomicU32::new(0);
+
+/// How many forks lie between this process and the first of its line to load the crate
+/// (0 there; a forked child is one more than its parent).
+fn generation() -> u32 {
+    GENERATION.load(Ordering::Relaxed)
+}
+
+static GENERATION: AtomicU32 = AtomicU32::new(0);
+
+/// Reader seats: a flag per seat (a small number a thread holds, given by the binding
+/// layer's lists per thread) by which that thread says it is in the middle of a read that
+/// another thread must wait for before giving back what the read may still count a
+/// reference on (the handles' tables of per-thread references, `py::handles::slot`).
+pub const SEATS: usize = 256;
+
+/// A seat's flag, on cache lines of its own (its thread writes it twice per read).
+#[repr(C, align(128))]
+struct Seat {
+    /// Nonzero while the seat's thread reads: the process's fork generation + 1, so that a
+    /// forked child never waits for a flag that a thread of its parent (which the child
+    /// does not have) left set at the fork.
+    reading: AtomicU32,
+}
+
+static SEAT_FLAGS: [Seat; SEATS] = [const {
+    Seat {
+        reading: AtomicU32::new(0),
+    }
+}; SEATS];
+
+/// The calling thread, which holds `seat` (< [`SEATS`]), starts a read: the store is
+/// sequentially consistent, so that a later sequentially consistent load of the reader's
+/// (such as its load of a handle's table) cannot be seen before it by [`seat_reading`].
+#[inline(always)]
+#[cfg_attr(feature = "abi3", allow(dead_code))]
+pub fn seat_enter(seat: usize) {
+    SEAT_FLAGS[seat]
+        .reading
+        .store(generation().wrapping_add(1), Ordering::SeqCst);
+}
+
+/// The read started by [`seat_enter`] is over (a release store: what it did is seen by a
+/// thread that then sees the flag clear).
+#[inline(always)]
+#[cfg_attr(feature = "abi3", allow(dead_code))]
+pub fn seat_leave(seat: usize) {
+    SEAT_FLAGS[seat].reading.store(0, Ordering::Release);
+}
+
+/// Whether the thread of `seat` (< [`SEATS`]), a thread of this process, is in the middle
+/// of a read (sequentially consistent: see [`seat_enter`]).
+pub fn seat_reading(seat: usize) -> bool {
+    SEAT_FLAGS[seat].reading.load(Ordering::SeqCst) == generation().wrapping_add(1)
+}
 
 /// The process-wide locks taken around a fork, in the order they are taken (see the module
 /// docs). A layer's lock comes before the locks of any layer it may take while holding it.
@@ -137,6 +192,7 @@ extern "C" fn parent() {
 
 extern "C" fn child() {
     PID.store(0, Ordering::Relaxed);
+    GENERATION.fetch_add(1, Ordering::Relaxed);
     HOOKS.after_child();
 }
 
@@ -228,6 +284,36 @@ mod tests {
         for (i, lock) in ForkLock::ORDER.iter().enumerate() {
             assert_eq!(*lock as usize, i);
         }
+    }
+
+    #[test]
+    fn a_forked_child_never_waits_for_a_reader_of_its_parent() {
+        // A thread of the parent is in the middle of a read at the fork (seat 7, which no
+        // other test uses); the child does not have that thread.
+        pid(); // the fork hook is installed
+        seat_enter(7);
+        assert!(seat_reading(7));
+        // SAFETY: the child only reads atomics and leaves with `_exit`, as below.
+        let child = unsafe { libc::fork() };
+        assert!(child >= 0, "fork failed");
+        if child == 0 {
+            let before = !seat_reading(7);
+            // The child's own reads are seen as such.
+            seat_enter(7);
+            let own = seat_reading(7);
+            seat_leave(7);
+            let ok = before && own && !seat_reading(7);
+            // SAFETY: ends the child at once, running no destructor.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for the child made above.
+        let waited = unsafe { libc::waitpid(child, &mut status, 0) };
+        assert_eq!(waited, child);
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0);
+        assert!(seat_reading(7), "the parent's reader is still reading");
+        seat_leave(7);
+        assert!(!seat_reading(7));
     }
 
     #[test]

@@ -1,10 +1,12 @@
 """Concurrent readers in one process, and Rust log records reaching Python logging."""
 
 import gc
+import itertools
 import logging
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 
@@ -188,6 +190,81 @@ def test_threads_reading_through_a_handle_that_another_thread_closes():
             assert v["xs"][1] == v["id"] + 1
     assert mappings_of(st)  # the kept views hold the mapping
     del views, v
+    kept.clear()
+    gc.collect()
+    assert not mappings_of(st)
+
+
+def test_rounds_of_new_threads_through_one_handle_then_many_through_handles_that_close():
+    """On a free-threaded interpreter a handle keeps each reading thread's store reference
+    in a table by seat, read without a lock; it grows as threads with higher seats come,
+    a thread that starts later takes an ended one's seat, and a close gives every
+    reference back once no reader is in the middle of taking one. Rounds of new threads
+    read through one handle (seats reused, the table grown while others read); then
+    rounds of a dozen threads read through a fresh handle that the main thread closes
+    while they read. Every read is right, every read after a close raises, and each
+    store is unmapped once its views are gone: no reference was kept or given back
+    twice."""
+    n = 600
+    records = [{"id": i, "xs": [i, -i]} for i in range(n)]
+    lst = shmstore.SharedList(records)
+    st = os.stat(os.path.join(os.environ["SHMSTORE_DIR"], lst.name))
+    for round_ in range(5):  # new threads each round, as many as the round's number + 3
+
+        def body(k: int) -> None:
+            for i in range(k, n, 3):
+                v = lst[i]
+                assert v["id"] == i and v["xs"][1] == -i
+
+        run_in_threads(round_ + 3, body)
+    lst.close()
+    gc.collect()
+    assert not mappings_of(st)
+
+    for _ in range(4):
+        close_while_reading(records, threads=12)
+
+
+def close_while_reading(records: list[dict[str, object]], threads: int) -> None:
+    """`threads` threads read through a fresh handle until the main thread, once each has
+    read once, closes it: see the test above."""
+    n = len(records)
+    lst = shmstore.SharedList(records)
+    st = os.stat(os.path.join(os.environ["SHMSTORE_DIR"], lst.name))
+    read_once = threading.Barrier(threads + 1)
+    closed_seen = [False] * threads
+    kept: list[object] = []
+    errors: list[BaseException] = []
+
+    def reader(k: int) -> None:
+        try:
+            kept.append(lst[k])
+            read_once.wait()
+            deadline = time.monotonic() + 300  # the close ends it far sooner
+            for rnd in itertools.count():
+                if rnd % 1000 == 0 and time.monotonic() > deadline:
+                    return
+                i = (k + rnd * 7) % n
+                try:
+                    v = lst[i]
+                except shmstore.StoreClosedError:
+                    closed_seen[k] = True
+                    return
+                assert v["id"] == i and v["xs"][0] == i
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    ts = [threading.Thread(target=reader, args=(k,)) for k in range(threads)]
+    for t in ts:
+        t.start()
+    read_once.wait(300)
+    lst.close()
+    for t in ts:
+        t.join(300)
+    assert errors == []
+    assert all(closed_seen)
+    assert sorted(v["id"] for v in kept) == list(range(threads))  # type: ignore[index]
+    assert mappings_of(st)  # the kept views hold the mapping
     kept.clear()
     gc.collect()
     assert not mappings_of(st)

@@ -6,27 +6,27 @@
 mod object_ref;
 mod shared_dict;
 mod shared_list;
+mod slot;
 
 pub(crate) use object_ref::{put, put_store, Ref};
 pub(crate) use shared_dict::{KeyIter, SharedDict};
 pub(crate) use shared_list::{RecordIter, SharedList};
 
-use std::cell::UnsafeCell;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use pyo3::impl_::pyclass::PyClassBaseType;
 use pyo3::prelude::*;
-use pyo3::sync::critical_section::with_critical_section;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyTuple, PyType};
 use pyo3::PyClass;
 use pyo3::PyClassInitializer;
 
 use super::errors::Error;
-use super::read::{new_untracked, per_thread, thread_key, ArrayOwner, StoreRef};
+use super::read::{new_untracked, ArrayOwner, StoreRef};
 use super::store::{self, Source, Store};
 use crate::archive::Kind;
+use slot::Slot;
 
 super::read::recycled! {
     RECORD_ITERS: RecordIter,
@@ -76,132 +76,6 @@ pub(crate) struct StoreHandle {
     kind: Kind,
     /// This handle created the store (its `with` block unlinks it at exit).
     created: bool,
-}
-
-/// A handle's store, until `close()` takes it. Every read or write of it happens inside a
-/// critical section on the handle object (`with_critical_section`): with the GIL that costs
-/// nothing (the GIL already serialises them), on a free-threaded interpreter it is the
-/// handle's own lock. Inside, only references are cloned, taken or stored — nothing calls
-/// back into Python, so the section is never suspended while the slot is borrowed. `lst[i]`
-/// thus pays no lock and no atomic instruction to reach its store.
-///
-/// On a free-threaded interpreter the handle also keeps one reference for each thread that
-/// reads through it (`read::per_thread`, src/py/read/owner.rs), made by that thread, so
-/// that the views each thread makes count references on an object it owns instead of all
-/// threads counting on one. At most [`PER_THREAD_MAX`] threads get one; later ones share
-/// the handle's own (slower with many threads, never wrong), which is logged once.
-struct Slot(UnsafeCell<SlotState>);
-
-struct SlotState {
-    /// The handle's reference; `None` once closed.
-    main: Option<StoreRef>,
-    /// Free-threaded interpreter: (`read::thread_key`, that thread's reference).
-    threads: Vec<(u64, StoreRef)>,
-    /// The per-thread table was full once (logged).
-    full: bool,
-}
-
-/// Threads that get a reference of their own per handle.
-const PER_THREAD_MAX: usize = 256;
-
-// SAFETY: the slot is only touched through `Slot::get`/`Slot::take`/`Slot::is_none`, each
-// inside a critical section on the handle that owns it (see above), which serialises every
-// access.
-unsafe impl Sync for Slot {}
-
-impl Slot {
-    fn new(main: StoreRef) -> Self {
-        Slot(UnsafeCell::new(SlotState {
-            main: Some(main),
-            threads: Vec::new(),
-            full: false,
-        }))
-    }
-
-    fn get(&self, owner: &Bound<'_, PyAny>) -> Option<StoreRef> {
-        let py = owner.py();
-        if !per_thread() {
-            return with_critical_section(owner, || {
-                // SAFETY: inside the owner's critical section (the type's contract); the
-                // clone is a reference-count increment, no call into Python.
-                unsafe { (*self.0.get()).main.as_ref().map(|s| s.clone_ref(py)) }
-            });
-        }
-        let me = thread_key();
-        // This thread's reference, or else the handle's (None: closed).
-        let (mine, main) = with_critical_section(owner, || {
-            // SAFETY: as above.
-            let st = unsafe { &*self.0.get() };
-            match (&st.main, st.threads.iter().find(|(k, _)| *k == me)) {
-                (None, _) => (None, None),
-                (Some(_), Some((_, r))) => (Some(r.clone_ref(py)), None),
-                (Some(m), None) => (None, Some(m.clone_ref(py))),
-            }
-        });
-        if mine.is_some() {
-            return mine;
-        }
-        let main = main?;
-        // This thread's first read through the handle: its own reference, made outside the
-        // section (allocating may run the collector, which runs Python code).
-        let own = match StoreRef::new(py, Arc::clone(main.arc())) {
-            Ok(own) => own,
-            Err(err) => {
-                // Out of memory: this read shares the handle's reference. The error is
-                // handed to the interpreter and cleared there, not dropped here (see above).
-                err.restore(py);
-                // SAFETY: the thread is attached; this clears the error just restored.
-                unsafe { pyo3::ffi::PyErr_Clear() };
-                return Some(main);
-            }
-        };
-        let kept = own.clone_ref(py);
-        let (unused, first_full) = with_critical_section(owner, || {
-            // SAFETY: as above; pushing moves a reference in, nothing is dropped here.
-            let st = unsafe { &mut *self.0.get() };
-            if st.main.is_none() || st.threads.iter().any(|(k, _)| *k == me) {
-                (Some(kept), false)
-            } else if st.threads.len() >= PER_THREAD_MAX {
-                let first = !st.full;
-                st.full = true;
-                (Some(kept), first)
-            } else {
-                st.threads.push((me, kept));
-                (None, false)
-            }
-        });
-        if first_full {
-            log::warn!(
-                "shmstore: more than {PER_THREAD_MAX} threads read through one handle; \
-                 the others share one reference count (slower on a free-threaded interpreter)"
-            );
-        }
-        // Given back after the section, by a plain decrement (this runs in the read slots'
-        // fast path, which must not drop a `Py`: src/py/read/slots.rs); the store stays:
-        // `own` holds it.
-        // SAFETY: the thread is attached (`owner` is bound to it).
-        unsafe {
-            if let Some(unused) = unused {
-                unused.release();
-            }
-            main.release();
-        }
-        Some(own)
-    }
-
-    /// The handle's references (its own, then the threads'), taken out: closed from now on.
-    fn take(&self, owner: &Bound<'_, PyAny>) -> (Option<StoreRef>, Vec<(u64, StoreRef)>) {
-        // SAFETY: as in `get`; the references are dropped by the caller, after the section.
-        with_critical_section(owner, || unsafe {
-            let st = &mut *self.0.get();
-            (st.main.take(), std::mem::take(&mut st.threads))
-        })
-    }
-
-    fn is_none(&self, owner: &Bound<'_, PyAny>) -> bool {
-        // SAFETY: as in `get`.
-        with_critical_section(owner, || unsafe { (*self.0.get()).main.is_none() })
-    }
 }
 
 impl StoreHandle {
@@ -404,8 +278,8 @@ impl StoreHandle {
     /// Drop this handle's reference to the mapping. Views and arrays already handed out
     /// keep working; calling methods on this handle raises StoreClosedError.
     fn close(slf: &Bound<'_, Self>) {
-        // Dropped here, after the critical section: the last reference unmaps.
-        drop(slf.get().inner.take(slf.as_any()));
+        // Given back after the critical section: the last reference unmaps.
+        slf.get().inner.take(slf.as_any());
     }
 
     /// Remove the store's name now: nobody can attach any more; every existing mapping,

@@ -23,8 +23,12 @@ pub(crate) use freelist::{install as install_freelists, new_view, recycled, Hold
 pub(crate) use freelist::{install_type as install_free_list, FreeList};
 pub(crate) use list_view::{ListIter, ListView};
 #[cfg(not(feature = "abi3"))]
+pub(crate) use owner::per_thread;
+#[cfg(not(feature = "abi3"))]
 pub(crate) use owner::set_per_thread;
-pub(crate) use owner::{per_thread, thread_key, StoreRef};
+pub(crate) use owner::StoreRef;
+#[cfg(not(feature = "abi3"))]
+pub(crate) use thread_lists::{me as this_thread, on as thread_lists_on, Me};
 
 use pyo3::prelude::*;
 use pyo3::pyclass::CompareOp;

@@ -14,9 +14,8 @@
 //! owns. The object holds no Python references, so it is kept out of the
 //! cyclic GC, and views holding it still cannot be part of a cycle.
 
-use std::cell::Cell;
 use std::ops::Deref;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use pyo3::prelude::*;
@@ -54,6 +53,36 @@ impl StoreRef {
         unsafe { pyo3::ffi::Py_DECREF(self.0.into_ptr()) }
     }
 
+    /// The reference as a raw pointer to its object, for a table that keeps it
+    /// (`handles::slot`); given back with [`Self::release_raw`].
+    #[cfg_attr(feature = "abi3", allow(dead_code))]
+    pub(crate) fn into_raw(self) -> *mut pyo3::ffi::PyObject {
+        self.0.into_ptr()
+    }
+
+    /// One more reference to the object of a reference kept raw ([`Self::into_raw`]).
+    ///
+    /// # Safety
+    /// `obj` is the object of a `StoreRef` made raw whose reference is not given back
+    /// before this returns; the thread is attached.
+    #[inline(always)]
+    #[cfg_attr(feature = "abi3", allow(dead_code))]
+    pub(crate) unsafe fn clone_raw(py: Python<'_>, obj: *mut pyo3::ffi::PyObject) -> Self {
+        // SAFETY: the caller's contract: `obj` is a live `StoreCell`; `from_borrowed_ptr`
+        // counts the new reference.
+        StoreRef(unsafe { Bound::from_borrowed_ptr(py, obj).cast_into_unchecked() }.unbind())
+    }
+
+    /// Give back a reference kept raw, by a plain decrement (as [`Self::release`]).
+    ///
+    /// # Safety
+    /// `obj` came from [`Self::into_raw`] and its reference is not used after this; the
+    /// thread is attached.
+    pub(crate) unsafe fn release_raw(obj: *mut pyo3::ffi::PyObject) {
+        // SAFETY: the caller's contract.
+        unsafe { pyo3::ffi::Py_DECREF(obj) }
+    }
+
     /// The shared `Arc`, for what outlives the Python side (arrays' owners, saving).
     pub(crate) fn arc(&self) -> &Arc<Store> {
         &self.0.get().0
@@ -82,21 +111,7 @@ pub(crate) fn set_per_thread() {
 
 /// Whether each thread gets its own reference (see the module's documentation).
 #[inline]
+#[cfg_attr(feature = "abi3", allow(dead_code))]
 pub(crate) fn per_thread() -> bool {
     PER_THREAD.load(Ordering::Relaxed)
-}
-
-/// This thread's number: unique in the process, never reused (0 is never given).
-#[inline]
-pub(crate) fn thread_key() -> u64 {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    thread_local! {
-        static KEY: Cell<u64> = const { Cell::new(0) };
-    }
-    KEY.with(|k| {
-        if k.get() == 0 {
-            k.set(NEXT.fetch_add(1, Ordering::Relaxed));
-        }
-        k.get()
-    })
 }

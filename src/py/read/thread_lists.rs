@@ -26,10 +26,16 @@
 //! allocated (their objects with them, at most `TYPES * CAP` of them). A forked child keeps
 //! the lists of the thread that forked and of the pool; those of the parent's other
 //! threads (which the child does not have) stay allocated, unused.
+//!
+//! A thread's lists also give it its identity for the handles' tables of per-thread store
+//! references (src/py/handles/slot.rs): a key, new for each thread that takes the lists,
+//! and a seat, a small number the lists hold for as long as they exist (so seats go to
+//! whichever threads are alive, and a child keeps the parent's other threads' seats
+//! unused, as it keeps their lists). Both are read with the lists' one `pthread_getspecific`.
 
 use std::os::raw::c_void;
 use std::ptr::null_mut;
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use pyo3::ffi;
@@ -51,6 +57,58 @@ const POOL: usize = 1024;
 /// adjacent-line prefetch pairs them), and no two threads' lists ever share one.
 struct ThreadLists {
     lists: [List; TYPES],
+    /// The seat these lists hold ([`SEATS`]; `NO_SEAT` when all were taken): the lists'
+    /// for as long as they exist, so a thread that takes them from the pool takes it too.
+    seat: u32,
+    /// The key of the thread using the lists: unique in the process, never reused.
+    key: u64,
+}
+
+/// Seats (`process::SEATS`): a small number per thread, for the tables that handles keep
+/// of each thread's reference to their store (src/py/handles/slot.rs), with a flag by which
+/// the thread says it is reading one (`process::seat_enter`). The lists hold their seat
+/// for as long as they exist, so as many seats are taken as there were threads with views
+/// at once; threads beyond `SEATS` get none (their handles' reads take the slower way,
+/// which is logged once).
+use crate::process::SEATS;
+
+/// No seat (all taken).
+const NO_SEAT: u32 = u32::MAX;
+
+/// The next seat never taken.
+static NEXT_SEAT: AtomicUsize = AtomicUsize::new(0);
+
+/// The next thread key (0 is never given).
+static NEXT_KEY: AtomicU64 = AtomicU64::new(1);
+
+/// The calling thread's seat and key, for the handles' per-thread tables.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Me {
+    pub(crate) seat: usize,
+    pub(crate) key: u64,
+}
+
+/// The calling thread's seat and key; `None` if the lists are off, could not be made, or
+/// every seat is taken.
+///
+/// # Safety
+/// The thread is attached.
+#[inline(always)]
+pub(crate) unsafe fn me() -> Option<Me> {
+    if !on() {
+        return None;
+    }
+    // SAFETY: `on()`; the caller's contract.
+    let lists = unsafe { current() };
+    if lists.is_null() {
+        return None;
+    }
+    // SAFETY: this thread's lists (see `pop`); only read here.
+    let (seat, key) = unsafe { ((*lists).seat, (*lists).key) };
+    (seat != NO_SEAT).then_some(Me {
+        seat: seat as usize,
+        key,
+    })
 }
 
 #[repr(C, align(128))]
@@ -147,6 +205,9 @@ unsafe fn first_use() -> *mut ThreadLists {
         }
     }
     let lists = pooled.unwrap_or_else(|| {
+        // A seat of its own, if any is left (taken once: a failed take leaves the count
+        // past the end, where it stays).
+        let seat = NEXT_SEAT.fetch_add(1, Ordering::Relaxed);
         Box::into_raw(Box::new(ThreadLists {
             lists: [const {
                 List {
@@ -154,8 +215,12 @@ unsafe fn first_use() -> *mut ThreadLists {
                     items: [null_mut(); CAP],
                 }
             }; TYPES],
+            seat: if seat < SEATS { seat as u32 } else { NO_SEAT },
+            key: 0,
         }))
     });
+    // SAFETY: `lists` is this thread's alone (fresh, or swapped out of the pool).
+    unsafe { (*lists).key = NEXT_KEY.fetch_add(1, Ordering::Relaxed) };
     // SAFETY: the key is valid (as above); `lists` is owned by this thread from here on.
     if unsafe { libc::pthread_setspecific(KEY.load(Ordering::Relaxed), lists.cast()) } != 0 {
         put_back(lists);
