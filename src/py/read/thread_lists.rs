@@ -31,7 +31,8 @@
 //! references (src/py/handles/slot.rs): a key, new for each thread that takes the lists,
 //! and a seat, a small number the lists hold for as long as they exist (so seats go to
 //! whichever threads are alive, and a child keeps the parent's other threads' seats
-//! unused, as it keeps their lists). Both are read with the lists' one `pthread_getspecific`.
+//! unused, as it keeps their lists). Both are read with the lists' one
+//! `pthread_getspecific`.
 
 use std::os::raw::c_void;
 use std::ptr::null_mut;
@@ -64,12 +65,12 @@ struct ThreadLists {
     key: u64,
 }
 
-/// Seats (`process::SEATS`): a small number per thread, for the tables that handles keep
-/// of each thread's reference to their store (src/py/handles/slot.rs), with a flag by which
-/// the thread says it is reading one (`process::seat_enter`). The lists hold their seat
-/// for as long as they exist, so as many seats are taken as there were threads with views
-/// at once; threads beyond `SEATS` get none (their handles' reads take the slower way,
-/// which is logged once).
+// Seats (`process::SEATS`): a small number per thread, for the tables that handles keep of
+// each thread's reference to their store (src/py/handles/slot.rs), with a flag by which the
+// thread says it is reading one (`process::seat_enter`). The lists hold their seat for as
+// long as they exist, so as many seats are taken as there were threads with views at once;
+// threads beyond `SEATS` get none (their handles' reads take the slower way, which is
+// logged once).
 use crate::process::SEATS;
 
 /// No seat (all taken).
