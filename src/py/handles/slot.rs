@@ -250,9 +250,9 @@ impl Slot {
             debug_assert!(retired.is_empty());
             return;
         }
-        // SAFETY: the table is out of the slot (only readers that loaded it before the
-        // swap may look at it, and those are waited for below).
-        let seats = unsafe { table.as_ref() }.map_or(0, |t| t.entries.len());
+        // SAFETY: the table is out of the slot, not null (only readers that loaded it
+        // before the swap may look at it, and those are waited for below).
+        let seats = unsafe { &*table }.entries.len();
         wait_for_readers(py, seats);
         // SAFETY: no reader can reach these tables any more (see above); this slot owns
         // them and the references in `table`; the thread is attached.
@@ -287,21 +287,20 @@ impl Table {
     /// A table with room for `seat`, holding `old`'s entries (the old one stays valid).
     fn with_room_for(seat: usize, old: *mut Table) -> *mut Table {
         let len = (seat + 1).next_power_of_two().clamp(FIRST_TABLE, SEATS);
+        // SAFETY: a non-null `old` is alive (the caller holds the section that frees tables).
+        let old: &[Entry] = unsafe { old.as_ref() }.map_or(&[], |t| &t.entries);
         let entries: Box<[Entry]> = (0..len)
-            .map(|_| Entry {
-                key: AtomicU64::new(0),
-                obj: AtomicPtr::new(null_mut()),
+            .map(|i| match old.get(i) {
+                Some(e) => Entry {
+                    key: AtomicU64::new(e.key.load(Ordering::Relaxed)),
+                    obj: AtomicPtr::new(e.obj.load(Ordering::Relaxed)),
+                },
+                None => Entry {
+                    key: AtomicU64::new(0),
+                    obj: AtomicPtr::new(null_mut()),
+                },
             })
             .collect();
-        if !old.is_null() {
-            // SAFETY: `old` is alive (the caller holds the section that frees tables).
-            for (new, old) in entries.iter().zip(unsafe { (*old).entries.iter() }) {
-                new.key
-                    .store(old.key.load(Ordering::Relaxed), Ordering::Relaxed);
-                new.obj
-                    .store(old.obj.load(Ordering::Relaxed), Ordering::Relaxed);
-            }
-        }
         Box::into_raw(Box::new(Table { entries }))
     }
 }

@@ -48,14 +48,13 @@ impl StoreRef {
     /// The GIL is held.
     #[cfg_attr(feature = "abi3", allow(dead_code))]
     pub(crate) unsafe fn release(self) {
-        // SAFETY: `into_ptr` hands over our reference without dropping it; the GIL is held
+        // SAFETY: `into_raw` hands over our reference without dropping it; the GIL is held
         // (the caller's contract), so decrementing it directly is allowed.
-        unsafe { pyo3::ffi::Py_DECREF(self.0.into_ptr()) }
+        unsafe { Self::release_raw(self.into_raw()) }
     }
 
     /// The reference as a raw pointer to its object, for a table that keeps it
     /// (`handles::slot`); given back with [`Self::release_raw`].
-    #[cfg_attr(feature = "abi3", allow(dead_code))]
     pub(crate) fn into_raw(self) -> *mut pyo3::ffi::PyObject {
         self.0.into_ptr()
     }
