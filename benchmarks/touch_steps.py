@@ -1,0 +1,107 @@
+"""Where the field-touch loop's time goes: the loop of `bench_format.py` built up one step
+at a time, over plain objects and over a `SharedList`, each step timed alone.
+
+    python benchmarks/touch_steps.py [--n 50000] [--repeat 7]
+
+Prints, per step, the median time of the loop up to that step for both, and their ratio:
+the step whose time grows most between two rows is where the two differ (one run, one
+process, the machine as it is; say the load when quoting it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import coco
+import shmstore
+
+
+def records_only(lst: Any) -> None:
+    for i in range(len(lst)):
+        lst[i]
+
+
+def record_fields(lst: Any) -> float:
+    acc = 0.0
+    for i in range(len(lst)):
+        rec = lst[i]
+        acc += len(rec["file_name"]) + rec["height"]
+    return acc
+
+
+def annotations_iterated(lst: Any) -> float:
+    acc = 0.0
+    for i in range(len(lst)):
+        rec = lst[i]
+        acc += len(rec["file_name"]) + rec["height"]
+        for _ in rec["annotations"]:
+            pass
+    return acc
+
+
+def annotation_scalar(lst: Any) -> float:
+    acc = 0.0
+    for i in range(len(lst)):
+        rec = lst[i]
+        acc += len(rec["file_name"]) + rec["height"]
+        for a in rec["annotations"]:
+            acc += a["category_id"]
+    return acc
+
+
+def whole_loop(lst: Any) -> float:
+    acc = 0.0
+    for i in range(len(lst)):
+        rec = lst[i]
+        acc += len(rec["file_name"]) + rec["height"]
+        for a in rec["annotations"]:
+            acc += a["bbox"][0] + a["category_id"]
+    return acc
+
+
+STEPS: list[tuple[str, Callable[[Any], Any]]] = [
+    ("lst[i]", records_only),
+    ('+ len(rec["file_name"]) + rec["height"]', record_fields),
+    ('+ for a in rec["annotations"]: pass', annotations_iterated),
+    ('+ a["category_id"]', annotation_scalar),
+    ('+ a["bbox"][0] (the whole touch loop)', whole_loop),
+]
+
+
+def median_ms(f: Callable[[Any], Any], lst: Any, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        gc.disable()
+        t0 = time.perf_counter()
+        f(lst)
+        times.append(time.perf_counter() - t0)
+        gc.enable()
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--n", type=int, default=50_000)
+    ap.add_argument("--repeat", type=int, default=7)
+    a = ap.parse_args()
+    plain = coco.make_records(a.n)
+    shared = shmstore.SharedList(plain)
+    print(f"# {sys.version.split()[0]}, {a.n} records, load {os.getloadavg()[0]:.2f}")
+    print("| loop body, per record | plain | shmstore | ratio |\n|---|---:|---:|---:|")
+    for name, f in STEPS:
+        p, s = median_ms(f, plain, a.repeat), median_ms(f, shared, a.repeat)
+        print(f"| `{name}` | {p:.1f} ms | {s:.1f} ms | {s / p:.2f}x |")
+    shared.close()
+
+
+if __name__ == "__main__":
+    main()
