@@ -4,8 +4,10 @@ counts and divide the difference (interpreter start, imports and the store's bui
     python benchmarks/callgrind_reads.py [--n-small 20000 --n-large 120000] [--what lst_i view ...]
 
 Prints, for each read, instructions per call (`lst[k]`, `ann["bbox"]` (a view), `ann["iscrowd"]`
-(a scalar), `next(it)` over a list view, `lst.get_many(64)` per record), and the empty loop for
-reference (subtract it). Needs valgrind. Used to compare interpreters (docs/performance.md).
+(a scalar), `rec["height"]` (a record's field), `lst.get_many(64)` per record, `next_view`: one
+step of `for a in rec["annotations"]` (a dict view made by the iterator), `elem`: `bbox[0]` (a
+float read from a list view)), and the empty loop for reference (subtract it). Needs valgrind.
+Used to compare interpreters and builds (benchmarks/results/matrix.md and the files it names).
 """
 
 from __future__ import annotations
@@ -49,6 +51,15 @@ elif what == "field":
 elif what == "get_many":
     for _ in range(n // 64):
         lst.get_many(idx)
+elif what == "next_view":
+    anns = rec["annotations"]
+    for _ in range(n // len(anns)):
+        for a in anns:
+            pass
+elif what == "elem":
+    bbox = ann["bbox"]
+    for _ in range(n):
+        bbox[0]
 """
 
 
@@ -89,7 +100,7 @@ def main() -> None:
     ap.add_argument(
         "--what",
         nargs="*",
-        default=["empty", "lst_i", "view", "scalar", "field", "get_many"],
+        default=["empty", "lst_i", "view", "scalar", "field", "get_many", "next_view", "elem"],
     )
     a = ap.parse_args()
     print(f"# {a.python}")
