@@ -62,7 +62,9 @@ def env() -> Iterator[Env]:
         yield Env(segdir)
     finally:
         for p in segdir.iterdir():
-            p.unlink()
+            # A segment or arena whose last user exited is the supervisor's to remove, and
+            # it may do so between the listing and this unlink.
+            p.unlink(missing_ok=True)
         segdir.rmdir()
 
 
