@@ -3,24 +3,24 @@ at a time, over plain objects and over a `SharedList`, each step timed alone.
 
     python benchmarks/touch_steps.py [--n 50000] [--repeat 7]
 
-Prints, per step, the median time of the loop up to that step for both, and their ratio:
-the step whose time grows most between two rows is where the two differ (one run, one
-process, the machine as it is; say the load when quoting it).
+Prints the machine (CPU, load), then per step the median time of the loop up to that step
+for both, timed in alternation (`_common.paired_samples`), and their paired ratio: the step
+whose time grows most between two rows is where the two differ (one process, the machine as
+it is).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _common as C
 import coco
 import shmstore
 from _common import touch_sequence
@@ -72,17 +72,6 @@ STEPS: list[tuple[str, Callable[[Any], Any]]] = [
 ]
 
 
-def median_ms(f: Callable[[Any], Any], lst: Any, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        gc.disable()
-        t0 = time.perf_counter()
-        f(lst)
-        times.append(time.perf_counter() - t0)
-        gc.enable()
-    return statistics.median(times) * 1e3
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--n", type=int, default=50_000)
@@ -90,11 +79,17 @@ def main() -> None:
     a = ap.parse_args()
     plain = coco.make_records(a.n)
     shared = shmstore.SharedList(plain)
-    print(f"# {sys.version.split()[0]}, {a.n} records, load {os.getloadavg()[0]:.2f}")
-    print("| loop body, per record | plain | shmstore | ratio |\n|---|---:|---:|---:|")
+    print(C.machine_md())
+    print(
+        f"\n{a.n} records; per step, medians of {a.repeat} rounds, plain and shmstore alternating"
+    )
+    print("\n| loop body, per record | plain | shmstore | ratio |\n|---|---:|---:|---:|")
     for name, f in STEPS:
-        p, s = median_ms(f, plain, a.repeat), median_ms(f, shared, a.repeat)
-        print(f"| `{name}` | {p:.1f} ms | {s:.1f} ms | {s / p:.2f}x |")
+        fns = {"plain": partial(f, plain), "shmstore": partial(f, shared)}
+        times, _ = C.paired_samples(fns, a.repeat, gc_collect=False)
+        p, s = (C.median(times[k]) * 1e3 for k in fns)
+        ratio = C.paired_ratio(times, "shmstore", "plain")
+        print(f"| `{name}` | {p:.1f} ms | {s:.1f} ms | {ratio:.2f}x |")
     shared.close()
 
 
