@@ -11,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,17 +54,16 @@ class Env:
 
 
 @pytest.fixture
-def env() -> Iterator[Env]:
-    # not named "shmstore-*": a directory in /dev/shm must not look like a segment
-    segdir = Path(tempfile.mkdtemp(prefix="cli-test-", dir="/dev/shm"))
+def env(_private_segment_dir: Path) -> Iterator[Env]:
+    # This test's private segment directory (tests/conftest.py), emptied afterwards.
+    segdir = _private_segment_dir
     try:
         yield Env(segdir)
     finally:
         for p in segdir.iterdir():
-            # A segment or arena whose last user exited is the supervisor's to remove, and
-            # it may do so between the listing and this unlink.
+            # A segment or arena whose last user exited may be removed by its owner's exit
+            # path between the listing and this unlink.
             p.unlink(missing_ok=True)
-        segdir.rmdir()
 
 
 CREATOR = """
