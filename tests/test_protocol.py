@@ -116,6 +116,27 @@ def test_shared_dict_behaves_like_its_dict_view(mapping, probe):
             same(d, view, lambda m, k=k: m[k])
 
 
+packed_fields = st.one_of(
+    st.lists(st.integers(-(2**62), 2**62), min_size=1, max_size=16),
+    st.lists(st.floats(allow_nan=False), min_size=1, max_size=16),
+    st.lists(st.booleans(), min_size=1, max_size=16),
+)
+
+
+@given(field=packed_fields, index=indexes, as_tuple=st.booleans())
+def test_a_packed_field_indexes_like_its_list(field, index, as_tuple):
+    # Records of one shape whose field is always the same number of ints, floats or bools
+    # are stored with the field's elements inline (a packed field), read by a path of its
+    # own: every index must give what the plain list gives, value or exception.
+    value = tuple(field) if as_tuple else field
+    records = [{"v": value, "k": j} for j in range(3)]
+    with shmstore.SharedList(records) as lst:
+        view = lst[1]["v"]
+        assert outcome(lambda: view[index]) == outcome(lambda: value[index])
+        for i in range(-len(field), len(field)):
+            assert view[i] == value[i] and type(view[i]) is type(value[i])
+
+
 # --- the bugs the shared protocol fixed, one test each ---------------------------------------
 
 

@@ -538,7 +538,17 @@ fn walk(r: &Reader<&[u8]>, root: Node, depth: usize) -> Result<(), ArchiveError>
             Item::List(n) | Item::Tuple(n) => {
                 let _ = r.is_tuple(n);
                 for i in 0..r.seq_len(n)? {
-                    stack.push((r.seq_item(n, i)?, depth + 1));
+                    let item = r.seq_item(n, i)?;
+                    // As `ListView` reads a packed field: straight from the node's form.
+                    if let super::reader::Form::Pack { elem, .. } = n.form {
+                        let direct = r.packed_get(n.pos(), elem, i)?;
+                        let same = match (direct, item) {
+                            (Item::Float(a), Item::Float(b)) => a.to_bits() == b.to_bits(),
+                            (a, b) => a == b,
+                        };
+                        assert!(same, "packed element {i}: {direct:?} against {item:?}");
+                    }
+                    stack.push((item, depth + 1));
                 }
             }
             Item::Dict(n) => {

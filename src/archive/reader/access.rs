@@ -290,6 +290,20 @@ impl<B: AsRef<[u8]>> Reader<B> {
         Some((seq.elem, bytes))
     }
 
+    /// Element `i` of a packed field whose node sits at `pos` (a `Form::Pack` of `elem`), as
+    /// `seq_get` reads it, without first building the field's layout. The caller checked
+    /// `i` against the field's count; the element's bytes are checked to be in the record.
+    #[inline(always)]
+    pub fn packed_get(&self, pos: u64, elem: Elem, i: usize) -> Result<Item<'_>, ArchiveError> {
+        let at = i
+            .checked_mul(elem.size())
+            .and_then(|off| (pos as usize).checked_add(off))
+            .ok_or_else(|| {
+                ArchiveError::Corrupt("a packed element beyond the address space".into())
+            })?;
+        self.scalar(elem, at)
+    }
+
     #[inline(always)]
     pub(super) fn scalar(&self, elem: Elem, at: usize) -> Result<Item<'_>, ArchiveError> {
         match read_elem(elem, self.get(at, elem.size())?) {

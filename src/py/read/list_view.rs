@@ -4,7 +4,7 @@ use pyo3::prelude::*;
 use pyo3::pyclass::CompareOp;
 use pyo3::types::PyInt;
 
-use super::protocol::{index_item, iterator, next_item, Seq};
+use super::protocol::{index_item, iterator, next_item, packed_item, Seq};
 use super::{compare_plain, reduce_view, ViewPickleArgs};
 use crate::archive::reader::{Form, SeqAt};
 use crate::archive::Node;
@@ -38,11 +38,16 @@ impl super::slots::FastGet for ListView {
         key: &Bound<'py, PyAny>,
     ) -> Option<PyResult<Bound<'py, PyAny>>> {
         let v = slf.get();
-        let seq = match v.seq {
-            Some(seq) => seq,
-            None => v.store.reader.seq(v.node).ok()?,
-        };
-        index_item(slf.py(), &v.store, seq, super::slots::exact_index(key)?)
+        let i = super::slots::exact_index(key)?;
+        match (v.seq, v.node.form) {
+            (Some(seq), _) => index_item(slf.py(), &v.store, seq, i),
+            // A packed field: its element read straight from the node's form.
+            (None, Form::Pack { elem, count, .. }) => {
+                packed_item(slf.py(), &v.store, v.node, elem, count, i)
+            }
+            // A layout that could not be read: pyo3's slot raises the error.
+            (None, _) => None,
+        }
     }
 
     super::slots::original_slot!();

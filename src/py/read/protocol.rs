@@ -18,6 +18,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyInt, PyList, PySlice, PyString, PyTuple};
 
+use crate::archive::format::Elem;
 use crate::archive::reader::SeqAt;
 use crate::archive::{Key, Node};
 use crate::py::errors::Error;
@@ -285,13 +286,29 @@ pub(crate) fn index_item<'py>(
     i: isize,
 ) -> Option<PyResult<Bound<'py, PyAny>>> {
     let j = position(i, seq.len)?;
-    Some(
-        store
-            .reader
-            .seq_get(seq, j)
-            .map_err(|e| store.archive_err()(e).into())
-            .and_then(|it| read::value(py, store, it, false)),
-    )
+    // Without closures, as `next_item`: an outlined closure took the item through memory.
+    Some(match store.reader.seq_get(seq, j) {
+        Ok(it) => read::value(py, store, it, false),
+        Err(e) => Err(store.archive_err()(e).into()),
+    })
+}
+
+/// Item `i` (an int; negative counts from the end) of the packed field at `node`, `count`
+/// elements of `elem`: a scalar; `None` when `i` is out of range.
+#[inline(always)]
+pub(crate) fn packed_item<'py>(
+    py: Python<'py>,
+    store: &StoreRef,
+    node: Node,
+    elem: Elem,
+    count: u8,
+    i: isize,
+) -> Option<PyResult<Bound<'py, PyAny>>> {
+    let j = position(i, count as usize)?;
+    Some(match store.reader.packed_get(node.pos(), elem, j) {
+        Ok(it) => read::value(py, store, it, false),
+        Err(e) => Err(store.archive_err()(e).into()),
+    })
 }
 
 /// Record `i` (an int; negative counts from the end) of a store, as `lst[i]` gives it;
