@@ -20,7 +20,7 @@ use pyo3::types::{PyDict, PyInt, PyList, PySlice, PyString, PyTuple};
 
 use crate::archive::format::Elem;
 use crate::archive::reader::SeqAt;
-use crate::archive::{Key, Node};
+use crate::archive::{ArchiveError, Item, Key, Node};
 use crate::py::errors::Error;
 use crate::py::keys::{self, probe_key};
 use crate::py::read;
@@ -276,6 +276,22 @@ fn position(i: isize, len: usize) -> Option<usize> {
     usize::try_from(j).ok().filter(|&j| j < len)
 }
 
+/// What the reader gave for an item, as the read paths return it: the scalar or view
+/// (`read::value`), or the reader's error raised as the store's exception. A `match` inlined
+/// into each caller, never a closure: an outlined closure took the item through memory, in
+/// pieces then read whole, which stalled the processor on every read.
+#[inline(always)]
+fn item_value<'py>(
+    py: Python<'py>,
+    store: &StoreRef,
+    item: Result<Item<'_>, ArchiveError>,
+) -> PyResult<Bound<'py, PyAny>> {
+    match item {
+        Ok(it) => read::value(py, store, it, false),
+        Err(e) => Err(store.archive_err()(e).into()),
+    }
+}
+
 /// Item `i` (an int; negative counts from the end) of a sequence whose layout is known, as
 /// a scalar or a view; `None` when `i` is out of range.
 #[inline(always)]
@@ -286,11 +302,7 @@ pub(crate) fn index_item<'py>(
     i: isize,
 ) -> Option<PyResult<Bound<'py, PyAny>>> {
     let j = position(i, seq.len)?;
-    // Without closures, as `next_item`: an outlined closure took the item through memory.
-    Some(match store.reader.seq_get(seq, j) {
-        Ok(it) => read::value(py, store, it, false),
-        Err(e) => Err(store.archive_err()(e).into()),
-    })
+    Some(item_value(py, store, store.reader.seq_get(seq, j)))
 }
 
 /// Item `i` (an int; negative counts from the end) of the packed field at `node`, `count`
@@ -305,10 +317,11 @@ pub(crate) fn packed_item<'py>(
     i: isize,
 ) -> Option<PyResult<Bound<'py, PyAny>>> {
     let j = position(i, count as usize)?;
-    Some(match store.reader.packed_get(node.pos(), elem, j) {
-        Ok(it) => read::value(py, store, it, false),
-        Err(e) => Err(store.archive_err()(e).into()),
-    })
+    Some(item_value(
+        py,
+        store,
+        store.reader.packed_get(node.pos(), elem, j),
+    ))
 }
 
 /// Record `i` (an int; negative counts from the end) of a store, as `lst[i]` gives it;
@@ -331,10 +344,7 @@ pub(crate) fn field_value<'py>(
     node: Node,
     f: PyField,
 ) -> PyResult<Bound<'py, PyAny>> {
-    match store.reader.struct_slot(node, f.enc, f.off) {
-        Ok(it) => read::value(py, store, it, false),
-        Err(e) => Err(store.archive_err()(e).into()),
-    }
+    item_value(py, store, store.reader.struct_slot(node, f.enc, f.off))
 }
 
 /// A shaped dict's fields (its shape's row of the store's field table,
@@ -754,17 +764,11 @@ pub(crate) fn next_item<'py>(
     cur: &Cursor,
 ) -> PyResult<Option<Bound<'py, PyAny>>> {
     if let Some(at) = src.seq {
-        // Written without closures so that it is all inlined into the slot: an outlined
-        // closure passed the item through memory, in pieces then read whole, which stalled
-        // the processor on every item.
         let Some(i) = cur.advance(at.len) else {
             return Ok(None);
         };
         let store = &src.store;
-        return match store.reader.seq_get(at, i) {
-            Ok(it) => read::value(py, store, it, false).map(Some),
-            Err(e) => Err(store.archive_err()(e).into()),
-        };
+        return item_value(py, store, store.reader.seq_get(at, i)).map(Some);
     }
     let seq = src.seq();
     let i = cur.advance(seq.len());
