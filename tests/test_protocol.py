@@ -137,6 +137,53 @@ def test_a_packed_field_indexes_like_its_list(field, index, as_tuple):
             assert view[i] == value[i] and type(view[i]) is type(value[i])
 
 
+shaped_dicts = st.lists(
+    st.fixed_dictionaries(
+        {
+            "id": st.integers(-(2**40), 2**40),
+            "score": st.floats(allow_nan=False),
+            "label": st.text(max_size=12),
+            "box": st.lists(st.floats(allow_nan=False), min_size=4, max_size=4),
+            "flag": st.booleans(),
+        }
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@given(items=shaped_dicts, probe=st.one_of(keys, st.just("missing")))
+def test_iterating_a_list_of_shaped_dicts_reads_each_like_its_dict(items, probe):
+    # A list of dicts with one set of keys is stored as rows of one shape, and its iterator
+    # makes each item's view with the fields it found once for all of them: each view must
+    # read as its own plain dict, key by key, forwards and backwards.
+    with shmstore.SharedList([{"items": items}]) as lst:
+        view = lst[0]["items"]
+        for got_list in (list(view), list(reversed(view))[::-1]):
+            assert len(got_list) == len(items)
+            for got, want in zip(got_list, items):
+                assert isinstance(got, shmstore.DictView)
+                assert list(got) == list(want)
+                for k, v in want.items():
+                    assert plain(got[k]) == v and type(plain(got[k])) is type(v)
+                assert outcome(lambda g=got: g[probe]) == outcome(lambda w=want: w[probe])
+                assert got.get(probe, "default") == want.get(probe, "default")
+                assert got.to_python() == want
+
+
+@given(text=st.text(max_size=40), ascii_text=st.text(st.characters(max_codepoint=127)))
+def test_stored_strs_read_back_equal_and_exactly_str(text, ascii_text):
+    # A str of ASCII is made by a path of its own, any other by CPython's decoder: both must
+    # give back the very str stored, as an exact str, at every length (0, 1 and 2 chars are
+    # where the paths part).
+    values = [text, ascii_text, ascii_text[:1], ascii_text[:2], text + ascii_text]
+    with shmstore.SharedList([{"s": v, "t": [v]} for v in values]) as lst:
+        for i, v in enumerate(values):
+            for got in (lst[i]["s"], lst[i]["t"][0], lst[i].to_python()["s"]):
+                assert got == v and type(got) is str
+                assert hash(got) == hash(v) and len(got) == len(v)
+
+
 # --- the bugs the shared protocol fixed, one test each ---------------------------------------
 
 

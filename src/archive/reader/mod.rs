@@ -380,6 +380,29 @@ pub struct SeqAt {
     at: usize,
 }
 
+impl SeqAt {
+    /// The shape of every item, for a sequence of shaped dicts (`None` for other layouts).
+    #[inline(always)]
+    pub fn struct_shape(&self) -> Option<u32> {
+        (self.kind == SeqKind::Struct).then_some(self.shape)
+    }
+
+    /// Item `i` of a sequence of shaped dicts, as [`Reader::seq_get`] makes it, for a caller
+    /// that knows `i < len` (`None` for other layouts, or `i` out of range).
+    #[inline(always)]
+    pub fn struct_item(&self, i: usize) -> Option<Node> {
+        if self.kind != SeqKind::Struct || i >= self.len {
+            return None;
+        }
+        // `i < len` and `at + len * step` was checked to be inside the records.
+        Some(Node {
+            rec: self.rec,
+            form: Form::Struct(self.shape),
+            pos: (self.at + i * self.step) as u64,
+        })
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 enum SeqKind {

@@ -62,6 +62,13 @@ impl DictView {
     #[inline(always)]
     pub(crate) fn new(py: Python<'_>, store: StoreRef, node: Node) -> Self {
         let fields = FieldTable::of(py, &store, node);
+        Self::with_fields(store, node, fields)
+    }
+
+    /// A view of the dict at `node`, whose fields (those of its shape in `store`, or empty)
+    /// the caller already found.
+    #[inline(always)]
+    pub(crate) fn with_fields(store: StoreRef, node: Node, fields: FieldTable) -> Self {
         DictView {
             store,
             node,

@@ -163,9 +163,27 @@ pub(crate) mod imp {
         }
     }
 
+    /// The dropped objects a list keeps: `objs[..len]`, the last kept given out first. A
+    /// fixed array in the list's static (2 KiB), so keeping and taking one are a compare and
+    /// a store or load, with no capacity to check or grow.
+    struct Kept {
+        len: usize,
+        objs: [*mut ffi::PyObject; CAP],
+    }
+
+    impl Kept {
+        #[inline(always)]
+        fn pop(&mut self) -> Option<*mut ffi::PyObject> {
+            let len = self.len.checked_sub(1)?;
+            let obj = *self.objs.get(len)?;
+            self.len = len;
+            Some(obj)
+        }
+    }
+
     pub(crate) struct FreeList {
         ty: UnsafeCell<*mut ffi::PyTypeObject>,
-        items: UnsafeCell<Vec<*mut ffi::PyObject>>,
+        items: UnsafeCell<Kept>,
         /// Set by `install` if the type's layout is the expected one (`None`: pyo3's path).
         layout: UnsafeCell<Option<Layout>>,
         /// The type's list in each thread's lists (free-threaded, direct path only), or
@@ -187,7 +205,10 @@ pub(crate) mod imp {
         pub(crate) const fn new() -> Self {
             FreeList {
                 ty: UnsafeCell::new(std::ptr::null_mut()),
-                items: UnsafeCell::new(Vec::new()),
+                items: UnsafeCell::new(Kept {
+                    len: 0,
+                    objs: [std::ptr::null_mut(); CAP],
+                }),
                 layout: UnsafeCell::new(None),
                 slot: UnsafeCell::new(NO_SLOT),
             }
@@ -348,13 +369,11 @@ pub(crate) mod imp {
             // SAFETY: recycling is on, so the GIL is held (the caller's contract) and
             // serialises every use of the list.
             let items = unsafe { &mut *self.items.get() };
-            if items.len() >= CAP {
+            let Some(at) = items.objs.get_mut(items.len) else {
                 return false;
-            }
-            if items.capacity() == 0 {
-                items.reserve_exact(CAP);
-            }
-            items.push(obj);
+            };
+            *at = obj;
+            items.len += 1;
             true
         }
 

@@ -24,7 +24,7 @@ use crate::archive::{ArchiveError, Item, Key, Node};
 use crate::py::errors::Error;
 use crate::py::keys::{self, probe_key};
 use crate::py::read;
-use crate::py::read::StoreRef;
+use crate::py::read::{DictView, StoreRef};
 use crate::py::store::PyField;
 
 /// A sequence: the records of a list store, or the items of a stored list or tuple.
@@ -370,11 +370,13 @@ impl FieldTable {
     /// The fields of the dict at `node` of `store`.
     #[inline(always)]
     pub(crate) fn of(py: Python<'_>, store: &StoreRef, node: Node) -> Self {
-        match store
-            .reader
-            .dict_shape(node)
-            .and_then(|id| store.py_fields(py, id))
-        {
+        Self::of_shape(py, store, store.reader.dict_shape(node))
+    }
+
+    /// The fields of shape `id` of `store` (empty for `None`).
+    #[inline(always)]
+    pub(crate) fn of_shape(py: Python<'_>, store: &StoreRef, id: Option<u32>) -> Self {
+        match id.and_then(|id| store.py_fields(py, id)) {
             Some(f) => FieldTable {
                 ptr: f.as_ptr(),
                 len: f.len(),
@@ -738,6 +740,9 @@ pub(crate) struct Owned {
     pub(crate) node: Option<Node>,
     /// A sequence node's layout, read once (None: records, a dict, or corrupt).
     pub(crate) seq: Option<SeqAt>,
+    /// For a sequence of shaped dicts: their shape's fields, found once for every item's
+    /// view (empty otherwise).
+    pub(crate) fields: FieldTable,
 }
 
 impl Owned {
@@ -768,6 +773,11 @@ pub(crate) fn next_item<'py>(
             return Ok(None);
         };
         let store = &src.store;
+        // A list of shaped dicts: each item's view gets the fields found at the start.
+        if let Some(node) = at.struct_item(i) {
+            let view = DictView::with_fields(store.clone_ref(py), node, src.fields);
+            return Ok(Some(read::new_view(py, view)?.into_any()));
+        }
         return item_value(py, store, store.reader.seq_get(at, i)).map(Some);
     }
     let seq = src.seq();
@@ -851,6 +861,11 @@ macro_rules! iterator {
                             store: store.clone_ref(py),
                             node,
                             seq,
+                            fields: $crate::py::read::protocol::FieldTable::of_shape(
+                                py,
+                                store,
+                                seq.and_then(|s| s.struct_shape()),
+                            ),
                         },
                         cur: $crate::py::read::protocol::Cursor::new(reverse),
                     },
