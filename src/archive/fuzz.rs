@@ -537,8 +537,16 @@ fn walk(r: &Reader<&[u8]>, root: Node, depth: usize) -> Result<(), ArchiveError>
         match it {
             Item::List(n) | Item::Tuple(n) => {
                 let _ = r.is_tuple(n);
+                let seq = r.seq(n)?;
                 for i in 0..r.seq_len(n)? {
                     let item = r.seq_item(n, i)?;
+                    // As the iterator makes a list of shaped dicts' items: from the layout.
+                    if let Some(node) = seq.struct_item(i) {
+                        assert!(
+                            item == Item::Dict(node),
+                            "struct item {i}: {node:?} against {item:?}"
+                        );
+                    }
                     // As `ListView` reads a packed field: straight from the node's form.
                     if let super::reader::Form::Pack { elem, .. } = n.form {
                         let direct = r.packed_get(n.pos(), elem, i)?;
