@@ -326,12 +326,15 @@ fn new_sequence<'py>(
 
 /// A stored str, UTF-8 checked once, by CPython's decoder: invalid bytes are corrupt data.
 ///
-/// An ASCII str of two or more characters (most keys, names and paths) is made directly: a
-/// new ASCII str object that the bytes are copied into, after a check that they are ASCII
-/// (a word at a time). CPython's decoder does the same for such bytes, after working out
-/// which kind of str they make; here that costs ~40% of reading a short str (callgrind,
-/// 3.11: 633 -> ~500 instructions for a 30-byte file name). Shorter ones go to the decoder,
-/// which returns its cached one-character strs.
+/// An ASCII str of two or more bytes (most keys, names and paths) is made directly: a new
+/// ASCII str object, the bytes copied into it, then the copy checked to be ASCII (a word at a
+/// time). The check that decides is of the copy, which no other process can change: a byte
+/// changed in the segment between a check and the copy could otherwise put a byte over 127
+/// into an ASCII str; if it is not ASCII, the object is dropped and the decoder makes the
+/// str. Bytes that are not ASCII where they lie go to the decoder at once. CPython's decoder
+/// does the same for ASCII bytes after working out which kind of str they make: this saves
+/// ~120 of the ~630 instructions of reading a 30-byte file name (callgrind, 3.11). Shorter
+/// strs go to the decoder, which returns its cached one-character strs.
 #[inline]
 fn py_str<'py>(py: Python<'py>, store: &Store, b: &[u8]) -> PyResult<Bound<'py, PyAny>> {
     #[cfg(not(feature = "abi3"))]
@@ -339,9 +342,10 @@ fn py_str<'py>(py: Python<'py>, store: &Store, b: &[u8]) -> PyResult<Bound<'py, 
         // SAFETY: the GIL is held (`py`); `PyUnicode_New` with a maximum character of 127
         // makes a compact ASCII str of `b.len()` characters (a slice's length fits an
         // isize) whose data, `PyUnicode_DATA`, has room for exactly that many bytes (plus
-        // the terminating NUL it writes itself); the bytes are all ASCII (checked above),
-        // which is all such a str may hold. It is new and unshared, so filling it is
-        // allowed (CPython's documented way of making a str). NULL means an exception set.
+        // the terminating NUL it writes itself). It is new and unshared, so filling it is
+        // allowed (CPython's documented way of making a str); it is handed out only once its
+        // bytes, as copied, are checked to be ASCII, all such a str may hold, and dropped
+        // otherwise (its deallocation reads no character). NULL means an exception set.
         unsafe {
             let obj = ffi::PyUnicode_New(b.len() as ffi::Py_ssize_t, 127);
             if obj.is_null() {
@@ -349,7 +353,10 @@ fn py_str<'py>(py: Python<'py>, store: &Store, b: &[u8]) -> PyResult<Bound<'py, 
             }
             let data = ffi::PyUnicode_DATA(obj).cast::<u8>();
             std::ptr::copy_nonoverlapping(b.as_ptr(), data, b.len());
-            return Ok(Bound::from_owned_ptr(py, obj));
+            if std::slice::from_raw_parts(data, b.len()).is_ascii() {
+                return Ok(Bound::from_owned_ptr(py, obj));
+            }
+            ffi::Py_DECREF(obj);
         }
     }
     // SAFETY: `b` is a valid slice for the call (it borrows the store's mapping, which the
