@@ -538,7 +538,7 @@ fn walk(r: &Reader<&[u8]>, root: Node, depth: usize) -> Result<(), ArchiveError>
             Item::List(n) | Item::Tuple(n) => {
                 let _ = r.is_tuple(n);
                 let seq = r.seq(n)?;
-                for i in 0..r.seq_len(n)? {
+                for i in 0..seq.len {
                     let item = r.seq_item(n, i)?;
                     // As the iterator makes a list of shaped dicts' items: from the layout.
                     if let Some(node) = seq.struct_item(i) {
