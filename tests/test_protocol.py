@@ -63,6 +63,9 @@ indexes = st.one_of(
     st.integers(-12, 12).map(np.int64),
     st.integers(-12, 12).map(np.int32),
     st.integers(2**63, 2**80),
+    st.integers(2**30, 2**62),
+    st.integers(-(2**62), -(2**30)),
+    st.booleans(),
     st.just(1.0),
     st.just("0"),
     st.builds(
@@ -169,6 +172,57 @@ def test_iterating_a_list_of_shaped_dicts_reads_each_like_its_dict(items, probe)
                 assert outcome(lambda g=got: g[probe]) == outcome(lambda w=want: w[probe])
                 assert got.get(probe, "default") == want.get(probe, "default")
                 assert got.to_python() == want
+
+
+# Every way a shaped dict's field can be stored: None, a bool, ints of each width, a float,
+# strs (ASCII, not, 0-2 characters), bytes, packed lists and tuples of ints, floats and bools,
+# and anything else behind a reference.
+field_values = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**7), 2**7),
+    st.integers(-(2**15), 2**15),
+    st.integers(-(2**31), 2**31),
+    st.integers(-(2**63), 2**63 - 1),
+    st.integers(2**63, 2**70),
+    st.floats(allow_nan=False),
+    st.text(max_size=3),
+    st.text(st.characters(max_codepoint=127), max_size=20),
+    st.text(min_size=4, max_size=20),
+    st.binary(max_size=6),
+    st.lists(st.integers(-(2**62), 2**62), min_size=1, max_size=5),
+    st.lists(st.floats(allow_nan=False), min_size=1, max_size=5).map(tuple),
+    st.lists(st.booleans(), min_size=1, max_size=5),
+    values,
+)
+
+
+@given(
+    a=field_values,
+    b=field_values,
+    same_kind=st.booleans(),
+    index=indexes,
+)
+def test_each_kind_of_field_reads_as_stored_by_its_key_and_by_an_equal_key(a, b, same_kind, index):
+    # A dict of fixed keys is stored as one shape whose field slots are typed from the values
+    # seen (`same_kind`: all records alike, so a field keeps its narrowest slot; else two
+    # values). `view["field"]` has a path of its own for the key's own str object (a literal
+    # here, interned as the stored key is) and the whole way for an equal str that is another
+    # object: both must give what the plain dict gives, value and type, for every slot kind,
+    # and so must indexing what they give.
+    records = [{"field": a, "n": 1}, {"field": a if same_kind else b, "n": 2}]
+    other_key = "".join(["fie", "ld"])  # equal to "field", made at run time: not interned
+    assert other_key == "field" and id(other_key) != id("field")
+    with shmstore.SharedList(records) as lst:
+        for i, rec in enumerate(records):
+            view = lst[i]
+            for key in ("field", other_key):
+                got = view[key]
+                want = rec["field"]
+                assert plain(got) == want and type(plain(got)) is type(want)
+                if isinstance(want, (list, tuple)):
+                    assert outcome(lambda g=got: g[index]) == outcome(lambda w=want: w[index])
+            assert view["n"] == i + 1
 
 
 @given(text=st.text(max_size=40), ascii_text=st.text(st.characters(max_codepoint=127)))

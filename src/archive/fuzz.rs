@@ -518,6 +518,14 @@ pub fn read_everything(bytes: &[u8]) -> Result<bool, ArchiveError> {
     Ok(clean)
 }
 
+/// Whether two items are the same value (floats bit for bit).
+fn same_item(a: Item<'_>, b: Item<'_>) -> bool {
+    match (a, b) {
+        (Item::Float(a), Item::Float(b)) => a.to_bits() == b.to_bits(),
+        (a, b) => a == b,
+    }
+}
+
 /// Read `node`'s value and everything below it as the Python layer does (iteratively:
 /// the fuzz thread's stack is small on purpose).
 fn walk(r: &Reader<&[u8]>, root: Node, depth: usize) -> Result<(), ArchiveError> {
@@ -549,17 +557,46 @@ fn walk(r: &Reader<&[u8]>, root: Node, depth: usize) -> Result<(), ArchiveError>
                     }
                     // As `ListView` reads a packed field: straight from the node's form.
                     if let super::reader::Form::Pack { elem, .. } = n.form {
-                        let direct = r.packed_get(n.pos(), elem, i)?;
-                        let same = match (direct, item) {
-                            (Item::Float(a), Item::Float(b)) => a.to_bits() == b.to_bits(),
-                            (a, b) => a == b,
-                        };
-                        assert!(same, "packed element {i}: {direct:?} against {item:?}");
+                        let direct = r.packed_get(n.pos(), elem, i);
+                        // And as its smallest path does: the same element, or none where
+                        // `packed_get` fails.
+                        let small = r.packed_scalar(n.pos(), elem, i).map(|s| match s {
+                            Scalar::Bool(b) => Item::Bool(b),
+                            Scalar::Int(v) => Item::Int(v),
+                            Scalar::Float(f) => Item::Float(f),
+                        });
+                        match (&direct, small) {
+                            (Ok(d), Some(s)) => assert!(same_item(*d, s), "{d:?} against {s:?}"),
+                            (Err(_), None) => {}
+                            (d, s) => panic!("packed element {i}: {d:?} against {s:?}"),
+                        }
+                        let direct = direct?;
+                        assert!(
+                            same_item(direct, item),
+                            "packed element {i}: {direct:?} against {item:?}"
+                        );
                     }
                     stack.push((item, depth + 1));
                 }
             }
             Item::Dict(n) => {
+                // As `DictView`'s smallest path reads a shaped dict's field: the value
+                // `struct_slot` reads for the kinds it takes, none where that fails.
+                if let Some(shape) = r.dict_shape(n).and_then(|id| r.shape_def(id)) {
+                    for (&enc, &off) in shape.encs.iter().zip(&shape.offsets) {
+                        let whole = r.struct_slot(n, enc, off);
+                        let takes = !matches!(
+                            enc,
+                            Enc::Int(Elem::Bool | Elem::F64) | Enc::Bytes | Enc::Ref
+                        );
+                        match (&whole, r.struct_slot_small(n, enc, off)) {
+                            (Ok(w), Some(s)) => assert!(same_item(*w, s), "{w:?} against {s:?}"),
+                            (Ok(w), None) => assert!(!takes, "slot {enc:?}: {w:?} not taken"),
+                            (Err(_), None) => {}
+                            (Err(e), Some(s)) => panic!("slot {enc:?}: {s:?} where {e}"),
+                        }
+                    }
+                }
                 for i in 0..r.dict_len(n)? {
                     let k = r.dict_key(n, i)?;
                     let key = r.item_key(k)?;

@@ -304,6 +304,43 @@ impl<B: AsRef<[u8]>> Reader<B> {
         self.scalar(elem, at)
     }
 
+    /// [`Self::packed_get`] for the smallest read path (`ListView`'s `view[i]`): the element
+    /// as a scalar, or `None` wherever `packed_get` gives an error (the caller then takes
+    /// the long way, which raises it). It makes no error value and each element type reads
+    /// its own fixed width, so it stays a few instructions where it is inlined.
+    #[inline(always)]
+    pub fn packed_scalar(&self, pos: u64, elem: Elem, i: usize) -> Option<Scalar> {
+        Some(match elem {
+            Elem::F64 => Scalar::Float(f64::from_le_bytes(self.packed_bytes(pos, i)?)),
+            Elem::I64 => Scalar::Int(i64::from_le_bytes(self.packed_bytes(pos, i)?)),
+            Elem::I32 => Scalar::Int(i32::from_le_bytes(self.packed_bytes(pos, i)?).into()),
+            Elem::I16 => Scalar::Int(i16::from_le_bytes(self.packed_bytes(pos, i)?).into()),
+            Elem::I8 => Scalar::Int(i8::from_le_bytes(self.packed_bytes(pos, i)?).into()),
+            Elem::Bool => match self.packed_bytes::<1>(pos, i)? {
+                [0] => Scalar::Bool(false),
+                [1] => Scalar::Bool(true),
+                _ => return None,
+            },
+        })
+    }
+
+    /// The `N` bytes of element `i` of a packed field at `pos` whose elements are `N` bytes,
+    /// if they are inside the records.
+    #[inline(always)]
+    fn packed_bytes<const N: usize>(&self, pos: u64, i: usize) -> Option<[u8; N]> {
+        self.fixed(i.checked_mul(N)?.checked_add(usize::try_from(pos).ok()?)?)
+    }
+
+    /// The `N` bytes at `at`, if they are inside the records.
+    #[inline(always)]
+    fn fixed<const N: usize>(&self, at: usize) -> Option<[u8; N]> {
+        let end = at.checked_add(N)?;
+        if end > self.rec_end {
+            return None;
+        }
+        self.bytes().get(at..end)?.try_into().ok()
+    }
+
     #[inline(always)]
     pub(super) fn scalar(&self, elem: Elem, at: usize) -> Result<Item<'_>, ArchiveError> {
         match read_elem(elem, self.get(at, elem.size())?) {
@@ -363,6 +400,57 @@ impl<B: AsRef<[u8]>> Reader<B> {
             .checked_add(off as usize)
             .ok_or_else(|| ArchiveError::Corrupt("a slot beyond the address space".into()))?;
         self.slot(node.rec, enc, at)
+    }
+
+    /// [`Self::struct_slot`] for the smallest read path (`DictView`'s `view["field"]`): the
+    /// slot's value for the encodings that path makes at once (None, bool, int, float, str,
+    /// a packed list or tuple), or `None` for the others (bytes, a reference to a tagged
+    /// value) and wherever `struct_slot` gives an error; the caller then takes the long way,
+    /// which reads (or raises) it. Makes no error value, so it stays small where inlined.
+    #[inline(always)]
+    #[cfg_attr(feature = "abi3", allow(dead_code))] // the stable-ABI wheel keeps pyo3's slots
+    pub fn struct_slot_small(&self, node: Node, enc: Enc, off: u32) -> Option<Item<'_>> {
+        let at = usize::try_from(node.pos).ok()?.checked_add(off as usize)?;
+        Some(match enc {
+            Enc::None => Item::None,
+            Enc::Bool => match self.fixed::<1>(at)? {
+                [0] => Item::Bool(false),
+                [1] => Item::Bool(true),
+                _ => return None,
+            },
+            Enc::Int(Elem::I64) => Item::Int(i64::from_le_bytes(self.fixed(at)?)),
+            Enc::Int(Elem::I32) => Item::Int(i32::from_le_bytes(self.fixed(at)?).into()),
+            Enc::Int(Elem::I16) => Item::Int(i16::from_le_bytes(self.fixed(at)?).into()),
+            Enc::Int(Elem::I8) => Item::Int(i8::from_le_bytes(self.fixed(at)?).into()),
+            Enc::F64 => Item::Float(f64::from_le_bytes(self.fixed(at)?)),
+            Enc::Str => {
+                // As `follow`, `count` and `get` read it (`slot`), without their errors.
+                let d = u32::from_le_bytes(self.fixed::<REF>(at)?) as usize;
+                let t = at.checked_add(d)?;
+                if d == 0 || t >= self.rec_end {
+                    return None;
+                }
+                let (n, after) = get_varint(self.bytes().get(..self.rec_end)?, t).ok()?;
+                let end = usize::try_from(n).ok()?.checked_add(after)?;
+                if end > self.rec_end {
+                    return None;
+                }
+                Item::Str(self.bytes().get(after..end)?)
+            }
+            Enc::Pack { elem, count, tuple } => {
+                let node = Node {
+                    rec: node.rec,
+                    form: Form::Pack { elem, count, tuple },
+                    pos: at as u64,
+                };
+                if tuple {
+                    Item::Tuple(node)
+                } else {
+                    Item::List(node)
+                }
+            }
+            Enc::Int(Elem::Bool | Elem::F64) | Enc::Bytes | Enc::Ref => return None,
+        })
     }
 
     /// Value of entry `i` of a dict node.

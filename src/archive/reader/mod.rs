@@ -66,6 +66,19 @@ impl Node {
     pub fn form(self) -> Form {
         self.form
     }
+    /// The node as its three parts, to be passed in registers (a `Node` is passed through
+    /// memory) and made again with [`Self::from_parts`].
+    #[inline(always)]
+    #[cfg_attr(feature = "abi3", allow(dead_code))] // the stable-ABI wheel keeps pyo3's slots
+    pub fn into_parts(self) -> (u32, Form, u64) {
+        (self.rec, self.form, self.pos)
+    }
+    /// The node [`Self::into_parts`] took apart.
+    #[inline(always)]
+    #[cfg_attr(feature = "abi3", allow(dead_code))]
+    pub fn from_parts((rec, form, pos): (u32, Form, u64)) -> Self {
+        Node { rec, form, pos }
+    }
     /// The form as two integers, for pickles (`Reader::node_from`).
     pub fn form_code(self) -> (u8, u32) {
         match self.form {

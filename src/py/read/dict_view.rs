@@ -2,10 +2,16 @@
 
 use pyo3::prelude::*;
 use pyo3::pyclass::CompareOp;
+#[cfg(not(feature = "abi3"))]
+use pyo3::{ffi, Borrowed};
 
 use super::protocol::{abc_view, field_value, iterator, next_key, AbcView, FieldTable, Map};
+#[cfg(not(feature = "abi3"))]
+use super::scalar_ptr;
 use super::{compare_plain, reduce_view, ViewPickleArgs};
 use crate::archive::Node;
+#[cfg(not(feature = "abi3"))]
+use crate::archive::{format::Scalar, Item};
 use crate::py::read::StoreRef;
 
 /// A stored dict: a read-only `collections.abc.Mapping`.
@@ -38,6 +44,41 @@ impl super::slots::FastGet for DictView {
             return Some(field_value(slf.py(), &v.store, v.node, f));
         }
         v.map().get_str_fast(slf.py(), key)
+    }
+
+    /// `view["field"]` of a shaped dict, the key the field's own str object (a literal in
+    /// user code), whose slot holds None, a bool, an int, a float, a str or a packed list:
+    /// the object made at once (a str or a list view by a tail call).
+    #[cfg(not(feature = "abi3"))]
+    #[inline(always)]
+    fn tiny_get(
+        slf: Borrowed<'_, '_, Self>,
+        key: Borrowed<'_, '_, PyAny>,
+    ) -> Option<*mut ffi::PyObject> {
+        let v = slf.get();
+        let f = v.fields.find(&key)?;
+        let store = &v.store;
+        Some(
+            match store.reader.struct_slot_small(v.node, f.enc, f.off)? {
+                Item::None => {
+                    // SAFETY: the thread is attached (a slot); `None` gets a reference of its own.
+                    unsafe {
+                        let p = ffi::Py_None();
+                        ffi::Py_INCREF(p);
+                        p
+                    }
+                }
+                Item::Bool(b) => scalar_ptr(Scalar::Bool(b)),
+                Item::Int(i) => scalar_ptr(Scalar::Int(i)),
+                Item::Float(x) => scalar_ptr(Scalar::Float(x)),
+                Item::Str(b) => super::slots::str_ptr(store, b),
+                Item::List(node) | Item::Tuple(node) => {
+                    let (rec, form, pos) = node.into_parts();
+                    super::slots::list_view_ptr(store, rec, form, pos)
+                }
+                _ => return None,
+            },
+        )
     }
 
     super::slots::original_slot!();

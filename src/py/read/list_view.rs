@@ -3,8 +3,9 @@
 use pyo3::prelude::*;
 use pyo3::pyclass::CompareOp;
 use pyo3::types::PyInt;
+use pyo3::{ffi, Borrowed};
 
-use super::protocol::{index_item, iterator, next_item, packed_item, Seq};
+use super::protocol::{index_item, iterator, next_item, packed_item, position, Seq};
 use super::{compare_plain, reduce_view, ViewPickleArgs};
 use crate::archive::reader::{Form, SeqAt};
 use crate::archive::Node;
@@ -48,6 +49,22 @@ impl super::slots::FastGet for ListView {
             // A layout that could not be read: pyo3's slot raises the error.
             (None, _) => None,
         }
+    }
+
+    /// `view[i]` of a packed field (a bbox, say) with an exact int in range: the element
+    /// read straight from the node's form and made into a float or int.
+    #[inline(always)]
+    fn tiny_get(
+        slf: Borrowed<'_, '_, Self>,
+        key: Borrowed<'_, '_, PyAny>,
+    ) -> Option<*mut ffi::PyObject> {
+        let v = slf.get();
+        let Form::Pack { elem, count, .. } = v.node.form else {
+            return None;
+        };
+        let j = position(super::slots::compact_index(&key)?, count as usize)?;
+        let s = v.store.reader.packed_scalar(v.node.pos(), elem, j)?;
+        Some(super::scalar_ptr(s))
     }
 
     super::slots::original_slot!();

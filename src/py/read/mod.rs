@@ -92,6 +92,28 @@ pub(crate) fn value<'py>(
     value_at(py, store, item, 0)
 }
 
+/// A new reference to `s` as a Python object, from CPython's constructors directly: NULL
+/// with the exception set if one fails (a slot's way), never a `PyErr` (for the tiny read
+/// paths, `read::slots::FastGet::tiny_get`).
+#[inline(always)]
+#[cfg_attr(feature = "abi3", allow(dead_code))]
+pub(crate) fn scalar_ptr(s: Scalar) -> *mut ffi::PyObject {
+    // SAFETY: the callers run with the thread attached (slots); each constructor returns a
+    // new reference or NULL with an exception set, and `True`/`False` are given a reference
+    // of their own.
+    unsafe {
+        match s {
+            Scalar::Float(f) => ffi::PyFloat_FromDouble(f),
+            Scalar::Int(i) => ffi::PyLong_FromLongLong(i),
+            Scalar::Bool(b) => {
+                let p = if b { ffi::Py_True() } else { ffi::Py_False() };
+                ffi::Py_INCREF(p);
+                p
+            }
+        }
+    }
+}
+
 /// A copy of `v`, read as 8-byte words that stay 8-byte reads.
 ///
 /// A node comes out of the reader inside an item that the compiler builds in memory with
@@ -338,26 +360,9 @@ fn new_sequence<'py>(
 #[inline]
 fn py_str<'py>(py: Python<'py>, store: &Store, b: &[u8]) -> PyResult<Bound<'py, PyAny>> {
     #[cfg(not(feature = "abi3"))]
-    if b.len() >= 2 && b.is_ascii() {
-        // SAFETY: the GIL is held (`py`); `PyUnicode_New` with a maximum character of 127
-        // makes a compact ASCII str of `b.len()` characters (a slice's length fits an
-        // isize) whose data, `PyUnicode_DATA`, has room for exactly that many bytes (plus
-        // the terminating NUL it writes itself). It is new and unshared, so filling it is
-        // allowed (CPython's documented way of making a str); it is handed out only once its
-        // bytes, as copied, are checked to be ASCII, all such a str may hold, and dropped
-        // otherwise (its deallocation reads no character). NULL means an exception set.
-        unsafe {
-            let obj = ffi::PyUnicode_New(b.len() as ffi::Py_ssize_t, 127);
-            if obj.is_null() {
-                return Err(PyErr::fetch(py));
-            }
-            let data = ffi::PyUnicode_DATA(obj).cast::<u8>();
-            std::ptr::copy_nonoverlapping(b.as_ptr(), data, b.len());
-            if std::slice::from_raw_parts(data, b.len()).is_ascii() {
-                return Ok(Bound::from_owned_ptr(py, obj));
-            }
-            ffi::Py_DECREF(obj);
-        }
+    if let Some(obj) = ascii_str(b) {
+        // SAFETY: a new reference or NULL with an exception set (`ascii_str`).
+        return unsafe { Bound::from_owned_ptr_or_err(py, obj) };
     }
     // SAFETY: `b` is a valid slice for the call (it borrows the store's mapping, which the
     // caller's `store` keeps alive), its length fits an isize (a slice's always does), and
@@ -380,6 +385,38 @@ fn py_str<'py>(py: Python<'py>, store: &Store, b: &[u8]) -> PyResult<Bound<'py, 
         ))
         .into()
     })
+}
+
+/// `b` as a new ASCII str made directly (see [`py_str`]): `Some` new reference (NULL with
+/// an exception set if CPython could not allocate it), or `None` if `b` is shorter than
+/// two bytes or not ASCII, for the decoder to make. Makes no `PyErr` and cannot panic, so
+/// the tiny read paths use it too (`slots::str_ptr`).
+#[cfg(not(feature = "abi3"))]
+#[inline(always)]
+pub(crate) fn ascii_str(b: &[u8]) -> Option<*mut ffi::PyObject> {
+    if b.len() < 2 || !b.is_ascii() {
+        return None;
+    }
+    // SAFETY: the thread is attached (every caller reads for Python); `PyUnicode_New` with a
+    // maximum character of 127 makes a compact ASCII str of `b.len()` characters (a slice's
+    // length fits an isize) whose data, `PyUnicode_DATA`, has room for exactly that many
+    // bytes (plus the terminating NUL it writes itself). It is new and unshared, so filling
+    // it is allowed (CPython's documented way of making a str); it is handed out only once
+    // its bytes, as copied, are checked to be ASCII, all such a str may hold, and dropped
+    // otherwise (its deallocation reads no character). NULL means an exception set.
+    unsafe {
+        let obj = ffi::PyUnicode_New(b.len() as ffi::Py_ssize_t, 127);
+        if obj.is_null() {
+            return Some(obj);
+        }
+        let data = ffi::PyUnicode_DATA(obj).cast::<u8>();
+        std::ptr::copy_nonoverlapping(b.as_ptr(), data, b.len());
+        if std::slice::from_raw_parts(data, b.len()).is_ascii() {
+            return Some(obj);
+        }
+        ffi::Py_DECREF(obj);
+    }
+    None
 }
 
 /// The value of a node (a record root or a view's position).

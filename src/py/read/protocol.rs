@@ -267,7 +267,7 @@ impl<'a> Seq<'a> {
 /// The position index `i` names in a sequence of `len` items (negative counts from the
 /// end), or None when it is out of range.
 #[inline(always)]
-fn position(i: isize, len: usize) -> Option<usize> {
+pub(crate) fn position(i: isize, len: usize) -> Option<usize> {
     let j = if i < 0 {
         i.checked_add(len as isize)?
     } else {
