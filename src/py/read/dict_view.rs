@@ -47,8 +47,8 @@ impl super::slots::FastGet for DictView {
     }
 
     /// `view["field"]` of a shaped dict, the key the field's own str object (a literal in
-    /// user code), whose slot holds None, a bool, an int, a float, a str or a packed list:
-    /// the object made at once (a str or a list view by a tail call).
+    /// user code): a slot that holds None, a bool, an int, a float, a str or a packed list
+    /// made at once (a str or a list view out of line), any other read out of line.
     #[cfg(not(feature = "abi3"))]
     #[inline(always)]
     fn tiny_get(
@@ -58,27 +58,32 @@ impl super::slots::FastGet for DictView {
         let v = slf.get();
         let f = v.fields.find(&key)?;
         let store = &v.store;
-        Some(
-            match store.reader.struct_slot_small(v.node, f.enc, f.off)? {
-                Item::None => {
-                    // SAFETY: the thread is attached (a slot); `None` gets a reference of its own.
-                    unsafe {
-                        let p = ffi::Py_None();
-                        ffi::Py_INCREF(p);
-                        p
-                    }
+        let Some(item) = store.reader.struct_slot_small(v.node, f.enc, f.off) else {
+            // Another kind of slot (a reference, bytes), or an error: read (or raised) out of
+            // line, the field already found.
+            let (rec, form, pos) = v.node.into_parts();
+            return Some(super::slots::field_ptr(store, rec, form, pos, f));
+        };
+        Some(match item {
+            Item::None => {
+                // SAFETY: the thread is attached (a slot); `None` gets a reference of its own.
+                unsafe {
+                    let p = ffi::Py_None();
+                    ffi::Py_INCREF(p);
+                    p
                 }
-                Item::Bool(b) => scalar_ptr(Scalar::Bool(b)),
-                Item::Int(i) => scalar_ptr(Scalar::Int(i)),
-                Item::Float(x) => scalar_ptr(Scalar::Float(x)),
-                Item::Str(b) => super::slots::str_ptr(store, b),
-                Item::List(node) | Item::Tuple(node) => {
-                    let (rec, form, pos) = node.into_parts();
-                    super::slots::list_view_ptr(store, rec, form, pos)
-                }
-                _ => return None,
-            },
-        )
+            }
+            Item::Bool(b) => scalar_ptr(Scalar::Bool(b)),
+            Item::Int(i) => scalar_ptr(Scalar::Int(i)),
+            Item::Float(x) => scalar_ptr(Scalar::Float(x)),
+            Item::Str(b) => super::slots::str_ptr(store, b),
+            Item::List(node) | Item::Tuple(node) => {
+                let (rec, form, pos) = node.into_parts();
+                super::slots::list_view_ptr(store, rec, form, pos)
+            }
+            // Not made by `struct_slot_small`.
+            _ => return None,
+        })
     }
 
     super::slots::original_slot!();

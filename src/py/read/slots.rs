@@ -270,6 +270,25 @@ pub(crate) fn list_view_ptr(
     })
 }
 
+/// The value of field `f` of the shaped dict at the node of `store` whose parts these are,
+/// as the whole way reads it (NULL with the exception set, a corrupt slot's included).
+#[cfg(not(feature = "abi3"))]
+#[inline(never)]
+pub(crate) fn field_ptr(
+    store: &super::StoreRef,
+    rec: u32,
+    form: crate::archive::reader::Form,
+    pos: u64,
+    f: crate::py::store::PyField,
+) -> *mut ffi::PyObject {
+    // SAFETY: as in `str_ptr`.
+    let py = unsafe { Python::assume_attached() };
+    guarded(py, std::ptr::null_mut(), || {
+        let node = crate::archive::Node::from_parts((rec, form, pos));
+        Ok(super::protocol::field_value(py, store, node, f)?.into_ptr())
+    })
+}
+
 /// Run a slot's body as pyo3's trampoline would for it, without the trampoline: an error
 /// is raised (restored) and a panic becomes `SystemError`; either returns `failed`.
 ///
