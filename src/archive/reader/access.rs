@@ -437,18 +437,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
                 }
                 Item::Str(self.bytes().get(after..end)?)
             }
-            Enc::Pack { elem, count, tuple } => {
-                let node = Node {
-                    rec: node.rec,
-                    form: Form::Pack { elem, count, tuple },
-                    pos: at as u64,
-                };
-                if tuple {
-                    Item::Tuple(node)
-                } else {
-                    Item::List(node)
-                }
-            }
+            Enc::Pack { elem, count, tuple } => pack_item(node.rec, elem, count, tuple, at),
             Enc::Int(Elem::Bool | Elem::F64) | Enc::Bytes | Enc::Ref => return None,
         })
     }
@@ -513,18 +502,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
                     Item::Bytes(b)
                 }
             }
-            Enc::Pack { elem, count, tuple } => {
-                let node = Node {
-                    rec,
-                    form: Form::Pack { elem, count, tuple },
-                    pos: at as u64,
-                };
-                if tuple {
-                    Item::Tuple(node)
-                } else {
-                    Item::List(node)
-                }
-            }
+            Enc::Pack { elem, count, tuple } => pack_item(rec, elem, count, tuple, at),
             Enc::Ref => self.tagged(rec, self.follow(at)?)?,
         })
     }
@@ -689,5 +667,21 @@ impl<B: AsRef<[u8]>> Reader<B> {
             offset,
             nbytes: n,
         })
+    }
+}
+
+/// The item of a packed slot (`count` elements of `elem` inline at `at` of record `rec`): a
+/// list or tuple whose node's form says how to read it.
+#[inline(always)]
+fn pack_item<'a>(rec: u32, elem: Elem, count: u8, tuple: bool, at: usize) -> Item<'a> {
+    let node = Node {
+        rec,
+        form: Form::Pack { elem, count, tuple },
+        pos: at as u64,
+    };
+    if tuple {
+        Item::Tuple(node)
+    } else {
+        Item::List(node)
     }
 }

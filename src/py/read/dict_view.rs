@@ -55,31 +55,31 @@ impl super::slots::FastGet for DictView {
         slf: Borrowed<'_, '_, Self>,
         key: Borrowed<'_, '_, PyAny>,
     ) -> Option<*mut ffi::PyObject> {
-        let v = slf.get();
+        let (v, py) = (slf.get(), slf.py());
         let f = v.fields.find(&key)?;
         let store = &v.store;
         let Some(item) = store.reader.struct_slot_small(v.node, f.enc, f.off) else {
             // Another kind of slot (a reference, bytes), or an error: read (or raised) out of
             // line, the field already found.
             let (rec, form, pos) = v.node.into_parts();
-            return Some(super::slots::field_ptr(store, rec, form, pos, f));
+            return Some(super::slots::field_ptr(py, store, rec, form, pos, f));
         };
         Some(match item {
             Item::None => {
-                // SAFETY: the thread is attached (a slot); `None` gets a reference of its own.
+                // SAFETY: the thread is attached (`py`); `None` gets a reference of its own.
                 unsafe {
                     let p = ffi::Py_None();
                     ffi::Py_INCREF(p);
                     p
                 }
             }
-            Item::Bool(b) => scalar_ptr(Scalar::Bool(b)),
-            Item::Int(i) => scalar_ptr(Scalar::Int(i)),
-            Item::Float(x) => scalar_ptr(Scalar::Float(x)),
-            Item::Str(b) => super::slots::str_ptr(store, b),
+            Item::Bool(b) => scalar_ptr(py, Scalar::Bool(b)),
+            Item::Int(i) => scalar_ptr(py, Scalar::Int(i)),
+            Item::Float(x) => scalar_ptr(py, Scalar::Float(x)),
+            Item::Str(b) => super::slots::str_ptr(py, store, b),
             Item::List(node) | Item::Tuple(node) => {
                 let (rec, form, pos) = node.into_parts();
-                super::slots::list_view_ptr(store, rec, form, pos)
+                super::slots::list_view_ptr(py, store, rec, form, pos)
             }
             // Not made by `struct_slot_small`.
             _ => return None,

@@ -64,7 +64,7 @@ impl super::slots::FastGet for ListView {
         };
         let j = position(super::slots::compact_index(&key)?, count as usize)?;
         let s = v.store.reader.packed_scalar(v.node.pos(), elem, j)?;
-        Some(super::scalar_ptr(s))
+        Some(super::scalar_ptr(slf.py(), s))
     }
 
     super::slots::original_slot!();

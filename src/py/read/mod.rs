@@ -97,8 +97,8 @@ pub(crate) fn value<'py>(
 /// paths, `read::slots::FastGet::tiny_get`).
 #[inline(always)]
 #[cfg_attr(feature = "abi3", allow(dead_code))]
-pub(crate) fn scalar_ptr(s: Scalar) -> *mut ffi::PyObject {
-    // SAFETY: the callers run with the thread attached (slots); each constructor returns a
+pub(crate) fn scalar_ptr(_py: Python<'_>, s: Scalar) -> *mut ffi::PyObject {
+    // SAFETY: the thread is attached (`_py`); each constructor returns a
     // new reference or NULL with an exception set, and `True`/`False` are given a reference
     // of their own.
     unsafe {
@@ -360,7 +360,7 @@ fn new_sequence<'py>(
 #[inline]
 fn py_str<'py>(py: Python<'py>, store: &Store, b: &[u8]) -> PyResult<Bound<'py, PyAny>> {
     #[cfg(not(feature = "abi3"))]
-    if let Some(obj) = ascii_str(b) {
+    if let Some(obj) = ascii_str(py, b) {
         // SAFETY: a new reference or NULL with an exception set (`ascii_str`).
         return unsafe { Bound::from_owned_ptr_or_err(py, obj) };
     }
@@ -393,11 +393,11 @@ fn py_str<'py>(py: Python<'py>, store: &Store, b: &[u8]) -> PyResult<Bound<'py, 
 /// the tiny read paths use it too (`slots::str_ptr`).
 #[cfg(not(feature = "abi3"))]
 #[inline(always)]
-pub(crate) fn ascii_str(b: &[u8]) -> Option<*mut ffi::PyObject> {
+pub(crate) fn ascii_str(_py: Python<'_>, b: &[u8]) -> Option<*mut ffi::PyObject> {
     if b.len() < 2 || !b.is_ascii() {
         return None;
     }
-    // SAFETY: the thread is attached (every caller reads for Python); `PyUnicode_New` with a
+    // SAFETY: the thread is attached (`_py`); `PyUnicode_New` with a
     // maximum character of 127 makes a compact ASCII str of `b.len()` characters (a slice's
     // length fits an isize) whose data, `PyUnicode_DATA`, has room for exactly that many
     // bytes (plus the terminating NUL it writes itself). It is new and unshared, so filling

@@ -233,19 +233,17 @@ pub(crate) fn exact_index(key: &Bound<'_, PyAny>) -> Option<isize> {
 /// an ASCII one at once, any other by the decoder under the guard.
 #[cfg(not(feature = "abi3"))]
 #[inline(never)]
-pub(crate) fn str_ptr(store: &super::StoreRef, b: &[u8]) -> *mut ffi::PyObject {
-    match super::ascii_str(b) {
+pub(crate) fn str_ptr(py: Python<'_>, store: &super::StoreRef, b: &[u8]) -> *mut ffi::PyObject {
+    match super::ascii_str(py, b) {
         Some(obj) => obj,
-        None => decoded_str_ptr(store, b),
+        None => decoded_str_ptr(py, store, b),
     }
 }
 
 /// `str_ptr` for bytes that are not ASCII (or shorter than two): CPython's decoder.
 #[cfg(not(feature = "abi3"))]
 #[inline(never)]
-fn decoded_str_ptr(store: &super::StoreRef, b: &[u8]) -> *mut ffi::PyObject {
-    // SAFETY: only called from the read slots, which run with the thread attached.
-    let py = unsafe { Python::assume_attached() };
+fn decoded_str_ptr(py: Python<'_>, store: &super::StoreRef, b: &[u8]) -> *mut ffi::PyObject {
     guarded(py, std::ptr::null_mut(), || {
         Ok(super::py_str(py, store, b)?.into_ptr())
     })
@@ -256,13 +254,12 @@ fn decoded_str_ptr(store: &super::StoreRef, b: &[u8]) -> *mut ffi::PyObject {
 #[cfg(not(feature = "abi3"))]
 #[inline(never)]
 pub(crate) fn list_view_ptr(
+    py: Python<'_>,
     store: &super::StoreRef,
     rec: u32,
     form: crate::archive::reader::Form,
     pos: u64,
 ) -> *mut ffi::PyObject {
-    // SAFETY: as in `str_ptr`.
-    let py = unsafe { Python::assume_attached() };
     guarded(py, std::ptr::null_mut(), || {
         let node = crate::archive::Node::from_parts((rec, form, pos));
         let view = super::ListView::new(store.clone_ref(py), node);
@@ -275,14 +272,13 @@ pub(crate) fn list_view_ptr(
 #[cfg(not(feature = "abi3"))]
 #[inline(never)]
 pub(crate) fn field_ptr(
+    py: Python<'_>,
     store: &super::StoreRef,
     rec: u32,
     form: crate::archive::reader::Form,
     pos: u64,
     f: crate::py::store::PyField,
 ) -> *mut ffi::PyObject {
-    // SAFETY: as in `str_ptr`.
-    let py = unsafe { Python::assume_attached() };
     guarded(py, std::ptr::null_mut(), || {
         let node = crate::archive::Node::from_parts((rec, form, pos));
         Ok(super::protocol::field_value(py, store, node, f)?.into_ptr())
