@@ -4,8 +4,10 @@
 //! pyo3 reaches a `__getitem__` through a trampoline that counts the thread's attachment in
 //! thread-local state, drops deferred references, guards against panics and converts the
 //! arguments; for a read that otherwise costs 10-15 ns that is a fifth of it. Here the
-//! types' `mp_subscript` slot is replaced by [`subscript`], which tries the type's fast path
-//! ([`FastGet`]: an exact `int` index, an exact `str` key) and hands everything else — slices,
+//! types' `mp_subscript` slot is replaced by [`subscript`], which tries the type's tiny path
+//! first ([`FastGet::tiny_get`]: its commonest case, in an entry small enough to need no
+//! stack frame), then its fast path ([`FastGet`]: an exact `int` index, an exact `str` key)
+//! under the panic guard ([`subscript_whole`]), and hands everything else — slices,
 //! other index types, misses, errors it did not raise itself — to the slot pyo3 made, which
 //! then does the whole work with its usual checks and messages.
 //!
