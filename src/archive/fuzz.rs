@@ -560,11 +560,7 @@ fn walk(r: &Reader<&[u8]>, root: Node, depth: usize) -> Result<(), ArchiveError>
                         let direct = r.packed_get(n.pos(), elem, i);
                         // And as its smallest path does: the same element, or none where
                         // `packed_get` fails.
-                        let small = r.packed_scalar(n.pos(), elem, i).map(|s| match s {
-                            Scalar::Bool(b) => Item::Bool(b),
-                            Scalar::Int(v) => Item::Int(v),
-                            Scalar::Float(f) => Item::Float(f),
-                        });
+                        let small = r.packed_scalar(n.pos(), elem, i).map(Item::from);
                         match (&direct, small) {
                             (Ok(d), Some(s)) => assert!(same_item(*d, s), "{d:?} against {s:?}"),
                             (Err(_), None) => {}

@@ -310,13 +310,21 @@ impl<B: AsRef<[u8]>> Reader<B> {
     /// its own fixed width, so it stays a few instructions where it is inlined.
     #[inline(always)]
     pub fn packed_scalar(&self, pos: u64, elem: Elem, i: usize) -> Option<Scalar> {
+        self.elem_at(elem, usize::try_from(pos).ok()?, i)
+    }
+
+    /// Element `i` of `elem`s starting at `base`, read at the element's fixed width if it is
+    /// inside the records (`None` otherwise, or for a bool byte that is not 0 or 1): what
+    /// `scalar` reads, without its error values (the tiny paths' reads).
+    #[inline(always)]
+    fn elem_at(&self, elem: Elem, base: usize, i: usize) -> Option<Scalar> {
         Some(match elem {
-            Elem::F64 => Scalar::Float(f64::from_le_bytes(self.packed_bytes(pos, i)?)),
-            Elem::I64 => Scalar::Int(i64::from_le_bytes(self.packed_bytes(pos, i)?)),
-            Elem::I32 => Scalar::Int(i32::from_le_bytes(self.packed_bytes(pos, i)?).into()),
-            Elem::I16 => Scalar::Int(i16::from_le_bytes(self.packed_bytes(pos, i)?).into()),
-            Elem::I8 => Scalar::Int(i8::from_le_bytes(self.packed_bytes(pos, i)?).into()),
-            Elem::Bool => match self.packed_bytes::<1>(pos, i)? {
+            Elem::F64 => Scalar::Float(f64::from_le_bytes(self.nth(base, i)?)),
+            Elem::I64 => Scalar::Int(i64::from_le_bytes(self.nth(base, i)?)),
+            Elem::I32 => Scalar::Int(i32::from_le_bytes(self.nth(base, i)?).into()),
+            Elem::I16 => Scalar::Int(i16::from_le_bytes(self.nth(base, i)?).into()),
+            Elem::I8 => Scalar::Int(i8::from_le_bytes(self.nth(base, i)?).into()),
+            Elem::Bool => match self.nth::<1>(base, i)? {
                 [0] => Scalar::Bool(false),
                 [1] => Scalar::Bool(true),
                 _ => return None,
@@ -324,11 +332,11 @@ impl<B: AsRef<[u8]>> Reader<B> {
         })
     }
 
-    /// The `N` bytes of element `i` of a packed field at `pos` whose elements are `N` bytes,
-    /// if they are inside the records.
+    /// The `N` bytes of the `i`th of `N`-byte elements starting at `base`, if they are
+    /// inside the records.
     #[inline(always)]
-    fn packed_bytes<const N: usize>(&self, pos: u64, i: usize) -> Option<[u8; N]> {
-        self.fixed(i.checked_mul(N)?.checked_add(usize::try_from(pos).ok()?)?)
+    fn nth<const N: usize>(&self, base: usize, i: usize) -> Option<[u8; N]> {
+        self.fixed(i.checked_mul(N)?.checked_add(base)?)
     }
 
     /// The `N` bytes at `at`, if they are inside the records.
@@ -344,9 +352,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
     #[inline(always)]
     pub(super) fn scalar(&self, elem: Elem, at: usize) -> Result<Item<'_>, ArchiveError> {
         match read_elem(elem, self.get(at, elem.size())?) {
-            Some(Scalar::Bool(b)) => Ok(Item::Bool(b)),
-            Some(Scalar::Int(i)) => Ok(Item::Int(i)),
-            Some(Scalar::Float(f)) => Ok(Item::Float(f)),
+            Some(s) => Ok(s.into()),
             None => corrupt("a packed bool is not 0 or 1"),
         }
     }
@@ -413,16 +419,11 @@ impl<B: AsRef<[u8]>> Reader<B> {
         let at = usize::try_from(node.pos).ok()?.checked_add(off as usize)?;
         Some(match enc {
             Enc::None => Item::None,
-            Enc::Bool => match self.fixed::<1>(at)? {
-                [0] => Item::Bool(false),
-                [1] => Item::Bool(true),
-                _ => return None,
-            },
-            Enc::Int(Elem::I64) => Item::Int(i64::from_le_bytes(self.fixed(at)?)),
-            Enc::Int(Elem::I32) => Item::Int(i32::from_le_bytes(self.fixed(at)?).into()),
-            Enc::Int(Elem::I16) => Item::Int(i16::from_le_bytes(self.fixed(at)?).into()),
-            Enc::Int(Elem::I8) => Item::Int(i8::from_le_bytes(self.fixed(at)?).into()),
-            Enc::F64 => Item::Float(f64::from_le_bytes(self.fixed(at)?)),
+            Enc::Bool => self.elem_at(Elem::Bool, at, 0)?.into(),
+            Enc::Int(e @ (Elem::I8 | Elem::I16 | Elem::I32 | Elem::I64)) => {
+                self.elem_at(e, at, 0)?.into()
+            }
+            Enc::F64 => self.elem_at(Elem::F64, at, 0)?.into(),
             Enc::Str => {
                 // As `follow`, `count` and `get` read it (`slot`), without their errors.
                 let d = u32::from_le_bytes(self.fixed::<REF>(at)?) as usize;

@@ -108,6 +108,16 @@ pub struct ArrayView<'a> {
     pub nbytes: usize,
 }
 
+impl From<Scalar> for Item<'_> {
+    fn from(s: Scalar) -> Self {
+        match s {
+            Scalar::Bool(b) => Item::Bool(b),
+            Scalar::Int(i) => Item::Int(i),
+            Scalar::Float(f) => Item::Float(f),
+        }
+    }
+}
+
 /// One value read from a record.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Item<'a> {

@@ -207,15 +207,14 @@ pub(crate) fn compact_index(key: &Bound<'_, PyAny>) -> Option<isize> {
 #[inline(always)]
 #[cfg_attr(feature = "abi3", allow(dead_code))]
 pub(crate) fn exact_index(key: &Bound<'_, PyAny>) -> Option<isize> {
+    if let Some(i) = compact_index(key) {
+        return Some(i);
+    }
     let p = key.as_ptr();
     // SAFETY: `p` is a live object (borrowed for the call) and the GIL is held.
     unsafe {
         if ffi::PyLong_CheckExact(p) == 0 {
             return None;
-        }
-        #[cfg(not(feature = "abi3"))]
-        if let Some(i) = compact_value(p) {
-            return Some(i);
         }
         let i = ffi::PyLong_AsSsize_t(p);
         if i == -1 && !ffi::PyErr_Occurred().is_null() {
