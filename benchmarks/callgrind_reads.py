@@ -4,7 +4,8 @@ counts and divide the difference (interpreter start, imports and the store's bui
     python benchmarks/callgrind_reads.py [--n-small 20000 --n-large 120000] [--what lst_i view ...]
 
 Prints, for each read, instructions per call (`lst[k]`, `ann["bbox"]` (a view), `ann["iscrowd"]`
-(a scalar), `rec["height"]` (a record's field), `lst.get_many(64)` per record, `next_view`: one
+(a scalar), `rec["height"]` (a record's field), `list_field`: `rec["annotations"]` (a view of a
+list of dicts), `lst.get_many(64)` per record, `next_view`: one
 step of `for a in rec["annotations"]` (a dict view made by the iterator), `elem`: `bbox[0]` (a
 float read from a list view)), and the empty loop for reference (subtract it). Needs valgrind.
 Used to compare interpreters and builds (benchmarks/results/matrix.md and the files it names).
@@ -48,6 +49,9 @@ elif what == "scalar":
 elif what == "field":
     for _ in range(n):
         rec["height"]
+elif what == "list_field":
+    for _ in range(n):
+        rec["annotations"]
 elif what == "get_many":
     for _ in range(n // 64):
         lst.get_many(idx)
@@ -100,7 +104,17 @@ def main() -> None:
     ap.add_argument(
         "--what",
         nargs="*",
-        default=["empty", "lst_i", "view", "scalar", "field", "get_many", "next_view", "elem"],
+        default=[
+            "empty",
+            "lst_i",
+            "view",
+            "scalar",
+            "field",
+            "list_field",
+            "get_many",
+            "next_view",
+            "elem",
+        ],
     )
     a = ap.parse_args()
     print(f"# {a.python}")

@@ -5,6 +5,8 @@ exceptions raised by the user's `__eq__`."""
 
 from __future__ import annotations
 
+import pickle
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -223,6 +225,90 @@ def test_each_kind_of_field_reads_as_stored_by_its_key_and_by_an_equal_key(a, b,
                 if isinstance(want, (list, tuple)):
                     assert outcome(lambda g=got: g[index]) == outcome(lambda w=want: w[index])
             assert view["n"] == i + 1
+
+
+# Records whose root is a dict of fixed keys (one shape), each with a list or tuple of dicts
+# of one shape and a packed field: COCO's layout, which `lst[i]` and `rec["items"]` read by
+# paths of their own once a record's block is checked.
+coco_like = st.builds(
+    lambda n, items, box, as_tuple: {
+        "n": n,
+        "items": tuple(items) if as_tuple else items,
+        "box": box,
+    },
+    st.integers(-(2**40), 2**40),
+    shaped_dicts,
+    st.lists(st.floats(allow_nan=False), min_size=4, max_size=4),
+    st.booleans(),
+)
+
+
+def check_record(got: Any, want: Any) -> None:
+    """`got` (a read of a stored record) reads as `want`, its plain record, all the way down."""
+    assert plain(got) == want
+    if not isinstance(want, dict) or "items" not in want:
+        return
+    assert isinstance(got, shmstore.DictView)
+    items = got["items"]
+    assert isinstance(items, shmstore.ListView) and len(items) == len(want["items"])
+    assert type(items.to_python()) is type(want["items"])
+    for i, (a, b) in enumerate(zip(items, want["items"])):
+        assert a.to_python() == b == items[i].to_python() == items[i - len(want["items"])]
+    assert list(got["box"]) == want["box"]
+
+
+@given(records=st.lists(st.one_of(coco_like, values), min_size=1, max_size=8), index=indexes)
+def test_a_record_reads_the_same_first_and_every_later_time(records, index):
+    # A record's first read checks its block; later reads of a checked record whose root is
+    # a dict of one shape take a path of their own, and so do a list of dicts read from such a
+    # record, each view made from a dropped one where there is one: every read, first or
+    # later, must give what the plain list gives, exception or value, all the way down.
+    with shmstore.SharedList(records) as lst:
+        for _ in range(3):
+            assert outcome(lambda: lst[index]) == outcome(lambda: records[index])
+            for i, rec in enumerate(records):
+                check_record(lst[i], rec)
+                check_record(lst[i - len(records)], rec)
+
+
+def test_records_of_many_shapes_and_long_lists_of_dicts_read_back():
+    # The paths of their own take shape ids and lengths of one byte (below 128); past that,
+    # the whole way. Both sides of each limit must read back as stored.
+    records: list[Any] = [
+        {f"k{i}": i, "items": [{"a": j} for j in range(i % 3)]} for i in range(300)
+    ]
+    records += [{"items": [{"a": j, "b": [j, j]} for j in range(n)]} for n in (127, 128, 129, 300)]
+    with shmstore.SharedList(records) as lst:
+        for _ in range(2):
+            for i, rec in enumerate(records):
+                assert lst[i].to_python() == rec
+                assert lst[i]["items"].to_python() == rec["items"]
+                assert [a.to_python() for a in lst[i]["items"]] == rec["items"]
+
+
+def test_views_made_from_dropped_ones_are_whole_objects():
+    # A view made from a dropped one's memory must be a complete new object: its own weak
+    # references (none of the dropped one's), pickled by name, equal to what it reads.
+    records = [{"n": i, "items": [{"a": i}], "box": [float(i)] * 4} for i in range(4)]
+    with shmstore.SharedList(records) as lst:
+        fired: list[int] = []
+        for _ in range(3):
+            for i in range(len(records)):
+                gets = (
+                    lambda i=i: lst[i],
+                    lambda i=i: lst[i]["items"],
+                    lambda i=i: lst[i]["box"],
+                )
+                for get in gets:
+                    view = get()
+                    ref = weakref.ref(view, lambda _, i=i: fired.append(i))
+                    assert ref() is view
+                    assert pickle.loads(pickle.dumps(view)) == view
+                    want = plain(view)
+                    del view
+                    assert ref() is None
+                    assert plain(get()) == want
+        assert len(fired) == 3 * 3 * len(records)
 
 
 @given(text=st.text(max_size=40), ascii_text=st.text(st.characters(max_codepoint=127)))

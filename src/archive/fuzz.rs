@@ -494,6 +494,15 @@ pub fn read_everything(bytes: &[u8]) -> Result<bool, ArchiveError> {
         Err(e) => Err(e),
     };
     for rec in 0..r.len() {
+        // As `lst[i]`'s smallest path reads a record's root (once its block is checked,
+        // as `root` just did): the shaped dict that `root` and `item` give, and none where
+        // either fails.
+        let whole = r.root(rec).and_then(|node| r.item(node));
+        match (&whole, r.root_dict_small(rec)) {
+            (Ok(w), Some(s)) => assert!(*w == Item::Dict(s), "root {rec}: {w:?} against {s:?}"),
+            (Err(e), Some(s)) => panic!("root {rec}: {s:?} where {e}"),
+            (_, None) => {}
+        }
         note(r.root(rec).and_then(|node| walk(&r, node, 0)))?;
         if r.kind() == Kind::Dict {
             note(r.key(rec).and_then(|k| {
@@ -590,6 +599,18 @@ fn walk(r: &Reader<&[u8]>, root: Node, depth: usize) -> Result<(), ArchiveError>
                             (Ok(w), None) => assert!(!takes, "slot {enc:?}: {w:?} not taken"),
                             (Err(_), None) => {}
                             (Err(e), Some(s)) => panic!("slot {enc:?}: {s:?} where {e}"),
+                        }
+                        // And a list of shaped dicts behind a reference: the node the slot
+                        // gives and the layout `seq` reads of it, none where either fails.
+                        if enc == Enc::Ref {
+                            if let Some((node, seq)) = r.struct_slot_seq_small(n, off) {
+                                let w = whole?;
+                                assert!(
+                                    w == Item::List(node) || w == Item::Tuple(node),
+                                    "slot {w:?} against {node:?}"
+                                );
+                                assert_eq!(r.seq(node)?, seq, "layout of {node:?}");
+                            }
                         }
                     }
                 }

@@ -9,20 +9,51 @@ impl<B: AsRef<[u8]>> Reader<B> {
     pub fn root(&self, rec: u64) -> Result<Node, ArchiveError> {
         self.validate_record(rec)?;
         let (start, end) = self.span(rec)?;
-        // A record is read front to back, but its reads depend on one another (a field's
-        // position comes from what precedes it): ask for its first lines at once, so that
-        // in random order their misses overlap instead of following one another. Not the
-        // line of its first byte, which is read next anyway.
-        prefetch_lines(
-            self.bytes(),
-            (start | 63) + 1,
-            end.min(start + ROOT_PREFETCH),
-        );
+        self.prefetch_root(start, end);
         Ok(Node {
             rec: rec as u32,
             form: Form::Tagged,
             pos: start as u64,
         })
+    }
+
+    /// The root of record `rec` if the record is checked already and its root is a shaped
+    /// dict whose shape id fits one byte (a COCO record, say): the node that `root` then
+    /// `item` give, read without their error values, for the tiny path of `lst[i]`. `None`
+    /// for anything else (a record not yet checked, another root, whatever `root` or
+    /// `tagged` would refuse), which then takes the whole way.
+    #[inline(always)]
+    #[cfg_attr(feature = "abi3", allow(dead_code))] // the stable-ABI wheel keeps pyo3's slots
+    pub fn root_dict_small(&self, rec: u64) -> Option<Node> {
+        if rec >= self.header.count || !self.is_validated(rec) {
+            return None;
+        }
+        let (start, end) = self.span_small(rec)?;
+        self.prefetch_root(start, end);
+        // The tag and a one-byte varint (the shape id), inside the record region as
+        // `tagged` reads them.
+        let [tag, id] = self.fixed::<2>(start)?;
+        if tag != T_DICT_SHAPED || id >= 0x80 || usize::from(id) >= self.shapes.len() {
+            return None;
+        }
+        Some(Node {
+            rec: u32::try_from(rec).ok()?,
+            form: Form::Struct(u32::from(id)),
+            pos: start as u64 + 2,
+        })
+    }
+
+    /// Ask for record [start, end)'s first lines at once: a record is read front to back,
+    /// but its reads depend on one another (a field's position comes from what precedes
+    /// it), so in random order their misses then overlap instead of following one another.
+    /// Not the line of its first byte, which is read next anyway.
+    #[inline(always)]
+    fn prefetch_root(&self, start: usize, end: usize) {
+        prefetch_lines(
+            self.bytes(),
+            (start | 63) + 1,
+            end.min(start + ROOT_PREFETCH),
+        );
     }
 
     /// Start loading record `rec` (its index entry, then its first bytes) without waiting.
@@ -426,11 +457,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
             Enc::F64 => self.elem_at(Elem::F64, at, 0)?.into(),
             Enc::Str => {
                 // As `follow`, `count` and `get` read it (`slot`), without their errors.
-                let d = u32::from_le_bytes(self.fixed::<REF>(at)?) as usize;
-                let t = at.checked_add(d)?;
-                if d == 0 || t >= self.rec_end {
-                    return None;
-                }
+                let t = self.follow_small(at)?;
                 let (n, after) = get_varint(self.bytes().get(..self.rec_end)?, t).ok()?;
                 let end = usize::try_from(n).ok()?.checked_add(after)?;
                 if end > self.rec_end {
@@ -441,6 +468,51 @@ impl<B: AsRef<[u8]>> Reader<B> {
             Enc::Pack { elem, count, tuple } => pack_item(node.rec, elem, count, tuple, at),
             Enc::Int(Elem::Bool | Elem::F64) | Enc::Bytes | Enc::Ref => return None,
         })
+    }
+
+    /// A reference slot of a shaped dict whose value is a list or tuple of shaped dicts
+    /// (COCO's annotations), of fewer than 128 and with a shape id below 128: its node and
+    /// layout, as `slot` and then `seq` read them, without their error values (for the
+    /// smallest read path, as `struct_slot_small`); `None` for anything else.
+    #[inline(always)]
+    #[cfg_attr(feature = "abi3", allow(dead_code))]
+    pub fn struct_slot_seq_small(&self, node: Node, off: u32) -> Option<(Node, SeqAt)> {
+        let at = usize::try_from(node.pos).ok()?.checked_add(off as usize)?;
+        let t = self.follow_small(at)?;
+        // The tag, the shape id and the count, each varint of one byte.
+        let [tag, id, n] = self.fixed::<3>(t)?;
+        if !matches!(tag, T_LIST_STRUCT | T_TUPLE_STRUCT) || id >= 0x80 || n >= 0x80 {
+            return None;
+        }
+        let step = self.shapes.get(usize::from(id))?.shape.size as usize;
+        let first = t + 3;
+        if usize::from(n).checked_mul(step)?.checked_add(first)? > self.rec_end {
+            return None;
+        }
+        let seq = SeqAt {
+            rec: node.rec,
+            shape: u32::from(id),
+            kind: SeqKind::Struct,
+            elem: Elem::I8,
+            step,
+            len: usize::from(n),
+            at: first,
+        };
+        let list = Node {
+            rec: node.rec,
+            form: Form::Tagged,
+            pos: t as u64,
+        };
+        Some((list, seq))
+    }
+
+    /// The target of the forward reference at `at`, as `follow` reads it, without its
+    /// error values.
+    #[inline(always)]
+    fn follow_small(&self, at: usize) -> Option<usize> {
+        let d = u32::from_le_bytes(self.fixed::<REF>(at)?) as usize;
+        let t = at.checked_add(d)?;
+        (d != 0 && t < self.rec_end).then_some(t)
     }
 
     /// Value of entry `i` of a dict node.

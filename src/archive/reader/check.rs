@@ -8,7 +8,9 @@ impl<B: AsRef<[u8]>> Reader<B> {
     #[inline(always)]
     pub(crate) fn is_validated(&self, rec: u64) -> bool {
         let (word, bit) = ((rec / 64) as usize, 1u64 << (rec % 64));
-        self.validated[word].load(Ordering::Acquire) & bit != 0
+        self.validated
+            .get(word)
+            .is_some_and(|w| w.load(Ordering::Acquire) & bit != 0)
     }
 
     /// Run the checks of record `rec`'s block now (normally done on first access).

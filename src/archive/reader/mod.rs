@@ -374,22 +374,25 @@ impl<B: AsRef<[u8]>> Reader<B> {
     /// [start, end) of record `rec`, checked to lie in the records region.
     #[inline(always)]
     fn span(&self, rec: u64) -> Result<(usize, usize), ArchiveError> {
-        match record_span(self.bytes(), self.header.index_off, rec) {
-            Some((s, l))
-                if s >= HEADER_LEN as u64
-                    && l > 0
-                    && s.checked_add(l).is_some_and(|e| e <= self.rec_end as u64) =>
-            {
-                Ok((s as usize, (s + l) as usize))
-            }
-            _ => corrupt(format!("record {rec}: span out of bounds")),
+        match self.span_small(rec) {
+            Some(span) => Ok(span),
+            None => corrupt(format!("record {rec}: span out of bounds")),
         }
+    }
+
+    /// [`Self::span`] without its error value (`None` where it errs).
+    #[inline(always)]
+    fn span_small(&self, rec: u64) -> Option<(usize, usize)> {
+        let (s, l) = record_span(self.bytes(), self.header.index_off, rec)?;
+        let e = s.checked_add(l)?;
+        (s >= HEADER_LEN as u64 && l > 0 && e <= self.rec_end as u64)
+            .then_some((s as usize, e as usize))
     }
 }
 
 /// A sequence's layout (`Reader::seq`). Plain fields rather than an enum with data, so
 /// that building and reading one stays in registers.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SeqAt {
     rec: u32,
     /// The shape of a struct sequence's elements.

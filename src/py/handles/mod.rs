@@ -114,6 +114,17 @@ impl StoreHandle {
         out
     }
 
+    /// `f` of the store, borrowed for a tiny read path (see `Slot::with_main_gil`); None
+    /// once closed or on a free-threaded interpreter.
+    #[cfg(not(feature = "abi3"))]
+    #[inline(always)]
+    pub(crate) fn with_live_gil<R>(
+        slf: &Bound<'_, Self>,
+        f: impl FnOnce(&StoreRef) -> Option<R>,
+    ) -> Option<R> {
+        slf.get().inner.with_main_gil(slf.as_any(), f)
+    }
+
     /// The store itself, for work done without the GIL, or StoreClosedError.
     pub(crate) fn store(slf: &Bound<'_, Self>) -> PyResult<Arc<Store>> {
         Ok(Arc::clone(Self::live(slf)?.arc()))

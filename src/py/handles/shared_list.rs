@@ -4,6 +4,8 @@ use std::path::PathBuf;
 
 use pyo3::prelude::*;
 use pyo3::types::PyList;
+#[cfg(not(feature = "abi3"))]
+use pyo3::{ffi, Borrowed};
 
 use super::{new_handle, open_of, repr, StoreHandle};
 use crate::archive::Kind;
@@ -11,6 +13,13 @@ use crate::py::read::protocol::{iterator, next_item, record_item, Seq};
 use crate::py::read::slots::{exact_index, original_slot, FastGet};
 use crate::py::store;
 use crate::py::write::{Encoder, Seg0};
+#[cfg(not(feature = "abi3"))]
+use crate::{
+    archive::reader::Form,
+    py::read::protocol::{position, FieldTable},
+    py::read::slots::compact_index,
+    py::read::{kept_view, DictView},
+};
 
 /// A list of records in shared memory.
 ///
@@ -32,6 +41,29 @@ impl FastGet for SharedList {
     ) -> Option<PyResult<Bound<'py, PyAny>>> {
         let i = exact_index(key)?;
         StoreHandle::with_live(slf.as_super(), |store| record_item(slf.py(), store, i))
+    }
+
+    /// `lst[i]` of a checked record whose root is a shaped dict (a COCO record, say), with
+    /// an exact int in range, its view made from one the free list kept.
+    #[cfg(not(feature = "abi3"))]
+    #[inline(always)]
+    fn tiny_get(
+        slf: Borrowed<'_, '_, Self>,
+        key: Borrowed<'_, '_, PyAny>,
+    ) -> Option<*mut ffi::PyObject> {
+        let py = slf.py();
+        let i = compact_index(&key)?;
+        StoreHandle::with_live_gil(slf.as_super(), |store| {
+            let j = position(i, store.reader.len() as usize)?;
+            let node = store.reader.root_dict_small(j as u64)?;
+            let Form::Struct(id) = node.form else {
+                return None;
+            };
+            let fields = FieldTable::made(py, store, id)?;
+            kept_view(py, || {
+                DictView::with_fields(store.clone_ref(py), node, fields)
+            })
+        })
     }
 
     original_slot!();

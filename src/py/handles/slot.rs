@@ -53,7 +53,7 @@ use crate::py::read::StoreRef;
 #[cfg(not(feature = "abi3"))]
 use crate::process::{seat_enter, seat_leave, SEATS};
 #[cfg(not(feature = "abi3"))]
-use crate::py::read::{per_thread, this_thread, thread_lists_on, Me};
+use crate::py::read::{per_thread, this_thread, thread_lists_on, Me, FREE_THREADED_BUILD};
 #[cfg(not(feature = "abi3"))]
 use std::sync::{atomic::AtomicBool, Arc};
 
@@ -130,6 +130,27 @@ impl Slot {
             no_seat();
         }
         self.main(owner)
+    }
+
+    /// `f` of the handle's own reference, borrowed rather than counted, for a tiny read
+    /// path (`read::slots::FastGet::tiny_get`), which counts a reference only for what it
+    /// makes; `None` once closed, and always on a free-threaded interpreter (where each
+    /// thread reads through a reference of its own, `get`).
+    #[cfg(not(feature = "abi3"))]
+    #[inline(always)]
+    pub(super) fn with_main_gil<R>(
+        &self,
+        _owner: &Bound<'_, PyAny>,
+        f: impl FnOnce(&StoreRef) -> Option<R>,
+    ) -> Option<R> {
+        if FREE_THREADED_BUILD || per_thread() {
+            return None;
+        }
+        // SAFETY: a build for an interpreter with a GIL, which the thread holds (`_owner`
+        // is bound to it), so `take`, which alone changes `main`, cannot run while `f`
+        // does: `f` is a tiny path, which runs no Python code and does not release the GIL.
+        let main = unsafe { (*self.state.get()).main.as_ref()? };
+        f(main)
     }
 
     /// The handle's own reference, or `None` once closed.

@@ -11,7 +11,11 @@ use super::scalar_ptr;
 use super::{compare_plain, reduce_view, ViewPickleArgs};
 use crate::archive::Node;
 #[cfg(not(feature = "abi3"))]
-use crate::archive::{format::Scalar, Item};
+use crate::archive::{
+    format::{Enc, Scalar},
+    reader::Form,
+    Item,
+};
 use crate::py::read::StoreRef;
 
 /// A stored dict: a read-only `collections.abc.Mapping`.
@@ -47,8 +51,9 @@ impl super::slots::FastGet for DictView {
     }
 
     /// `view["field"]` of a shaped dict, the key the field's own str object (a literal in
-    /// user code): a slot that holds None, a bool, an int, a float, a str or a packed list
-    /// made at once (a str or a list view out of line), any other read out of line.
+    /// user code): a slot that holds None, a bool, an int, a float, a str, a packed list or
+    /// a list of shaped dicts made at once (a str out of line; a list view from a kept one,
+    /// else out of line), any other read out of line.
     #[cfg(not(feature = "abi3"))]
     #[inline(always)]
     fn tiny_get(
@@ -59,6 +64,16 @@ impl super::slots::FastGet for DictView {
         let f = v.fields.find(&key)?;
         let store = &v.store;
         let Some(item) = store.reader.struct_slot_small(v.node, f.enc, f.off) else {
+            // A list of shaped dicts (COCO's annotations): its view made at once from a kept
+            // object where there is one.
+            if f.enc == Enc::Ref {
+                if let Some((node, seq)) = store.reader.struct_slot_seq_small(v.node, f.off) {
+                    let view = || super::ListView::with_seq(store.clone_ref(py), node, seq);
+                    if let Some(p) = super::kept_view(py, view) {
+                        return Some(p);
+                    }
+                }
+            }
             // Another kind of slot (a reference, bytes), or an error: read (or raised) out of
             // line, the field already found.
             let (rec, form, pos) = v.node.into_parts();
@@ -78,6 +93,14 @@ impl super::slots::FastGet for DictView {
             Item::Float(x) => scalar_ptr(py, Scalar::Float(x)),
             Item::Str(b) => super::slots::str_ptr(py, store, b),
             Item::List(node) | Item::Tuple(node) => {
+                // A packed field's view holds no layout (`ListView::packed`): made at
+                // once from a kept object where there is one.
+                if let Form::Pack { .. } = node.form {
+                    let view = || super::ListView::packed(store.clone_ref(py), node);
+                    if let Some(p) = super::kept_view(py, view) {
+                        return Some(p);
+                    }
+                }
                 let (rec, form, pos) = node.into_parts();
                 super::slots::list_view_ptr(py, store, rec, form, pos)
             }

@@ -89,6 +89,21 @@ pub(crate) fn new_view<T: Recycled>(py: Python<'_>, value: T) -> PyResult<Bound<
     super::new_untracked(py, value.init())
 }
 
+/// A new view or iterator object holding `value()`, made from an object its free list
+/// kept, with no call into the interpreter and nothing that can fail (for the tiny read
+/// paths, `read::slots::FastGet::tiny_get`): `None`, with nothing done and `value` not
+/// called, when there is none to take or the lists are not in use (free-threaded, or a
+/// layout that is not the expected one); the caller's whole way then makes it as usual.
+#[cfg(not(feature = "abi3"))]
+#[inline(always)]
+pub(crate) fn kept_view<T: Recycled>(
+    _py: Python<'_>,
+    value: impl FnOnce() -> T,
+) -> Option<*mut pyo3::ffi::PyObject> {
+    // SAFETY: the thread is attached (`_py`) and `T::list()` is `T`'s list.
+    unsafe { T::list().make_kept(value) }
+}
+
 #[cfg(not(feature = "abi3"))]
 pub(crate) mod imp {
     use std::cell::UnsafeCell;
@@ -113,7 +128,7 @@ pub(crate) mod imp {
     /// object header is larger (the owning thread and two counts, 32 bytes, against 16).
     /// The lists per thread are compiled only there, so that the paths with a GIL carry
     /// no branch for them (the run-time check, `RECYCLE`, still decides).
-    const FT_BUILD: bool = std::mem::size_of::<ffi::PyObject>() > 16;
+    pub(crate) const FT_BUILD: bool = std::mem::size_of::<ffi::PyObject>() > 16;
 
     /// Dropped views kept per type: enough for the views alive at once in any usual loop
     /// (a record's nested containers), few enough to be negligible memory.
@@ -252,6 +267,44 @@ pub(crate) mod imp {
                 }
                 Ok(Bound::from_owned_ptr(py, obj).cast_into_unchecked())
             }
+        }
+
+        /// A new object of `T` holding `value()`, made from an object this list kept, with
+        /// no call (for the tiny read paths, `read::slots::FastGet::tiny_get`, which must
+        /// neither fail nor panic): `None`, with nothing done and `value` not called, unless
+        /// objects are recycled (an interpreter with a GIL), the layout is known and one is
+        /// kept. The new reference otherwise.
+        ///
+        /// # Safety
+        /// The thread is attached; `self` is `T`'s list.
+        #[inline(always)]
+        pub(crate) unsafe fn make_kept<T: Recycled>(
+            &self,
+            value: impl FnOnce() -> T,
+        ) -> Option<*mut ffi::PyObject> {
+            if !super::RECYCLE.load(Ordering::Relaxed) {
+                return None;
+            }
+            // SAFETY: written only at install, before any object exists (see `Sync`).
+            let layout = unsafe { (*self.layout.get())? };
+            // SAFETY: recycling is on, so the GIL is held (the thread is attached) and it
+            // serialises every use of the list.
+            let obj = unsafe { (*self.items.get()).pop()? };
+            // SAFETY: `obj` is a kept object of exactly `T`'s type, as `alloc` hands one
+            // out (one increment makes it a fresh object holding its type); the value and
+            // the cleared weak-reference list are then written where `layout` (checked
+            // against this type at init) says, as `make` writes them.
+            unsafe {
+                ffi::Py_INCREF(obj);
+                let base = obj.cast::<u8>();
+                base.add(layout.value).cast::<T>().write(value());
+                if layout.weak != 0 {
+                    base.add(layout.weak)
+                        .cast::<*mut ffi::PyObject>()
+                        .write(std::ptr::null_mut());
+                }
+            }
+            Some(obj)
         }
 
         /// An object made by pyo3's generic path: for a type whose layout is not the
@@ -653,7 +706,7 @@ pub(crate) mod imp {
 }
 
 #[cfg(not(feature = "abi3"))]
-pub(crate) use imp::{install, install_type, FreeList};
+pub(crate) use imp::{install, install_type, FreeList, FT_BUILD};
 
 /// Make each `$t` a [`Recycled`] type with a free list of its own (the static `$list`),
 /// put in place by [`install`] (through [`install_type`]). Used here for the views and by

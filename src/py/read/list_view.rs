@@ -101,6 +101,28 @@ impl ListView {
         ListView { store, node, seq }
     }
 
+    /// A view of the list or tuple at `node` whose layout the caller read.
+    #[inline(always)]
+    #[cfg_attr(feature = "abi3", allow(dead_code))]
+    pub(crate) fn with_seq(store: StoreRef, node: Node, seq: SeqAt) -> Self {
+        ListView {
+            store,
+            node,
+            seq: Some(seq),
+        }
+    }
+
+    /// A view of a packed field (`node` of a `Form::Pack`), which holds no layout.
+    #[inline(always)]
+    #[cfg_attr(feature = "abi3", allow(dead_code))]
+    pub(crate) fn packed(store: StoreRef, node: Node) -> Self {
+        ListView {
+            store,
+            node,
+            seq: None,
+        }
+    }
+
     fn seq(&self) -> Seq<'_> {
         Seq::Items(&self.store, self.node)
     }

@@ -377,14 +377,27 @@ impl FieldTable {
     #[inline(always)]
     pub(crate) fn of_shape(py: Python<'_>, store: &StoreRef, id: Option<u32>) -> Self {
         match id.and_then(|id| store.py_fields(py, id)) {
-            Some(f) => FieldTable {
-                ptr: f.as_ptr(),
-                len: f.len(),
-            },
+            Some(f) => Self::from_slice(f),
             None => FieldTable {
                 ptr: std::ptr::NonNull::dangling().as_ptr(),
                 len: 0,
             },
+        }
+    }
+
+    /// The fields of shape `id` of `store` if its symbols are made (`of_shape` makes them on
+    /// first use), for the tiny paths, which call nothing that may fail.
+    #[inline(always)]
+    #[cfg_attr(feature = "abi3", allow(dead_code))]
+    pub(crate) fn made(py: Python<'_>, store: &StoreRef, id: u32) -> Option<Self> {
+        store.py_fields_made(py, id).map(Self::from_slice)
+    }
+
+    #[inline(always)]
+    fn from_slice(f: &[PyField]) -> Self {
+        FieldTable {
+            ptr: f.as_ptr(),
+            len: f.len(),
         }
     }
 
@@ -734,6 +747,33 @@ impl Cursor {
     }
 }
 
+/// The next item of a list of shaped dicts (COCO's annotations) as `next_item` makes it,
+/// its view made from a dropped one the free list kept, for the tiny path of `next(it)`
+/// (`slots::FastNext::tiny_next`); `None`, with the cursor unchanged, for any other
+/// sequence, at the end, or with no kept view to take.
+#[cfg(not(feature = "abi3"))]
+#[inline(always)]
+pub(crate) fn tiny_next_struct(
+    py: Python<'_>,
+    src: &Owned,
+    cur: &Cursor,
+) -> Option<*mut pyo3::ffi::PyObject> {
+    let seq = src.seq?;
+    let k = cur.next.load(Ordering::Relaxed);
+    let i = if cur.reverse {
+        seq.len.checked_sub(k)?.checked_sub(1)?
+    } else {
+        k
+    };
+    let node = seq.struct_item(i)?;
+    let view = || DictView::with_fields(src.store.clone_ref(py), node, src.fields);
+    let obj = read::kept_view(py, view)?;
+    // Only now, with the item made (`kept_view` takes a kept view only where a GIL
+    // serialises the iterator's use, so nothing moved the cursor meanwhile).
+    cur.next.store(k + 1, Ordering::Relaxed);
+    Some(obj)
+}
+
 /// What an iterator walks: its own reference to the store, plus the node for a view.
 pub(crate) struct Owned {
     pub(crate) store: StoreRef,
@@ -880,6 +920,14 @@ macro_rules! iterator {
             ) -> pyo3::PyResult<Option<pyo3::Bound<'py, pyo3::PyAny>>> {
                 let it = slf.get();
                 $next(&it.src, slf.py(), &it.cur)
+            }
+
+            /// Only a list of shaped dicts has one (the others have no layout: `src.seq`).
+            #[cfg(not(feature = "abi3"))]
+            #[inline(always)]
+            fn tiny_next(slf: pyo3::Borrowed<'_, '_, Self>) -> Option<*mut pyo3::ffi::PyObject> {
+                let it = slf.get();
+                $crate::py::read::protocol::tiny_next_struct(slf.py(), &it.src, &it.cur)
             }
         }
 

@@ -9,7 +9,10 @@
 //! stack frame), then its fast path ([`FastGet`]: an exact `int` index, an exact `str` key)
 //! under the panic guard ([`subscript_whole`]), and hands everything else — slices,
 //! other index types, misses, errors it did not raise itself — to the slot pyo3 made, which
-//! then does the whole work with its usual checks and messages.
+//! then does the whole work with its usual checks and messages. The iterators' `tp_iternext`
+//! is split the same way ([`FastNext::tiny_next`], else [`iternext_whole`]). A tiny path
+//! that makes a view takes it from the type's free list with no call
+//! (`read::kept_view`), or leaves it to the whole way when none is kept.
 //!
 //! What the fast paths may do without the trampoline, and what they must not:
 //! - they run with the GIL held (CPython calls the slot with it), so the `Python` token is
@@ -433,14 +436,44 @@ pub(crate) unsafe fn install<T: FastGet>(py: Python<'_>) -> Result<(), String> {
 pub(crate) trait FastNext: PyClass + PyTypeInfo {
     /// The next item, `None` at the end.
     fn fast_next<'py>(slf: &Bound<'py, Self>) -> PyResult<Option<Bound<'py, PyAny>>>;
+
+    /// The next item's new reference for the commonest case, in a slot entry of its own
+    /// (as [`FastGet::tiny_get`], under the same rules: it must not be able to panic and
+    /// makes no `PyErr`); `None`, with the iterator unchanged, for everything else.
+    #[inline(always)]
+    fn tiny_next(_slf: Borrowed<'_, '_, Self>) -> Option<*mut ffi::PyObject> {
+        None
+    }
 }
 
-/// The `tp_iternext` slot of a `FastNext` type: the next item, or NULL with no exception
-/// at the end (as CPython's own iterators do), or NULL with the exception.
+/// The `tp_iternext` slot of a `FastNext` type: [`FastNext::tiny_next`], else the whole
+/// way ([`iternext_whole`]), split as [`subscript`] is.
 #[cfg(not(feature = "abi3"))]
 unsafe extern "C" fn iternext<T: FastNext>(slf: *mut ffi::PyObject) -> *mut ffi::PyObject {
     // SAFETY: CPython calls tp_iternext with the GIL held on a live instance of the type
     // whose slot this is, borrowed for the call.
+    let py = unsafe { Python::assume_attached() };
+    // SAFETY: as above; telling the compiler so drops `from_ptr`'s NULL check.
+    let slf_b = unsafe {
+        std::hint::assert_unchecked(!slf.is_null());
+        instance::<T>(py, slf)
+    };
+    if let Some(out) = T::tiny_next(slf_b) {
+        return out;
+    }
+    // SAFETY: the caller's contract, passed on.
+    unsafe { iternext_whole::<T>(slf) }
+}
+
+/// The whole of `tp_iternext` for a `FastNext` type: the next item, or NULL with no
+/// exception at the end (as CPython's own iterators do), or NULL with the exception.
+///
+/// # Safety
+/// As a `tp_iternext` slot of `T`: the GIL is held and `slf` is a live instance of `T`.
+#[cfg(not(feature = "abi3"))]
+#[inline(never)]
+unsafe fn iternext_whole<T: FastNext>(slf: *mut ffi::PyObject) -> *mut ffi::PyObject {
+    // SAFETY: the caller's contract.
     let py = unsafe { Python::assume_attached() };
     // SAFETY: as above.
     let slf_b = unsafe { instance::<T>(py, slf) };

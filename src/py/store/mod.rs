@@ -227,6 +227,18 @@ impl Store {
             .map(|f| &f[..])
     }
 
+    /// [`Self::py_fields`] once the symbols are made (`None` before: making them is the
+    /// whole way's work), for the tiny read paths, which call nothing that may fail.
+    #[inline(always)]
+    #[cfg_attr(feature = "abi3", allow(dead_code))]
+    pub(crate) fn py_fields_made(&self, py: Python<'_>, id: u32) -> Option<&[PyField]> {
+        self.py_symbols
+            .get(py)?
+            .fields
+            .get(id as usize)
+            .map(|f| &f[..])
+    }
+
     #[inline(always)]
     fn symbols(&self, py: Python<'_>) -> PyResult<&Symbols> {
         self.py_symbols.get_or_try_init(py, || {
