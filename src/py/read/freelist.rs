@@ -143,6 +143,27 @@ pub(crate) mod imp {
     }
 
     impl Layout {
+        /// Write the contents of a new object of `T` at `obj`: `value` and, for a type
+        /// with weak references, the list set empty, the only other field. The object is
+        /// then complete, as pyo3 would have made it.
+        ///
+        /// # Safety
+        /// `obj` is a new object of `T`'s type (its header set, one reference) and `self`
+        /// is `T`'s layout, checked against its type at init (`Layout::of_type`).
+        #[inline(always)]
+        unsafe fn fill<T>(self, obj: *mut ffi::PyObject, value: T) {
+            // SAFETY: the caller's contract: both fields are inside the object.
+            unsafe {
+                let base = obj.cast::<u8>();
+                base.add(self.value).cast::<T>().write(value);
+                if self.weak != 0 {
+                    base.add(self.weak)
+                        .cast::<*mut ffi::PyObject>()
+                        .write(std::ptr::null_mut());
+                }
+            }
+        }
+
         /// The layout of `T`'s objects, from its type object, if it is the one this module
         /// relies on: the object is its header, the value right after it and (for a type
         /// with weak references) the list pointer right after the value, with nothing else
@@ -253,18 +274,10 @@ pub(crate) mod imp {
             }
             // SAFETY: `obj` is a new object of `T`'s type with a reference count of 1,
             // either fresh from the generic allocator (zeroed) or recycled by `dealloc`
-            // below (its value moved out, its weak-reference list cleared). `layout` was
-            // checked against this type at init (`Layout::of_type`): the value goes at
-            // `layout.value` and the weak-reference list, set empty, is the only other
-            // field. The object is then complete, as pyo3 would have made it.
+            // below (its value moved out, its weak-reference list cleared), and `layout`
+            // is this type's.
             unsafe {
-                let base = obj.cast::<u8>();
-                base.add(layout.value).cast::<T>().write(value);
-                if layout.weak != 0 {
-                    base.add(layout.weak)
-                        .cast::<*mut ffi::PyObject>()
-                        .write(std::ptr::null_mut());
-                }
+                layout.fill(obj, value);
                 Ok(Bound::from_owned_ptr(py, obj).cast_into_unchecked())
             }
         }
@@ -291,18 +304,11 @@ pub(crate) mod imp {
             // serialises every use of the list.
             let obj = unsafe { (*self.items.get()).pop()? };
             // SAFETY: `obj` is a kept object of exactly `T`'s type, as `alloc` hands one
-            // out (one increment makes it a fresh object holding its type); the value and
-            // the cleared weak-reference list are then written where `layout` (checked
-            // against this type at init) says, as `make` writes them.
+            // out (one increment makes it a fresh object holding its type), and `layout`
+            // is this type's.
             unsafe {
                 ffi::Py_INCREF(obj);
-                let base = obj.cast::<u8>();
-                base.add(layout.value).cast::<T>().write(value());
-                if layout.weak != 0 {
-                    base.add(layout.weak)
-                        .cast::<*mut ffi::PyObject>()
-                        .write(std::ptr::null_mut());
-                }
+                layout.fill(obj, value());
             }
             Some(obj)
         }

@@ -759,6 +759,7 @@ pub(crate) fn tiny_next_struct(
     cur: &Cursor,
 ) -> Option<*mut pyo3::ffi::PyObject> {
     let seq = src.seq?;
+    // `Cursor::advance`'s position, without moving yet (the end is left to it).
     let k = cur.next.load(Ordering::Relaxed);
     let i = if cur.reverse {
         seq.len.checked_sub(k)?.checked_sub(1)?

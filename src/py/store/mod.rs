@@ -55,6 +55,14 @@ pub(crate) struct Symbols {
     fields: Vec<Box<[PyField]>>,
 }
 
+impl Symbols {
+    /// The fields of shape `id` (`None` for an id out of range).
+    #[inline(always)]
+    fn fields_of(&self, id: u32) -> Option<&[PyField]> {
+        self.fields.get(id as usize).map(|f| &f[..])
+    }
+}
+
 /// One field of a shape: its key's str object (by address: the objects live in `strs`,
 /// as long as the store), and where and how its value is stored in a dict's slots.
 #[derive(Clone, Copy)]
@@ -220,11 +228,7 @@ impl Store {
     /// `view["field"]`: a compare per field and the slot's place, with no other lookup.
     #[inline(always)]
     pub(crate) fn py_fields(&self, py: Python<'_>, id: u32) -> Option<&[PyField]> {
-        self.symbols(py)
-            .ok()?
-            .fields
-            .get(id as usize)
-            .map(|f| &f[..])
+        self.symbols(py).ok()?.fields_of(id)
     }
 
     /// [`Self::py_fields`] once the symbols are made (`None` before: making them is the
@@ -232,11 +236,7 @@ impl Store {
     #[inline(always)]
     #[cfg_attr(feature = "abi3", allow(dead_code))]
     pub(crate) fn py_fields_made(&self, py: Python<'_>, id: u32) -> Option<&[PyField]> {
-        self.py_symbols
-            .get(py)?
-            .fields
-            .get(id as usize)
-            .map(|f| &f[..])
+        self.py_symbols.get(py)?.fields_of(id)
     }
 
     #[inline(always)]
