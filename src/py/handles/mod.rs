@@ -125,6 +125,18 @@ impl StoreHandle {
         slf.get().inner.with_main_gil(slf.as_any(), f)
     }
 
+    /// `f` of this thread's own reference to the store, borrowed for a tiny read path on a
+    /// free-threaded interpreter (see `Slot::with_own`: `f` may only read and count
+    /// references); None where that is not at hand (the whole way then reads).
+    #[cfg(not(feature = "abi3"))]
+    #[inline(always)]
+    pub(crate) fn with_own<R>(
+        slf: &Bound<'_, Self>,
+        f: impl FnOnce(&StoreRef) -> Option<R>,
+    ) -> Option<R> {
+        slf.get().inner.with_own(slf.as_any(), f)
+    }
+
     /// The store itself, for work done without the GIL, or StoreClosedError.
     pub(crate) fn store(slf: &Bound<'_, Self>) -> PyResult<Arc<Store>> {
         Ok(Arc::clone(Self::live(slf)?.arc()))

@@ -18,7 +18,7 @@ use crate::{
     archive::reader::Form,
     py::read::protocol::{position, FieldTable},
     py::read::slots::compact_index,
-    py::read::{kept_view, DictView},
+    py::read::{kept_view, kept_view_holding, DictView, StoreRef, FREE_THREADED_BUILD},
 };
 
 /// A list of records in shared memory.
@@ -44,7 +44,8 @@ impl FastGet for SharedList {
     }
 
     /// `lst[i]` of a checked record whose root is a shaped dict (a COCO record, say), with
-    /// an exact int in range, its view made from one the free list kept.
+    /// an exact int in range, its view made from one the free list (free-threaded: the
+    /// thread's own list) kept.
     #[cfg(not(feature = "abi3"))]
     #[inline(always)]
     fn tiny_get(
@@ -53,13 +54,19 @@ impl FastGet for SharedList {
     ) -> Option<*mut ffi::PyObject> {
         let py = slf.py();
         let i = compact_index(&key)?;
+        if FREE_THREADED_BUILD {
+            // The thread's own reference is borrowed only while its seat's flag is up: the
+            // record is found and the view's reference counted then, the view made after.
+            let (store, node, fields) = StoreHandle::with_own(slf.as_super(), |store| {
+                let (node, fields) = shaped_record(py, store, i)?;
+                Some((store.clone_ref(py), node, fields))
+            })?;
+            return kept_view_holding(py, store, |store| {
+                DictView::with_fields(store, node, fields)
+            });
+        }
         StoreHandle::with_live_gil(slf.as_super(), |store| {
-            let j = position(i, store.reader.len() as usize)?;
-            let node = store.reader.root_dict_small(j as u64)?;
-            let Form::Struct(id) = node.form else {
-                return None;
-            };
-            let fields = FieldTable::made(py, store, id)?;
+            let (node, fields) = shaped_record(py, store, i)?;
             kept_view(py, || {
                 DictView::with_fields(store.clone_ref(py), node, fields)
             })
@@ -67,6 +74,24 @@ impl FastGet for SharedList {
     }
 
     original_slot!();
+}
+
+/// Record `i` (an index, negative from the end) of `store`, if it is a checked record whose
+/// root is a shaped dict with a one-byte shape id whose fields are already made: its node
+/// and fields, for a tiny path (`None` for everything else).
+#[cfg(not(feature = "abi3"))]
+#[inline(always)]
+fn shaped_record(
+    py: Python<'_>,
+    store: &StoreRef,
+    i: isize,
+) -> Option<(crate::archive::Node, FieldTable)> {
+    let j = position(i, store.reader.len() as usize)?;
+    let node = store.reader.root_dict_small(j as u64)?;
+    let Form::Struct(id) = node.form else {
+        return None;
+    };
+    Some((node, FieldTable::made(py, store, id)?))
 }
 
 #[pymethods]

@@ -19,6 +19,10 @@
 //!    (the thread's key), and counts one more reference on it;
 //! 3. clears the flag (a release store).
 //!
+//! A tiny read path (`with_own`) does the same with a borrowed reference, finding its
+//! record and counting the reference for the view it makes between 2 and 3; it makes the
+//! view only after the flag is cleared.
+//!
 //! Everything else happens inside the handle's critical section: a thread's first read
 //! makes its reference and puts it in the table (which grows by copying into a larger one;
 //! an old table is kept until the handle closes, since a reader may still look at it), and
@@ -135,7 +139,7 @@ impl Slot {
     /// `f` of the handle's own reference, borrowed rather than counted, for a tiny read
     /// path (`read::slots::FastGet::tiny_get`), which counts a reference only for what it
     /// makes; `None` once closed, and always on a free-threaded interpreter (where each
-    /// thread reads through a reference of its own, `get`).
+    /// thread reads through a reference of its own: `get`, `with_own`).
     #[cfg(not(feature = "abi3"))]
     #[inline(always)]
     pub(super) fn with_main_gil<R>(
@@ -170,28 +174,70 @@ impl Slot {
     #[inline(always)]
     fn mine(&self, py: Python<'_>, me: Me) -> Option<StoreRef> {
         seat_enter(me.seat);
-        let table = self.table.load(Ordering::SeqCst);
-        let mut out = None;
-        if !table.is_null() {
-            // SAFETY: a table stays allocated while our flag is set (`take` waits for it
-            // before freeing one; a replaced table is kept until then).
-            let entries = unsafe { &(*table).entries };
-            if let Some(e) = entries.get(me.seat) {
-                // The entry of our seat is only ever written by this thread, or with the
-                // table out of readers' reach: no other thread's key can be read with
-                // this thread's object.
-                if e.key.load(Ordering::Relaxed) == me.key {
-                    let obj = e.obj.load(Ordering::Acquire);
-                    if !obj.is_null() {
-                        // SAFETY: the entry holds a reference to `obj`, not given back
-                        // while our flag is set; the thread is attached (`py`).
-                        out = Some(unsafe { StoreRef::clone_raw(py, obj) });
-                    }
-                }
-            }
-        }
+        let obj = self.own_obj(me);
+        // SAFETY: the entry holds a reference to `obj`, not given back while our flag is
+        // set; the thread is attached (`py`).
+        let out = (!obj.is_null()).then(|| unsafe { StoreRef::clone_raw(py, obj) });
         seat_leave(me.seat);
         out
+    }
+
+    /// `f` of this thread's own reference, borrowed rather than counted, for a tiny read
+    /// path on a free-threaded interpreter (`read::slots::FastGet::tiny_get`, which counts a
+    /// reference only for what it makes); `None` without calling `f` where the thread has
+    /// none in the table (its first read through the handle, which the whole way makes),
+    /// has no seat, or the handle is closed, and on an interpreter with a GIL (where
+    /// [`Self::with_main_gil`] serves). `f` runs with the seat's flag set, so a `close()` in
+    /// another thread waits for it: it may only read and count references, never run Python
+    /// code, make an object or wait.
+    #[cfg(not(feature = "abi3"))]
+    #[inline(always)]
+    pub(super) fn with_own<R>(
+        &self,
+        owner: &Bound<'_, PyAny>,
+        f: impl FnOnce(&StoreRef) -> Option<R>,
+    ) -> Option<R> {
+        if !per_thread() {
+            return None;
+        }
+        // SAFETY: the thread is attached (`owner` is bound to it).
+        let me = unsafe { this_thread() }?;
+        seat_enter(me.seat);
+        let obj = self.own_obj(me);
+        let out = if obj.is_null() {
+            None
+        } else {
+            // SAFETY: the entry holds a reference to `obj`, not given back while our flag
+            // is set, which it is until `f` has returned; the thread is attached.
+            let store = unsafe { StoreRef::borrow_raw(owner.py(), obj) };
+            f(&store)
+        };
+        seat_leave(me.seat);
+        out
+    }
+
+    /// The object of this thread's reference in the table, or null if the table has none
+    /// of this thread's (its first read, or closed).
+    ///
+    /// Call with the seat's flag set (`seat_enter(me.seat)`): the object is not given back
+    /// until it is cleared.
+    #[cfg(not(feature = "abi3"))]
+    #[inline(always)]
+    fn own_obj(&self, me: Me) -> *mut ffi::PyObject {
+        let table = self.table.load(Ordering::SeqCst);
+        if table.is_null() {
+            return null_mut();
+        }
+        // SAFETY: a table stays allocated while our flag is set (`take` waits for it
+        // before freeing one; a replaced table is kept until then).
+        let entries = unsafe { &(*table).entries };
+        match entries.get(me.seat) {
+            // The entry of our seat is only ever written by this thread, or with the
+            // table out of readers' reach: no other thread's key can be read with this
+            // thread's object.
+            Some(e) if e.key.load(Ordering::Relaxed) == me.key => e.obj.load(Ordering::Acquire),
+            _ => null_mut(),
+        }
     }
 
     /// This thread's first read through the handle: a reference of its own, put in the

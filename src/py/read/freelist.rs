@@ -89,11 +89,11 @@ pub(crate) fn new_view<T: Recycled>(py: Python<'_>, value: T) -> PyResult<Bound<
     super::new_untracked(py, value.init())
 }
 
-/// A new view or iterator object holding `value()`, made from an object its free list
-/// kept, with no call into the interpreter and nothing that can fail (for the tiny read
-/// paths, `read::slots::FastGet::tiny_get`): `None`, with nothing done and `value` not
-/// called, when there is none to take or the lists are not in use (free-threaded, or a
-/// layout that is not the expected one); the caller's whole way then makes it as usual.
+/// A new view or iterator object holding `value()`, made from an object its free list (or,
+/// free-threaded, the thread's own list) kept, with nothing that can fail (for the tiny
+/// read paths, `read::slots::FastGet::tiny_get`): `None`, with nothing done and `value` not
+/// called, when there is none to take or the lists are not in use (a layout that is not the
+/// expected one); the caller's whole way then makes it as usual.
 #[cfg(not(feature = "abi3"))]
 #[inline(always)]
 pub(crate) fn kept_view<T: Recycled>(
@@ -102,6 +102,28 @@ pub(crate) fn kept_view<T: Recycled>(
 ) -> Option<*mut pyo3::ffi::PyObject> {
     // SAFETY: the thread is attached (`_py`) and `T::list()` is `T`'s list.
     unsafe { T::list().make_kept(value) }
+}
+
+/// [`kept_view`] of a value that holds `store`, a reference counted for it: given back
+/// (a plain decrement) when no view is made.
+#[cfg(not(feature = "abi3"))]
+#[inline(always)]
+pub(crate) fn kept_view_holding<T: Recycled>(
+    py: Python<'_>,
+    store: StoreRef,
+    value: impl FnOnce(StoreRef) -> T,
+) -> Option<*mut pyo3::ffi::PyObject> {
+    let mut store = std::mem::ManuallyDrop::new(store);
+    let made = kept_view(py, || {
+        // SAFETY: `store` is taken out at most once, here, when `make_kept` calls this,
+        // and only then: it returns `None` without calling it.
+        value(unsafe { std::mem::ManuallyDrop::take(&mut store) })
+    });
+    if made.is_none() {
+        // SAFETY: not taken (above); the thread is attached (`py`).
+        unsafe { std::mem::ManuallyDrop::into_inner(store).release() };
+    }
+    made
 }
 
 #[cfg(not(feature = "abi3"))]
@@ -282,11 +304,13 @@ pub(crate) mod imp {
             }
         }
 
-        /// A new object of `T` holding `value()`, made from an object this list kept, with
-        /// no call (for the tiny read paths, `read::slots::FastGet::tiny_get`, which must
-        /// neither fail nor panic): `None`, with nothing done and `value` not called, unless
-        /// objects are recycled (an interpreter with a GIL), the layout is known and one is
-        /// kept. The new reference otherwise.
+        /// A new object of `T` holding `value()`, made from a kept object with no call
+        /// beyond `PyObject_Init` (for the tiny read paths, `read::slots::FastGet::tiny_get`,
+        /// which must neither fail nor panic): with a GIL one this list kept (a reference
+        /// count increment makes it new), without one (free-threaded) one this thread kept
+        /// (`thread_lists`, initialised as `alloc_direct` does). `None`, with nothing done
+        /// and `value` not called, when the layout is not the expected one or none is kept.
+        /// The new reference otherwise.
         ///
         /// # Safety
         /// The thread is attached; `self` is `T`'s list.
@@ -295,21 +319,37 @@ pub(crate) mod imp {
             &self,
             value: impl FnOnce() -> T,
         ) -> Option<*mut ffi::PyObject> {
-            if !super::RECYCLE.load(Ordering::Relaxed) {
+            let recycle = super::RECYCLE.load(Ordering::Relaxed);
+            if !recycle && !FT_BUILD {
                 return None;
             }
             // SAFETY: written only at install, before any object exists (see `Sync`).
             let layout = unsafe { (*self.layout.get())? };
-            // SAFETY: recycling is on, so the GIL is held (the thread is attached) and it
-            // serialises every use of the list.
-            let obj = unsafe { (*self.items.get()).pop()? };
-            // SAFETY: `obj` is a kept object of exactly `T`'s type, as `alloc` hands one
-            // out (one increment makes it a fresh object holding its type), and `layout`
+            let obj = if recycle {
+                // SAFETY: recycling is on, so the GIL is held (the thread is attached) and
+                // it serialises every use of the list. `obj` is a kept object of exactly
+                // `T`'s type, as `alloc` hands one out: one increment makes it a fresh
+                // object holding its type.
+                unsafe {
+                    let obj = (*self.items.get()).pop()?;
+                    ffi::Py_INCREF(obj);
+                    obj
+                }
+            } else {
+                // SAFETY: written only at install (see `Sync`).
+                let slot = unsafe { *self.slot.get() };
+                if slot == NO_SLOT {
+                    return None;
+                }
+                // SAFETY: as in `alloc_direct`: a slot is set only with the lists per
+                // thread on and is below `thread_lists::TYPES`; the thread is attached; the
+                // object popped is the memory of a dropped object of exactly `T`'s type,
+                // which `PyObject_Init` (never failing for a non-null object) makes new.
+                unsafe { ffi::PyObject_Init(thread_lists::pop(slot)?, *self.ty.get()) }
+            };
+            // SAFETY: `obj` is a new object of `T`'s type with one reference, and `layout`
             // is this type's.
-            unsafe {
-                ffi::Py_INCREF(obj);
-                layout.fill(obj, value());
-            }
+            unsafe { layout.fill(obj, value()) };
             Some(obj)
         }
 

@@ -21,7 +21,8 @@ pub(crate) use dict_view::{DictIter, DictView};
 pub(crate) use freelist::{install as install_freelists, new_view, recycled, HoldsStore, Recycled};
 #[cfg(not(feature = "abi3"))]
 pub(crate) use freelist::{
-    install_type as install_free_list, kept_view, FreeList, FT_BUILD as FREE_THREADED_BUILD,
+    install_type as install_free_list, kept_view, kept_view_holding, FreeList,
+    FT_BUILD as FREE_THREADED_BUILD,
 };
 pub(crate) use list_view::{ListIter, ListView};
 #[cfg(not(feature = "abi3"))]

@@ -72,6 +72,27 @@ impl StoreRef {
         StoreRef(unsafe { Bound::from_borrowed_ptr(py, obj).cast_into_unchecked() }.unbind())
     }
 
+    /// The reference kept raw at `obj` ([`Self::into_raw`]), borrowed: not counted, and
+    /// never given back by the value returned.
+    ///
+    /// # Safety
+    /// `obj` is the object of a `StoreRef` made raw whose reference is not given back while
+    /// the value returned is alive; the thread is attached.
+    #[inline(always)]
+    #[cfg_attr(feature = "abi3", allow(dead_code))]
+    pub(crate) unsafe fn borrow_raw(
+        py: Python<'_>,
+        obj: *mut pyo3::ffi::PyObject,
+    ) -> std::mem::ManuallyDrop<Self> {
+        // SAFETY: the caller's contract: `obj` is a live `StoreCell`; the reference this
+        // claims is never given back (`ManuallyDrop`), so nothing is counted either way.
+        std::mem::ManuallyDrop::new(StoreRef(unsafe {
+            Bound::from_owned_ptr(py, obj)
+                .cast_into_unchecked()
+                .unbind()
+        }))
+    }
+
     /// Give back a reference kept raw, by a plain decrement (as [`Self::release`]).
     ///
     /// # Safety

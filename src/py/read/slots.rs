@@ -11,8 +11,9 @@
 //! other index types, misses, errors it did not raise itself — to the slot pyo3 made, which
 //! then does the whole work with its usual checks and messages. The iterators' `tp_iternext`
 //! is split the same way ([`FastNext::tiny_next`], else [`iternext_whole`]). A tiny path
-//! that makes a view takes it from the type's free list with no call
-//! (`read::kept_view`), or leaves it to the whole way when none is kept.
+//! that makes a view takes it from the type's free list with no call (free-threaded: from
+//! the thread's own list, `PyObject_Init` its one call; `read::kept_view`), or leaves it to
+//! the whole way when none is kept.
 //!
 //! What the fast paths may do without the trampoline, and what they must not:
 //! - they run with the GIL held (CPython calls the slot with it), so the `Python` token is
