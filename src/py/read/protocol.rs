@@ -769,8 +769,9 @@ pub(crate) fn tiny_next_struct(
     let node = seq.struct_item(i)?;
     let view = || DictView::with_fields(src.store.clone_ref(py), node, src.fields);
     let obj = read::kept_view(py, view)?;
-    // Only now, with the item made (`kept_view` takes a kept view only where a GIL
-    // serialises the iterator's use, so nothing moved the cursor meanwhile).
+    // Only now, with the item made. With a GIL nothing moved the cursor meanwhile; on a
+    // free-threaded interpreter, where threads may share the iterator, this store is
+    // `Cursor::advance`'s: an item may be seen twice, none skipped, nothing out of range.
     cur.next.store(k + 1, Ordering::Relaxed);
     Some(obj)
 }
