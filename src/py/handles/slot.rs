@@ -173,13 +173,7 @@ impl Slot {
     #[cfg(not(feature = "abi3"))]
     #[inline(always)]
     fn mine(&self, py: Python<'_>, me: Me) -> Option<StoreRef> {
-        seat_enter(me.seat);
-        let obj = self.own_obj(me);
-        // SAFETY: the entry holds a reference to `obj`, not given back while our flag is
-        // set; the thread is attached (`py`).
-        let out = (!obj.is_null()).then(|| unsafe { StoreRef::clone_raw(py, obj) });
-        seat_leave(me.seat);
-        out
+        self.with_entry(py, me, |store| Some(store.clone_ref(py)))
     }
 
     /// `f` of this thread's own reference, borrowed rather than counted, for a tiny read
@@ -202,14 +196,29 @@ impl Slot {
         }
         // SAFETY: the thread is attached (`owner` is bound to it).
         let me = unsafe { this_thread() }?;
+        self.with_entry(owner.py(), me, f)
+    }
+
+    /// A read of this thread's entry (the module's text, steps 1-3): `f` of the reference
+    /// there, borrowed while the seat's flag is set; `None` without calling `f` if the
+    /// table has none of this thread's (its first read, or closed). `f` may only read and
+    /// count references (`close()` waits for the flag).
+    #[cfg(not(feature = "abi3"))]
+    #[inline(always)]
+    fn with_entry<R>(
+        &self,
+        py: Python<'_>,
+        me: Me,
+        f: impl FnOnce(&StoreRef) -> Option<R>,
+    ) -> Option<R> {
         seat_enter(me.seat);
         let obj = self.own_obj(me);
         let out = if obj.is_null() {
             None
         } else {
             // SAFETY: the entry holds a reference to `obj`, not given back while our flag
-            // is set, which it is until `f` has returned; the thread is attached.
-            let store = unsafe { StoreRef::borrow_raw(owner.py(), obj) };
+            // is set, which it is until `f` has returned; the thread is attached (`py`).
+            let store = unsafe { StoreRef::borrow_raw(py, obj) };
             f(&store)
         };
         seat_leave(me.seat);

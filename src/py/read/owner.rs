@@ -59,19 +59,6 @@ impl StoreRef {
         self.0.into_ptr()
     }
 
-    /// One more reference to the object of a reference kept raw ([`Self::into_raw`]).
-    ///
-    /// # Safety
-    /// `obj` is the object of a `StoreRef` made raw whose reference is not given back
-    /// before this returns; the thread is attached.
-    #[inline(always)]
-    #[cfg_attr(feature = "abi3", allow(dead_code))]
-    pub(crate) unsafe fn clone_raw(py: Python<'_>, obj: *mut pyo3::ffi::PyObject) -> Self {
-        // SAFETY: the caller's contract: `obj` is a live `StoreCell`; `from_borrowed_ptr`
-        // counts the new reference.
-        StoreRef(unsafe { Bound::from_borrowed_ptr(py, obj).cast_into_unchecked() }.unbind())
-    }
-
     /// The reference kept raw at `obj` ([`Self::into_raw`]), borrowed: not counted, and
     /// never given back by the value returned.
     ///
