@@ -478,7 +478,13 @@ pub struct Outcome {
     pub read_corrupt: u64,
     /// Read back completely.
     pub intact: u64,
+    /// Records whose block check took the walk's shortcut (`Reader::flat_record`), each
+    /// also walked whole to see that the walk accepts it too.
+    pub flat: u64,
 }
+
+/// Records the shortcut accepted, over every `read_everything` of this process.
+static FLAT_RECORDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// Every read path of the Rust reader over one archive. `Ok(true)`: everything read;
 /// `Ok(false)`: some read reported `Corrupt`; other errors are returned (a test failure).
@@ -494,6 +500,14 @@ pub fn read_everything(bytes: &[u8]) -> Result<bool, ArchiveError> {
         Err(e) => Err(e),
     };
     for rec in 0..r.len() {
+        // The block check's shortcut accepts only what the whole walk accepts.
+        match r.flat_and_walk(rec) {
+            Some(true) => {
+                FLAT_RECORDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            Some(false) => panic!("record {rec}: the shortcut accepts what the walk refuses"),
+            None => {}
+        }
         // As `lst[i]`'s smallest path reads a record's root (once its block is checked,
         // as `root` just did): the shaped dict that `root` and `item` give, and none where
         // either fails.
@@ -662,6 +676,7 @@ fn walk(r: &Reader<&[u8]>, root: Node, depth: usize) -> Result<(), ArchiveError>
 /// Run cases `start..start + n` through [`read_everything`]; panics name the failing seed.
 pub fn run(start: u64, n: u64) -> Outcome {
     let mut out = Outcome::default();
+    let flat = FLAT_RECORDS.load(std::sync::atomic::Ordering::Relaxed);
     for seed in start..start + n {
         let bytes = case(seed);
         let res = std::panic::catch_unwind(|| read_everything(&bytes));
@@ -675,6 +690,7 @@ pub fn run(start: u64, n: u64) -> Outcome {
             Err(_) => panic!("fuzz case {seed}: the reader panicked"),
         }
     }
+    out.flat = FLAT_RECORDS.load(std::sync::atomic::Ordering::Relaxed) - flat;
     out
 }
 
@@ -907,6 +923,31 @@ pub fn crafted(name: &str) -> Option<(Kind, Vec<u8>)> {
             let b = edit(object(v), 12, &[0x80, 0x80, 0x80, 0x80, 0x80, 0x20, T_NONE]);
             edit(b, 6, &12u32.to_le_bytes())
         }
+        // The same as a field of a shaped dict, which the block check's shortcut takes:
+        // {"rows": [{"a": None}] * 2, "s": "x" * 20} is written
+        // [T_DICT_SHAPED, 0, ref -> 10, str ref -> 20, T_LIST, 2, ref, ref, 20, x..., rows];
+        // at 10 the rows become one of no bytes counted 2^40, the str a short one after it.
+        "zero-size-rows-in-a-dict" => {
+            let row = || Value::Dict(vec![(Value::Str("a".into()), Value::None)]);
+            let v = Value::Dict(vec![
+                (Value::Str("rows".into()), Value::List(vec![row(), row()])),
+                (Value::Str("s".into()), Value::Str("x".repeat(20))),
+            ]);
+            let rows = [
+                T_LIST_STRUCT,
+                1,
+                0x80,
+                0x80,
+                0x80,
+                0x80,
+                0x80,
+                0x20,
+                1,
+                b'x',
+            ];
+            let b = edit(object(v), 10, &rows);
+            edit(b, 6, &12u32.to_le_bytes())
+        }
         // A shape naming one key twice (a writer never makes one): `len()` of its dicts
         // said 2 and `to_python()` held one entry. The same symbol twice, or two symbols
         // of one string.
@@ -1009,6 +1050,7 @@ pub const CRAFTED: &[&str] = &[
     "overlapping-values",
     "shared-payload",
     "zero-size-rows",
+    "zero-size-rows-in-a-dict",
     "shape-key-twice",
     "shape-key-twice-by-name",
     "general-key-twice",

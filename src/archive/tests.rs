@@ -976,3 +976,96 @@ fn prefetch_lines_accepts_any_range() {
     }
     assert_eq!(bytes, vec![7u8; 1000]);
 }
+
+/// The block check's shortcut for records that hold no nested references (a shaped dict of
+/// numbers, strings, packed fields, out-of-line payloads and lists of flat rows) takes every
+/// such record a writer makes, and no other; and of every edit of their bytes (each byte
+/// changed, each 4-byte word replaced by an edge value, the checksums made right again), it
+/// accepts none that the whole walk refuses.
+#[test]
+fn the_flat_shortcut_accepts_only_what_the_walk_accepts() {
+    let mut b = Builder::new(Cursor::new(Vec::new()), Kind::List, 1).unwrap();
+    let mut values: Vec<Value> = (0..8).map(coco).collect();
+    let data: Vec<u8> = (0..200u8).collect();
+    let ext = b.write_payload(&data).unwrap();
+    let ext2 = b.write_payload(&data[..64]).unwrap();
+    values.push(dict(vec![
+        ("id", Value::Int(7)),
+        (
+            "emb",
+            Value::Array(Box::new(ArrayMeta {
+                typestr: "<f8".into(),
+                shape: vec![25],
+                data: ext,
+            })),
+        ),
+        ("raw", Value::BytesExt(ext2)),
+    ]));
+    values.push(dict(vec![("tags", Value::List(vec![s("a"), s("b")]))]));
+    // Not flat: a dict inside the dict, a list of strs (references), a list root.
+    values.push(dict(vec![("meta", dict(vec![("a", Value::Int(1))]))]));
+    values.push(Value::List(vec![Value::Int(1), s("x")]));
+    for v in &values {
+        b.finish_record(v).unwrap();
+    }
+    let bytes = b.finish(0).unwrap().0.into_inner();
+    let r = Reader::open(&bytes[..]).unwrap();
+    let n = r.len();
+    let flat: Vec<u64> = (0..n)
+        .filter(|&rec| r.flat_and_walk(rec).is_some())
+        .collect();
+    // A list of strs is references: the record with it is walked, as are the last two.
+    assert_eq!(flat, (0..9).collect::<Vec<_>>());
+    assert!((0..n).all(|rec| r.flat_and_walk(rec) != Some(false)));
+    let idx = r.header().index_off as usize;
+    drop(r);
+    let mut accepted_edits = 0;
+    let mut check = |edited: &mut Vec<u8>| {
+        reseal(edited);
+        if let Ok(r) = Reader::open(&edited[..]) {
+            for rec in 0..r.len() {
+                match r.flat_and_walk(rec) {
+                    Some(false) => {
+                        panic!("record {rec}: the shortcut accepts what the walk refuses")
+                    }
+                    Some(true) => accepted_edits += 1,
+                    None => {}
+                }
+            }
+        }
+    };
+    for at in header::HEADER_LEN..idx {
+        for v in [
+            0x00u8,
+            0xff,
+            0x80,
+            bytes[at] ^ 0x5a,
+            bytes[at].wrapping_add(1),
+        ] {
+            let mut edited = bytes.clone();
+            edited[at] = v;
+            check(&mut edited);
+        }
+        if at + 4 <= idx {
+            for w in [0u32, 1, 2, 4, 0x7f, 0x8000_0000, u32::MAX] {
+                let mut edited = bytes.clone();
+                edited[at..at + 4].copy_from_slice(&w.to_le_bytes());
+                check(&mut edited);
+            }
+        }
+    }
+    // Edits of numbers' bytes leave records the shortcut takes (and the walk too).
+    assert!(accepted_edits > 0);
+    // The array and the bytes made to name one payload: both refuse it.
+    let (o1, o2) = (ext.offset.to_le_bytes(), ext2.offset.to_le_bytes());
+    let at = (header::HEADER_LEN..idx - 8)
+        .find(|&i| bytes[i..i + 8] == o2)
+        .expect("the bytes' extent is in its record");
+    let mut edited = bytes.clone();
+    edited[at..at + 8].copy_from_slice(&o1);
+    reseal(&mut edited);
+    let r = Reader::open(&edited[..]).unwrap();
+    assert_eq!(r.flat_and_walk(8), None);
+    let err = r.root(8).unwrap_err().to_string();
+    assert!(err.contains("share out-of-line bytes"), "{err}");
+}

@@ -509,7 +509,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
     /// The target of the forward reference at `at`, as `follow` reads it, without its
     /// error values.
     #[inline(always)]
-    fn follow_small(&self, at: usize) -> Option<usize> {
+    pub(super) fn follow_small(&self, at: usize) -> Option<usize> {
         let d = u32::from_le_bytes(self.fixed::<REF>(at)?) as usize;
         let t = at.checked_add(d)?;
         (d != 0 && t < self.rec_end).then_some(t)
