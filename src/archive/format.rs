@@ -247,10 +247,15 @@ pub fn put_varint(out: &mut Vec<u8>, mut v: u64) {
 /// past u64, or running off the end, is `Corrupt`.
 #[inline(always)]
 pub fn get_varint(b: &[u8], at: usize) -> Result<(u64, usize), ArchiveError> {
-    // Most varints here (counts, shape ids, symbol ids) fit one byte.
+    // Most varints here (counts, shape ids, symbol ids) fit one byte, and the length of a
+    // str or bytes under 16 KiB two.
     match b.get(at) {
         Some(&byte) if byte < 0x80 => Ok((byte as u64, at + 1)),
-        _ => get_varint_long(b, at),
+        Some(&low) => match b.get(at + 1) {
+            Some(&high) if high < 0x80 => Ok((((high as u64) << 7) | (low & 0x7f) as u64, at + 2)),
+            _ => get_varint_long(b, at),
+        },
+        None => get_varint_long(b, at),
     }
 }
 
@@ -328,6 +333,16 @@ mod tests {
         let mut b = vec![0x80; 9];
         b.push(0x02);
         assert!(get_varint(&b, 0).is_err());
+        // The one- and two-byte paths read what the general loop reads, for every pair of
+        // bytes (non-canonical ones too), alone, followed by more, or cut short.
+        for b0 in 0..=255u8 {
+            for b1 in 0..=255u8 {
+                for b in [&[b0, b1][..], &[b0, b1, 0x01], &[b0, b1, 0x81, 0x01]] {
+                    assert_eq!(get_varint(b, 0).ok(), get_varint_long(b, 0).ok(), "{b:?}");
+                }
+            }
+            assert_eq!(get_varint(&[b0], 0).ok(), get_varint_long(&[b0], 0).ok());
+        }
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Pure-Rust archive layer (no pyo3): the value model, the record encoder, the streaming
 //! builder, the header and the checked reader. See docs/format.md for the byte layout.
 
+pub mod ascii;
 // `Builder::finish_raw_record` is the fuzzer's (records the encoder never writes): without
 // the fuzzer (`fuzzing` off, as in wheels) it has no caller.
 #[cfg_attr(not(any(test, feature = "fuzzing")), allow(dead_code))]

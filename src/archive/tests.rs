@@ -1069,3 +1069,64 @@ fn the_flat_shortcut_accepts_only_what_the_walk_accepts() {
     let err = r.root(8).unwrap_err().to_string();
     assert!(err.contains("share out-of-line bytes"), "{err}");
 }
+
+/// The copy of a stored str into a new ASCII str: every length of every path (the short
+/// ones, the 16-byte loop, the overlapping last load), every position of a byte over 127,
+/// and what it writes is the bytes, exactly, with nothing written past them.
+#[test]
+fn copy_ascii_copies_exactly_and_finds_every_non_ascii_byte() {
+    let src: Vec<u8> = (0..300u32).map(|i| b' ' + (i * 7 % 95) as u8).collect();
+    for n in 0..src.len() {
+        let mut dst = vec![0xeeu8; n + 16];
+        // SAFETY: `dst` holds `n` bytes and more; it does not overlap `src`.
+        let ascii = unsafe { ascii::copy_ascii(&src[..n], dst.as_mut_ptr()) };
+        assert!(ascii, "{n} ASCII bytes");
+        assert_eq!(&dst[..n], &src[..n], "{n} bytes");
+        assert!(
+            dst[n..].iter().all(|&b| b == 0xee),
+            "written past {n} bytes"
+        );
+        for at in 0..n {
+            for high in [0x80u8, 0xc3, 0xff] {
+                let mut s = src[..n].to_vec();
+                s[at] = high;
+                // SAFETY: as above.
+                let ascii = unsafe { ascii::copy_ascii(&s, dst.as_mut_ptr()) };
+                assert!(!ascii, "byte {at} of {n} is {high:#x}");
+            }
+        }
+    }
+    // Both loops of the long copies, whichever the CPU would pick.
+    #[cfg(target_arch = "x86_64")]
+    for n in 32..src.len() {
+        let loops: &[bool] = if std::is_x86_feature_detected!("avx2") {
+            &[false, true]
+        } else {
+            &[false]
+        };
+        for &avx2 in loops {
+            let copy = |from: &[u8], to: &mut [u8]| -> bool {
+                assert!(from.len() >= 32 && to.len() >= from.len());
+                let (s, d, n) = (from.as_ptr(), to.as_mut_ptr(), from.len());
+                // SAFETY: `to` holds `n >= 32` bytes and does not overlap `from`; the AVX2
+                // loop only where the CPU has it.
+                unsafe {
+                    if avx2 {
+                        ascii::copy_ascii_avx2(s, d, n)
+                    } else {
+                        ascii::copy_ascii_sse2(s, d, n)
+                    }
+                }
+            };
+            let mut dst = vec![0xeeu8; n + 32];
+            assert!(copy(&src[..n], &mut dst), "avx2 {avx2}: {n}");
+            assert_eq!(&dst[..n], &src[..n], "avx2 {avx2}: {n}");
+            assert!(dst[n..].iter().all(|&b| b == 0xee), "avx2 {avx2}: past {n}");
+            for at in 0..n {
+                let mut s = src[..n].to_vec();
+                s[at] = 0x80;
+                assert!(!copy(&s, &mut dst), "avx2 {avx2}: {at} of {n}");
+            }
+        }
+    }
+}

@@ -351,15 +351,17 @@ fn new_sequence<'py>(
 
 /// A stored str, UTF-8 checked once, by CPython's decoder: invalid bytes are corrupt data.
 ///
-/// An ASCII str of two or more bytes (most keys, names and paths) is made directly: a new
-/// ASCII str object, the bytes copied into it, then the copy checked to be ASCII (a word at a
-/// time). The check that decides is of the copy, which no other process can change: a byte
-/// changed in the segment between a check and the copy could otherwise put a byte over 127
-/// into an ASCII str; if it is not ASCII, the object is dropped and the decoder makes the
-/// str. Bytes that are not ASCII where they lie go to the decoder at once. CPython's decoder
-/// does the same for ASCII bytes after working out which kind of str they make: this saves
-/// ~120 of the ~630 instructions of reading a 30-byte file name (callgrind, 3.11). Shorter
-/// strs go to the decoder, which returns its cached one-character strs.
+/// An ASCII str of two or more bytes (most keys, names, paths and much text) is made
+/// directly: a new ASCII str object, the bytes copied into it and checked to be ASCII in
+/// the same pass (`archive::ascii::copy_ascii`: each byte is tested as it was written, from the register
+/// it was stored from). The check that decides is thus of the copy, which no other process
+/// can change: a byte changed in the segment between a check and a copy could otherwise put
+/// a byte over 127 into an ASCII str. If it is not ASCII, the object is dropped and the
+/// decoder makes the str; bytes whose first eight are not ASCII go to the decoder at once.
+/// CPython's decoder does the same for ASCII bytes after working out which kind of str they
+/// make: this saves ~120 of the ~630 instructions of reading a 30-byte file name, and the
+/// one pass ~700 of reading a 1 KB document (callgrind, 3.11). Shorter strs go to the
+/// decoder, which returns its cached one-character strs.
 #[inline]
 fn py_str<'py>(py: Python<'py>, store: &Store, b: &[u8]) -> PyResult<Bound<'py, PyAny>> {
     #[cfg(not(feature = "abi3"))]
@@ -397,24 +399,28 @@ fn py_str<'py>(py: Python<'py>, store: &Store, b: &[u8]) -> PyResult<Bound<'py, 
 #[cfg(not(feature = "abi3"))]
 #[inline(always)]
 pub(crate) fn ascii_str(_py: Python<'_>, b: &[u8]) -> Option<*mut ffi::PyObject> {
-    if b.len() < 2 || !b.is_ascii() {
+    if b.len() < 2 {
         return None;
+    }
+    if let Some(head) = b.first_chunk::<8>() {
+        if u64::from_ne_bytes(*head) & crate::archive::ascii::HIGH_BITS != 0 {
+            return None;
+        }
     }
     // SAFETY: the thread is attached (`_py`); `PyUnicode_New` with a
     // maximum character of 127 makes a compact ASCII str of `b.len()` characters (a slice's
     // length fits an isize) whose data, `PyUnicode_DATA`, has room for exactly that many
-    // bytes (plus the terminating NUL it writes itself). It is new and unshared, so filling
-    // it is allowed (CPython's documented way of making a str); it is handed out only once
-    // its bytes, as copied, are checked to be ASCII, all such a str may hold, and dropped
-    // otherwise (its deallocation reads no character). NULL means an exception set.
+    // bytes (plus the terminating NUL it writes itself), not overlapping `b`. It is new and
+    // unshared, so filling it is allowed (CPython's documented way of making a str); it is
+    // handed out only if the bytes written into it are ASCII (`copy_ascii`), all such a str
+    // may hold, and dropped otherwise (its deallocation reads no character). NULL means an
+    // exception set.
     unsafe {
         let obj = ffi::PyUnicode_New(b.len() as ffi::Py_ssize_t, 127);
         if obj.is_null() {
             return Some(obj);
         }
-        let data = ffi::PyUnicode_DATA(obj).cast::<u8>();
-        std::ptr::copy_nonoverlapping(b.as_ptr(), data, b.len());
-        if std::slice::from_raw_parts(data, b.len()).is_ascii() {
+        if crate::archive::ascii::copy_ascii(b, ffi::PyUnicode_DATA(obj).cast::<u8>()) {
             return Some(obj);
         }
         ffi::Py_DECREF(obj);
