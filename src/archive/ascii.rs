@@ -1,7 +1,8 @@
 //! Reading a stored str into a new ASCII str (src/py/read, `ascii_str`): the bytes copied
 //! and checked to be ASCII in one pass, the check made of what was written. A 1 KB
 //! document's str so costs one pass over its bytes instead of a check, a copy and a check
-//! of the copy (~330 -> ~170 instructions with AVX2, ~950 before: callgrind, 3.11).
+//! of the copy (~950 instructions before; ~330 now with SSE2, ~170 with AVX2: callgrind,
+//! 3.11).
 // Its callers are in the Python layer's build for one interpreter (the stable ABI's build
 // leaves strs to CPython's decoder); the tests call it in every build.
 #![cfg_attr(any(not(feature = "python"), feature = "abi3"), allow(dead_code))]
@@ -9,11 +10,11 @@
 /// The top bit of each byte of a word: a byte with it set is not ASCII.
 pub const HIGH_BITS: u64 = 0x8080_8080_8080_8080;
 
-/// Copy `src` (a stored str's bytes) to `dst` and say whether every byte written is ASCII. What is tested is what
-/// was written: each load is stored and tested from the same register, and `src` is never
-/// read twice (it may lie in shared memory that another process changes meanwhile). The
-/// ends of a short copy are two loads that overlap; a byte of the overlap is written twice,
-/// both values tested.
+/// Copy `src` (a stored str's bytes) to `dst` and say whether every byte written is
+/// ASCII. What is tested is what was written: each load is stored and tested from the same
+/// register, and `src` is never read twice (it may lie in shared memory that another
+/// process changes meanwhile). The ends of a short copy are two loads that overlap; a byte
+/// of the overlap is written twice, both values tested.
 ///
 /// # Safety
 /// `dst` is valid for writes of `src.len()` bytes and does not overlap `src`.
