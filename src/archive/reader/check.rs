@@ -268,19 +268,8 @@ impl<B: AsRef<[u8]>> Reader<B> {
                     after + n * REF
                 }
                 T_LIST_STRUCT | T_TUPLE_STRUCT => {
-                    let (id, after) = self.varint(body)?;
-                    let sh = self.shape(id)?;
+                    let (sh, n, after) = self.rows(pos, end)?;
                     let size = sh.shape.size as usize;
-                    let (n, after) = self.count(after, size)?;
-                    if size == 0 && n > end.saturating_sub(after) {
-                        // Rows of no bytes: writers never make more of them than there are
-                        // bytes left (they write such lists as references), and reading a
-                        // crafted count of 2^60 whole would never end.
-                        return corrupt(format!(
-                            "a list of {n} rows of no bytes in a record of {} bytes",
-                            end - pos
-                        ));
-                    }
                     // The rows are dicts one level down, their values one more.
                     let row = depth.child();
                     if n > 0 {
@@ -386,7 +375,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
                         e
                     }
                     None if matches!(tag, T_LIST_STRUCT | T_TUPLE_STRUCT) => {
-                        self.flat_rows_end(t + 1, end)?
+                        self.flat_rows_end(t, end)?
                     }
                     None => return None,
                 }
@@ -412,23 +401,34 @@ impl<B: AsRef<[u8]>> Reader<B> {
         Some(())
     }
 
-    /// Where a list of shaped dicts whose body starts at `body` ends, for
-    /// [`Self::flat_record`]: `None` if its rows hold references (the walk follows them) or
-    /// it breaks a rule of the walk's.
+    /// The list of shaped dicts at `pos` (its tag read) in a record ending at `end`: the
+    /// rows' shape, their count and where the first starts, `count` having checked that
+    /// they end inside the records. The walk's and [`Self::flat_record`]'s reading of it.
+    #[inline(always)]
+    fn rows(&self, pos: usize, end: usize) -> Result<(&ShapeInfo, usize, usize), ArchiveError> {
+        let (id, after) = self.varint(pos + 1)?;
+        let sh = self.shape(id)?;
+        let (n, after) = self.count(after, sh.shape.size as usize)?;
+        if sh.shape.size == 0 && n > end.saturating_sub(after) {
+            // Rows of no bytes: writers never make more of them than there are bytes left
+            // (they write such lists as references), and reading a crafted count of 2^60
+            // whole would never end.
+            return corrupt(format!(
+                "a list of {n} rows of no bytes in a record of {} bytes",
+                end - pos
+            ));
+        }
+        Ok((sh, n, after))
+    }
+
+    /// Where a list of shaped dicts at `pos` ends, for [`Self::flat_record`]: `None` if its
+    /// rows hold references (the walk follows them) or it breaks a rule of the walk's.
     #[inline]
-    fn flat_rows_end(&self, body: usize, end: usize) -> Option<usize> {
-        let (id, after) = self.varint(body).ok()?;
-        let sh = self.shapes.get(usize::try_from(id).ok()?)?;
-        if !sh.refs.is_empty() {
-            return None;
-        }
-        let size = sh.shape.size as usize;
-        let (n, after) = self.count(after, size).ok()?;
-        if size == 0 && n > end.saturating_sub(after) {
-            return None;
-        }
-        // `count` checked that the rows end inside the records.
-        Some(after + n * size)
+    fn flat_rows_end(&self, pos: usize, end: usize) -> Option<usize> {
+        let (sh, n, after) = self.rows(pos, end).ok()?;
+        sh.refs
+            .is_empty()
+            .then(|| after + n * sh.shape.size as usize)
     }
 
     /// Whether [`Self::flat_record`] accepts record `rec` (`None`: not), and if so, whether
