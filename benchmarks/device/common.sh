@@ -49,6 +49,7 @@ matrix_idle_busy() {
 machine_facts() {
     echo "date: $(date -u +%FT%TZ)"
     echo "cores: $(nproc); $(grep -m1 'model name' /proc/cpuinfo)"
+    lscpu 2>/dev/null | grep -E '^(Thread|Core|Socket|NUMA node\(s\)|L3)' | sed 's/  */ /g'
     echo "memory: $(free -g | awk '/Mem:/ {print $2 " GiB"}')"
     echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
     echo "python: $($py --version 2>&1)"

@@ -1,23 +1,32 @@
 #!/usr/bin/env bash
-# A session's one call on a lent 16-core machine, most wanted first, within BUDGET seconds
-# (default 480): the read probe of this wheel paired with an earlier one (BASE_WHEELS, when
-# given), the matrix's format and doc-store parts idle and with busy loops on 1.5x the cores,
-# the same reads and threads on a carried free-threaded 3.14t, then the Channel and arrays
-# parts. A step that no longer fits in what is left is skipped and says so. From the
-# repository root, with shmstore's cp312 wheel and py-lmdb's in WHEELS (default .whl/):
+# A session's one call on a lent 16-core machine: the steps named in STEPS (default "probe
+# reads ft ca"), in that order, within BUDGET seconds (default 480); a step that no longer
+# fits in what is left is skipped and says so. Steps:
+#
+#   probe         benchmarks/probe_reads.py, this wheel and, when BASE_WHEELS names an
+#                 earlier one's folder, that one alternating, ROUNDS rounds (default 2)
+#   reads         the matrix's format and doc-store parts, idle then with busy loops on 1.5x
+#                 the cores (BUSY)
+#   format_again  the format part alone, idle then busy, AGAIN times (default 2): ranges
+#   ft            the format part and bench_threads.py on a carried free-threaded 3.14t
+#   ca            the Channel and arrays parts, idle then busy
+#   arrays_busy   the arrays part with busy loops alone, ARRAYS_TIMEOUT s at most (240)
+#   gpu           benchmarks/device/gpu_pin.py
+#
+# From the repository root, with shmstore's cp312 wheel and py-lmdb's in WHEELS (default
+# .whl/):
 #
 #     PACK=$OUT/results.tgz bash benchmarks/device/session.sh OUTDIR
 #
 # PACK, when set, is rewritten (a tar.gz of OUTDIR) after every step, so that a call cut
 # short still brings back what finished. 3.14t: PY314T_TAR, a tar.xz of an installed
 # CPython 3.14t whose top folder is `3.14.4t` (`tar -cJf .py314t/py.tar.xz -C target/cpython
-# 3.14.4t` after `.ci/cpython 3.14t`; the interpreter is one static executable and finds its
-# library next to it, wherever it is unpacked), and WHEELS_T (default .whl314t/) with
-# shmstore's and numpy's cp314t wheels. Writes OUTDIR/{machine.txt, probe-<build>-<round>.md,
-# matrix-idle.md, matrix-busy<N>.md, matrix-314t-idle.md, threads-314t.md,
-# matrix-ca-idle.md, matrix-ca-busy<N>.md, log.txt}. Changes no kernel or machine setting.
-# A trial run here: `MATRIX_SIZES=quick PROBE_N=20000 BUSY=2 bash ... /tmp/trial` (the
-# matrix's smoke-test sizes).
+# 3.14.4t` after `.ci/cpython 3.14t`, tests and debug information left out; the interpreter
+# is one static executable and finds its library next to it, wherever it is unpacked), and
+# WHEELS_T (default .whl314t/) with shmstore's and numpy's cp314t wheels. Writes
+# OUTDIR/{machine.txt, log.txt} and a markdown file per step run. Changes no kernel or
+# machine setting. A trial run here: `MATRIX_SIZES=quick PROBE_N=20000 BUSY=2 bash ...
+# /tmp/trial` (the matrix's smoke-test sizes).
 set -uo pipefail
 . "$(dirname "$0")/common.sh"
 start "${1:?usage: session.sh OUTDIR}"
@@ -41,11 +50,11 @@ step() {
     timeout "$(left)" bash -c '"$@"' step "$@" || say "$name ended with $?"
     pack
 }
-# One matrix run: matrix NAME PARTS BUSY [PYTHON].
+# One matrix run: matrix NAME PARTS BUSY [PYTHON] [PART_TIMEOUT].
 matrix() {
-    local name=$1 parts=$2 b=$3 mpy=${4:-$py}
+    local name=$1 parts=$2 b=$3 mpy=${4:-$py} limit=${5:-$part_timeout}
     $mpy benchmarks/matrix.py "--${MATRIX_SIZES:-device}" --busy "$b" --label "device-$name" --only "$parts" \
-        --part-timeout "$part_timeout" --out "$out/$name.md"
+        --part-timeout "$limit" --out "$out/$name.md"
 }
 
 export out py part_timeout MATRIX_SIZES
@@ -60,41 +69,78 @@ if [ -n "${BASE_WHEELS:-}" ]; then
     builds+=(base)
 fi
 
-for round in $(seq 1 "${ROUNDS:-2}"); do
-    for b in "${builds[@]}"; do
-        site=/tmp/site
-        [ "$b" = base ] && site=/tmp/site-base
-        step "probe_reads: $b, round $round" 40 env PYTHONPATH="$site" $py \
-            benchmarks/probe_reads.py --n "${PROBE_N:-200000}" --out "$out/probe-$b-$round.md"
+probe() {
+    local round b site
+    for round in $(seq 1 "${ROUNDS:-2}"); do
+        for b in "${builds[@]}"; do
+            site=/tmp/site
+            [ "$b" = base ] && site=/tmp/site-base
+            step "probe_reads: $b, round $round" 40 env PYTHONPATH="$site" $py \
+                benchmarks/probe_reads.py --n "${PROBE_N:-200000}" --out "$out/probe-$b-$round.md"
+        done
     done
-done
+}
 
-step "matrix (format, docstore), idle" 100 matrix matrix-idle format,docstore 0
-step "matrix (format, docstore), $busy busy loops" 100 matrix "matrix-busy$busy" format,docstore "$busy"
+reads() {
+    step "matrix (format, docstore), idle" 100 matrix matrix-idle format,docstore 0
+    step "matrix (format, docstore), $busy busy loops" 100 matrix "matrix-busy$busy" format,docstore "$busy"
+}
+
+# More runs of the format part alone, idle then busy in turn: the ranges a single run lacks.
+format_again() {
+    local k
+    for k in $(seq 1 "${AGAIN:-2}"); do
+        step "matrix (format), idle, again $k" 40 matrix "matrix-format-idle-$k" format 0
+        step "matrix (format), $busy busy loops, again $k" 50 matrix "matrix-format-busy$busy-$k" format "$busy"
+    done
+}
 
 # In a subshell without PYTHONPATH, which names the cp312 wheels' folder.
-if [ -n "${PY314T_TAR:-}" ] && (($(left) > 90)); then (
-    unset PYTHONPATH
-    say "CPython 3.14t from $PY314T_TAR"
-    mkdir -p /tmp/py314t && tar -xJf "$PY314T_TAR" -C /tmp/py314t
-    venv=/tmp/venv-314t
-    if /tmp/py314t/3.14.4t/bin/python3.14t -m venv "$venv" &&
-        "$venv/bin/python" -m pip install -q --no-index --no-cache-dir "${WHEELS_T:-.whl314t}"/*.whl; then
-        pyt=$venv/bin/python
-        # shellcheck disable=SC2030,SC2031  # the facts for this interpreter only
-        (py=$pyt machine_facts) | tee -a "$out/machine.txt"
-        step "matrix (format), 3.14t idle" 60 matrix matrix-314t-idle format 0 "$pyt"
-        # shellcheck disable=SC2086  # a list of thread counts
-        step "bench_threads, 3.14t" 40 $pyt benchmarks/bench_threads.py --n "${N:-200000}" \
-            --rounds "${THREAD_ROUNDS:-3}" --threads ${THREADS:-1 2 4 8 $cores} \
-            --out "$out/threads-314t.md"
-    else
-        say "no 3.14t: its interpreter or wheels did not install"
-    fi
-); fi
+ft() {
+    [ -n "${PY314T_TAR:-}" ] || { say "skipped: 3.14t (no PY314T_TAR)"; return; }
+    (($(left) > 90)) || { say "skipped: 3.14t ($(left) s left)"; return; }
+    (
+        unset PYTHONPATH
+        say "CPython 3.14t from $PY314T_TAR"
+        mkdir -p /tmp/py314t && tar -xJf "$PY314T_TAR" -C /tmp/py314t
+        venv=/tmp/venv-314t
+        if /tmp/py314t/3.14.4t/bin/python3.14t -m venv "$venv" &&
+            "$venv/bin/python" -m pip install -q --no-index --no-cache-dir "${WHEELS_T:-.whl314t}"/*.whl; then
+            pyt=$venv/bin/python
+            # shellcheck disable=SC2030,SC2031  # the facts for this interpreter only
+            (py=$pyt machine_facts) | tee -a "$out/machine.txt"
+            step "matrix (format), 3.14t idle" 60 matrix matrix-314t-idle format 0 "$pyt"
+            # shellcheck disable=SC2086  # a list of thread counts
+            step "bench_threads, 3.14t" 40 $pyt benchmarks/bench_threads.py --n "${N:-200000}" \
+                --rounds "${THREAD_ROUNDS:-3}" --threads ${THREADS:-1 2 4 8 $cores} \
+                --out "$out/threads-314t.md"
+        else
+            say "no 3.14t: its interpreter or wheels did not install"
+        fi
+    )
+}
 
-step "matrix (channel, arrays), idle" 80 matrix matrix-ca-idle channel,arrays 0
-step "matrix (channel, arrays), $busy busy loops" 80 matrix "matrix-ca-busy$busy" channel,arrays "$busy"
+ca() {
+    step "matrix (channel, arrays), idle" 80 matrix matrix-ca-idle channel,arrays 0
+    step "matrix (channel, arrays), $busy busy loops" 80 matrix "matrix-ca-busy$busy" channel,arrays "$busy"
+}
+
+arrays_busy() {
+    step "matrix (arrays), $busy busy loops" 120 matrix "matrix-arrays-busy$busy" arrays "$busy" \
+        "$py" "${ARRAYS_TIMEOUT:-240}"
+}
+
+gpu() {
+    step "GPU pinning" 120 $py benchmarks/device/gpu_pin.py --out "$out/gpu-pin.md"
+}
+
+for s in ${STEPS:-probe reads ft ca}; do
+    case $s in
+    probe | reads | format_again | ft | ca | arrays_busy | gpu) "$s" ;;
+    *) say "unknown step $s" ;;
+    esac
+done
+
 echo "load at the end: $(cut -d' ' -f1-3 /proc/loadavg)" | tee -a "$out/machine.txt"
 say "done in $((SECONDS - t0)) s"
 pack
