@@ -1001,9 +1001,49 @@ fn the_flat_shortcut_accepts_only_what_the_walk_accepts() {
         ),
         ("raw", Value::BytesExt(ext2)),
     ]));
+    // Flat too: a list of strs, dicts inside the dict (one with a list of rows and a
+    // payload), all of it in one record.
     values.push(dict(vec![("tags", Value::List(vec![s("a"), s("b")]))]));
-    // Not flat: a dict inside the dict, a list of strs (references), a list root.
     values.push(dict(vec![("meta", dict(vec![("a", Value::Int(1))]))]));
+    let ext3 = b.write_payload(&data[..32]).unwrap();
+    let ann = |j: i64| {
+        dict(vec![
+            (
+                "bbox",
+                Value::List(vec![Value::Float(1.0), Value::Float(j as f64)]),
+            ),
+            ("category_id", Value::Int(j)),
+        ])
+    };
+    values.push(dict(vec![
+        ("id", s("r1")),
+        ("tags", Value::List(vec![s("a"), Value::Int(3), s("b")])),
+        (
+            "meta",
+            dict(vec![
+                ("w", Value::Int(640)),
+                ("src", s("cam")),
+                ("boxes", Value::List(vec![ann(1), ann(2)])),
+            ]),
+        ),
+        (
+            "geo",
+            dict(vec![
+                ("lat", Value::Float(1.5)),
+                ("raw", Value::BytesExt(ext3)),
+            ]),
+        ),
+        ("empty", Value::List(vec![])),
+    ]));
+    // Not flat: a dict two levels down, a list of lists, a list root.
+    values.push(dict(vec![(
+        "a",
+        dict(vec![("b", dict(vec![("c", Value::Int(1))]))]),
+    )]));
+    values.push(dict(vec![(
+        "l",
+        Value::List(vec![Value::List(vec![s("x")])]),
+    )]));
     values.push(Value::List(vec![Value::Int(1), s("x")]));
     for v in &values {
         b.finish_record(v).unwrap();
@@ -1014,8 +1054,7 @@ fn the_flat_shortcut_accepts_only_what_the_walk_accepts() {
     let flat: Vec<u64> = (0..n)
         .filter(|&rec| r.flat_and_walk(rec).is_some())
         .collect();
-    // A list of strs is references: the record with it is walked, as are the last two.
-    assert_eq!(flat, (0..9).collect::<Vec<_>>());
+    assert_eq!(flat, (0..12).collect::<Vec<_>>());
     assert!((0..n).all(|rec| r.flat_and_walk(rec) != Some(false)));
     let idx = r.header().index_off as usize;
     drop(r);

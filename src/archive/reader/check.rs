@@ -324,13 +324,16 @@ impl<B: AsRef<[u8]>> Reader<B> {
         w.finish()
     }
 
-    /// The walk's checks of the commonest record, made in one pass over a dict's slots: a
+    /// The walk's checks of the commonest records, made in one pass over a dict's slots: a
     /// shaped dict whose references all point at values that hold none of their own
     /// (numbers, strings, packed numbers, out-of-line bytes and arrays, a list of shaped
-    /// dicts without references: an image and its annotations). [`Self::walk_with`] would
-    /// queue the dict and each list of rows and walk them after; here a list of rows ends
-    /// where its count says, known at once, so each value is checked where it is found and
-    /// nothing is queued. `true`: the walk accepts the record too (it checks the same rules:
+    /// dicts without references: an image and its annotations), or at a shaped dict or a
+    /// list whose own references do (`{"meta": {...}}`, a list of tags).
+    /// [`Self::walk_with`] would queue the dict, each list of rows
+    /// and each inner container and walk them after; here a list of rows ends where its
+    /// count says, known at once, and the inner containers' values, which the walk would
+    /// reach after all of the root's, are checked in a second pass in the order the
+    /// containers were found, so nothing is queued. `true`: the walk accepts the record too (it checks the same rules:
     /// each reference forward of the one before and inside the record, no value overlapping
     /// the one written after it, no out-of-line extent shared, and depths that a record of
     /// this form never exceeds). `false`: a record of another form, or one that breaks a
@@ -343,9 +346,10 @@ impl<B: AsRef<[u8]>> Reader<B> {
 
     #[inline(never)]
     fn flat_record_checked(&self, start: usize, end: usize) -> Option<()> {
-        // The deepest container here is a packed field of a row, at depth 3 (the root at 0,
-        // a list of rows at 1, its rows at 2), which a writer makes.
-        const _: () = assert!(MAX_DEPTH > 3);
+        // The deepest container here is a packed field of a row of a list inside a dict or
+        // list of the root's, at depth 4 (the root at 0, the inner container at 1, the list
+        // of rows at 2, its rows at 3), which a writer makes.
+        const _: () = assert!(MAX_DEPTH > 4);
         if self.byte(start).ok()? != T_DICT_SHAPED {
             return None;
         }
@@ -357,6 +361,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
         let mut last = start;
         let mut payloads = [(0u64, 0u64); FLAT_PAYLOADS];
         let mut n_payloads = 0;
+        let mut inner = false;
         for &f in sh.refs.iter() {
             let f = usize::from(f);
             let t = self.follow_small(body + sh.shape.offsets[f] as usize)?;
@@ -377,13 +382,26 @@ impl<B: AsRef<[u8]>> Reader<B> {
                     None if matches!(tag, T_LIST_STRUCT | T_TUPLE_STRUCT) => {
                         self.flat_rows_end(t, end)?
                     }
-                    None => return None,
+                    None => {
+                        inner = true;
+                        self.flat_inner_end(tag, t)?
+                    }
                 }
             } else {
                 // The slot of an untagged str or bytes: a length and the bytes.
                 let (n, after) = self.count(t, 1).ok()?;
                 after + n
             };
+        }
+        if inner {
+            let mut f = Flat {
+                stop,
+                last,
+                end,
+                n_payloads,
+            };
+            self.flat_inner(sh, body, &mut f, &mut payloads)?;
+            (stop, n_payloads) = (f.stop, f.n_payloads);
         }
         if stop > end {
             return None;
@@ -396,6 +414,65 @@ impl<B: AsRef<[u8]>> Reader<B> {
                 .any(|w| w[0].0.saturating_add(w[0].1) > w[1].0)
             {
                 return None;
+            }
+        }
+        Some(())
+    }
+
+    /// Where a shaped dict or a list (`tag` at `t`) among a flat record's values ends: its
+    /// slots or its items; `None` for any other container.
+    #[inline(never)]
+    fn flat_inner_end(&self, tag: u8, t: usize) -> Option<usize> {
+        match tag {
+            T_DICT_SHAPED => {
+                let (id, after) = self.varint(t + 1).ok()?;
+                let sh = self.shapes.get(usize::try_from(id).ok()?)?;
+                after.checked_add(sh.shape.size as usize)
+            }
+            T_LIST | T_TUPLE => {
+                let (n, after) = self.count(t + 1, REF).ok()?;
+                Some(after + n * REF)
+            }
+            _ => None,
+        }
+    }
+
+    /// The second pass of [`Self::flat_record`]: the values of the root's dicts and lists
+    /// (shape `sh`, slots at `body`), which the walk, going breadth first, reaches after all
+    /// of the root's own, in the order those containers were found: the order of the root's
+    /// references (read again: the first pass checked them). Values that hold references
+    /// of their own are left to the walk.
+    #[inline(never)]
+    fn flat_inner(
+        &self,
+        sh: &ShapeInfo,
+        body: usize,
+        f: &mut Flat,
+        payloads: &mut [(u64, u64); FLAT_PAYLOADS],
+    ) -> Option<()> {
+        for &i in sh.refs.iter() {
+            let i = usize::from(i);
+            if sh.shape.encs[i] != Enc::Ref {
+                continue;
+            }
+            let t = self.follow_small(body + sh.shape.offsets[i] as usize)?;
+            match self.byte(t).ok()? {
+                T_DICT_SHAPED => {
+                    let (id, after) = self.varint(t + 1).ok()?;
+                    let sh = self.shapes.get(usize::try_from(id).ok()?)?;
+                    for &j in sh.refs.iter() {
+                        let j = usize::from(j);
+                        let tagged = sh.shape.encs[j] == Enc::Ref;
+                        f.value(self, payloads, after + sh.shape.offsets[j] as usize, tagged)?;
+                    }
+                }
+                T_LIST | T_TUPLE => {
+                    let (n, after) = self.count(t + 1, REF).ok()?;
+                    for k in 0..n {
+                        f.value(self, payloads, after + k * REF, true)?;
+                    }
+                }
+                _ => {}
             }
         }
         Some(())
@@ -423,7 +500,8 @@ impl<B: AsRef<[u8]>> Reader<B> {
 
     /// Where a list of shaped dicts at `pos` ends, for [`Self::flat_record`]: `None` if its
     /// rows hold references (the walk follows them) or it breaks a rule of the walk's.
-    #[inline]
+    /// Inlined: a call of its own cost ~25 instructions a COCO record.
+    #[inline(always)]
     fn flat_rows_end(&self, pos: usize, end: usize) -> Option<usize> {
         let (sh, n, after) = self.rows(pos, end).ok()?;
         sh.refs
@@ -817,6 +895,59 @@ impl Depth {
 /// Out-of-line extents that [`Reader::flat_record`] keeps to compare; a record with more is
 /// left to the walk.
 const FLAT_PAYLOADS: usize = 4;
+
+/// The state of [`Reader::flat_record`]'s second pass: the walk's `last` and the end of the
+/// value found last (`stop`, where the next may start), and how many out-of-line extents
+/// were seen.
+struct Flat {
+    stop: usize,
+    last: usize,
+    end: usize,
+    n_payloads: usize,
+}
+
+impl Flat {
+    /// The reference at `at` (to a tagged value, or to the slot of an untagged str or
+    /// bytes), by the walk's rules (`Walk::push`): forward of the one before, inside the
+    /// record, not before the end of the value found before it. A value without
+    /// references ends where it says, a list of rows without references where its count
+    /// says. `None`: anything else, or a rule broken (the walk then decides).
+    #[inline(always)]
+    fn value<B: AsRef<[u8]>>(
+        &mut self,
+        r: &Reader<B>,
+        payloads: &mut [(u64, u64); FLAT_PAYLOADS],
+        at: usize,
+        tagged: bool,
+    ) -> Option<()> {
+        let t = r.follow_small(at)?;
+        if t <= self.last || t >= self.end || t < self.stop {
+            return None;
+        }
+        self.last = t;
+        self.stop = if tagged {
+            let tag = r.byte(t).ok()?;
+            match r.leaf_end(tag, t + 1).ok()? {
+                Some(e) => {
+                    if let Some(ext) = r.out_of_line(tag, e).ok()? {
+                        *payloads.get_mut(self.n_payloads)? = (ext.offset, ext.len);
+                        self.n_payloads += 1;
+                    }
+                    e
+                }
+                None if matches!(tag, T_LIST_STRUCT | T_TUPLE_STRUCT) => {
+                    r.flat_rows_end(t, self.end)?
+                }
+                None => return None,
+            }
+        } else {
+            // The slot of an untagged str or bytes: a length and the bytes.
+            let (n, after) = r.count(t, 1).ok()?;
+            after + n
+        };
+        Some(())
+    }
+}
 
 pub(super) fn msg(e: ArchiveError) -> String {
     match e {
