@@ -948,6 +948,31 @@ pub fn crafted(name: &str) -> Option<(Kind, Vec<u8>)> {
             let b = edit(object(v), 10, &rows);
             edit(b, 6, &12u32.to_le_bytes())
         }
+        // A list of strs in a shaped dict, whose values the block check's shortcut checks
+        // in its second pass: the list's second reference points into the first str, at
+        // bytes that read as a str of their own (forward of the first, overlapping it).
+        "overlapping-values-in-an-inner-list" => {
+            let v = Value::Dict(vec![(
+                Value::Str("tags".into()),
+                Value::List(vec![
+                    Value::Str("a\n\x03abcdefghijklmnop".into()),
+                    Value::Str("y".repeat(20)),
+                ]),
+            )]);
+            let b = object(v);
+            let (s, _) = header::record_span(&b, u64_at(&b, 32), 0).expect("a record");
+            let rec = &b[s as usize..];
+            let list = rec
+                .windows(2)
+                .position(|w| w == [T_LIST, 2])
+                .expect("the list");
+            let first_ref = list + 2;
+            let first = first_ref + super::u32_at(rec, first_ref) as usize;
+            // The first str is [T_STR, 19, 'a', T_STR, 3, ...]: a str of 3 at `first + 3`.
+            let second_ref = first_ref + 4;
+            let to = (first + 3 - second_ref) as u32;
+            edit(b, second_ref, &to.to_le_bytes())
+        }
         // A shape naming one key twice (a writer never makes one): `len()` of its dicts
         // said 2 and `to_python()` held one entry. The same symbol twice, or two symbols
         // of one string.
@@ -1051,6 +1076,7 @@ pub const CRAFTED: &[&str] = &[
     "shared-payload",
     "zero-size-rows",
     "zero-size-rows-in-a-dict",
+    "overlapping-values-in-an-inner-list",
     "shape-key-twice",
     "shape-key-twice-by-name",
     "general-key-twice",
