@@ -21,12 +21,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import irregular
 import shmstore
+from _common import machine_md, md_table
 
 CHILD = r"""
 import sys, time, shmstore
@@ -61,7 +63,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--n", type=int, default=100_000)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out")
+    ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as d:
@@ -79,22 +81,23 @@ def main() -> None:
                 ratios.append(first / warm)
                 os.unlink(path)
             rows.append(
-                f"| {name} | {statistics.median(firsts) * 1e3:.1f} | "
-                f"{statistics.median(warms) * 1e3:.1f} | {statistics.median(ratios):.2f}x | "
-                + ", ".join(f"{x:.2f}" for x in ratios)
-                + " |"
+                (
+                    name,
+                    f"{statistics.median(firsts) * 1e3:.1f}",
+                    f"{statistics.median(warms) * 1e3:.1f}",
+                    f"{statistics.median(ratios):.2f}x",
+                    ", ".join(f"{x:.2f}" for x in ratios),
+                )
             )
-    load = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    text = (
-        f"{a.n:,} records per store, {a.rounds} rounds; shmstore {shmstore.__version__} from "
-        f"{os.path.dirname(shmstore.__file__)}; load before the last round's end {load}\n\n"
-        "| records | first pass (ms) | warm pass (ms) | first / warm | each round |\n"
-        "|---|---:|---:|---:|---|\n" + "\n".join(rows) + "\n"
+    headers = ("records", "first pass (ms)", "warm pass (ms)", "first / warm", "each round")
+    report = (
+        f"# First pass, records with inner dicts and lists\n\n{machine_md()}\n\n"
+        f"{a.n:,} records per store, {a.rounds} rounds, medians (CPU time of the reading "
+        f"process).\n\n{md_table(headers, rows)}\n"
     )
-    print(text)
-    if a.out:
-        with open(a.out, "w") as f:
-            f.write(text)
+    print(report)
+    if a.out is not None:
+        a.out.write_text(report)
 
 
 if __name__ == "__main__":
