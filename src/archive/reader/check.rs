@@ -324,21 +324,21 @@ impl<B: AsRef<[u8]>> Reader<B> {
         w.finish()
     }
 
-    /// The walk's checks of the commonest records, made in one pass over a dict's slots: a
-    /// shaped dict whose references all point at values that hold none of their own
-    /// (numbers, strings, packed numbers, out-of-line bytes and arrays, a list of shaped
-    /// dicts without references: an image and its annotations), or at a shaped dict or a
-    /// list whose own references do (`{"meta": {...}}`, a list of tags).
-    /// [`Self::walk_with`] would queue the dict, each list of rows
-    /// and each inner container and walk them after; here a list of rows ends where its
-    /// count says, known at once, and the inner containers' values, which the walk would
-    /// reach after all of the root's, are checked in a second pass in the order the
-    /// containers were found, so nothing is queued. `true`: the walk accepts the record too (it checks the same rules:
-    /// each reference forward of the one before and inside the record, no value overlapping
-    /// the one written after it, no out-of-line extent shared, and depths that a record of
-    /// this form never exceeds). `false`: a record of another form, or one that breaks a
-    /// rule: the walk decides, and names what is wrong. The fuzzer holds it to that
-    /// (`archive::fuzz`: every record accepted here, the walk accepts).
+    /// The walk's checks of the commonest records, made without its queue: a shaped dict
+    /// whose references all point at values that hold none of their own (numbers, strings,
+    /// packed numbers, out-of-line bytes and arrays, a list of shaped dicts without
+    /// references: an image and its annotations), or at a shaped dict or a list whose own
+    /// references do (`{"meta": {...}}`, a list of tags). [`Self::walk_with`] would queue
+    /// the dict, each list of rows and each inner container and walk them after; here a
+    /// list of rows ends where its count says, known at once, and the inner containers'
+    /// values, which the walk reaches after all of the root's, are checked in a second pass
+    /// in the order the containers were found, both passes by one reading of the walk's
+    /// rules (`Flat::value`). `true`: the walk accepts the record too (it checks the same
+    /// rules: each reference forward of the one before and inside the record, no value
+    /// overlapping the one written after it, no out-of-line extent shared, and depths that
+    /// a record of this form never exceeds). `false`: a record of another form, or one that
+    /// breaks a rule: the walk decides, and names what is wrong. The fuzzer holds it to
+    /// that (`archive::fuzz`: every record accepted here, the walk accepts).
     #[inline]
     pub(super) fn flat_record(&self, start: usize, end: usize) -> bool {
         self.flat_record_checked(start, end).is_some()
@@ -355,54 +355,30 @@ impl<B: AsRef<[u8]>> Reader<B> {
         }
         let (id, body) = self.varint(start + 1).ok()?;
         let sh = self.shapes.get(usize::try_from(id).ok()?)?;
-        // Where the value found last ends (the next must start at or after it): first the
-        // dict's own slots.
-        let mut stop = body.checked_add(sh.shape.size as usize)?;
-        let mut last = start;
+        // The first value must start after the dict's own slots.
+        let mut f = Flat {
+            stop: body.checked_add(sh.shape.size as usize)?,
+            last: start,
+            end,
+            n_payloads: 0,
+            inner: false,
+        };
         let mut payloads = [(0u64, 0u64); FLAT_PAYLOADS];
-        let mut n_payloads = 0;
-        let mut inner = false;
-        for &f in sh.refs.iter() {
-            let f = usize::from(f);
-            let t = self.follow_small(body + sh.shape.offsets[f] as usize)?;
-            if t <= last || t >= end || t < stop {
-                return None;
-            }
-            last = t;
-            stop = if sh.shape.encs[f] == Enc::Ref {
-                let tag = self.byte(t).ok()?;
-                match self.leaf_end(tag, t + 1).ok()? {
-                    Some(e) => {
-                        if let Some(ext) = self.out_of_line(tag, e).ok()? {
-                            *payloads.get_mut(n_payloads)? = (ext.offset, ext.len);
-                            n_payloads += 1;
-                        }
-                        e
-                    }
-                    None if matches!(tag, T_LIST_STRUCT | T_TUPLE_STRUCT) => {
-                        self.flat_rows_end(t, end)?
-                    }
-                    None => {
-                        inner = true;
-                        self.flat_inner_end(tag, t)?
-                    }
-                }
-            } else {
-                // The slot of an untagged str or bytes: a length and the bytes.
-                let (n, after) = self.count(t, 1).ok()?;
-                after + n
-            };
+        for &i in sh.refs.iter() {
+            let i = usize::from(i);
+            let tagged = sh.shape.encs[i] == Enc::Ref;
+            f.value(
+                self,
+                &mut payloads,
+                body + sh.shape.offsets[i] as usize,
+                tagged,
+                true,
+            )?;
         }
-        if inner {
-            let mut f = Flat {
-                stop,
-                last,
-                end,
-                n_payloads,
-            };
+        if f.inner {
             self.flat_inner(sh, body, &mut f, &mut payloads)?;
-            (stop, n_payloads) = (f.stop, f.n_payloads);
         }
+        let (stop, n_payloads) = (f.stop, f.n_payloads);
         if stop > end {
             return None;
         }
@@ -463,13 +439,19 @@ impl<B: AsRef<[u8]>> Reader<B> {
                     for &j in sh.refs.iter() {
                         let j = usize::from(j);
                         let tagged = sh.shape.encs[j] == Enc::Ref;
-                        f.value(self, payloads, after + sh.shape.offsets[j] as usize, tagged)?;
+                        f.value(
+                            self,
+                            payloads,
+                            after + sh.shape.offsets[j] as usize,
+                            tagged,
+                            false,
+                        )?;
                     }
                 }
                 T_LIST | T_TUPLE => {
                     let (n, after) = self.count(t + 1, REF).ok()?;
                     for k in 0..n {
-                        f.value(self, payloads, after + k * REF, true)?;
+                        f.value(self, payloads, after + k * REF, true, false)?;
                     }
                 }
                 _ => {}
@@ -896,14 +878,16 @@ impl Depth {
 /// left to the walk.
 const FLAT_PAYLOADS: usize = 4;
 
-/// The state of [`Reader::flat_record`]'s second pass: the walk's `last` and the end of the
-/// value found last (`stop`, where the next may start), and how many out-of-line extents
-/// were seen.
+/// [`Reader::flat_record`]'s state: the walk's `last` and the end of the value found last
+/// (`stop`, where the next may start), how many out-of-line extents were seen, and whether
+/// a second pass is needed.
 struct Flat {
     stop: usize,
     last: usize,
     end: usize,
     n_payloads: usize,
+    /// Whether a value of the root is a dict or a list (a second pass checks their values).
+    inner: bool,
 }
 
 impl Flat {
@@ -911,7 +895,9 @@ impl Flat {
     /// bytes), by the walk's rules (`Walk::push`): forward of the one before, inside the
     /// record, not before the end of the value found before it. A value without
     /// references ends where it says, a list of rows without references where its count
-    /// says. `None`: anything else, or a rule broken (the walk then decides).
+    /// says, and, where `root` (a value of the root), a shaped dict or a list where its
+    /// slots or items end, its values left to the second pass. `None`: anything else, or a
+    /// rule broken (the walk then decides).
     #[inline(always)]
     fn value<B: AsRef<[u8]>>(
         &mut self,
@@ -919,6 +905,7 @@ impl Flat {
         payloads: &mut [(u64, u64); FLAT_PAYLOADS],
         at: usize,
         tagged: bool,
+        root: bool,
     ) -> Option<()> {
         let t = r.follow_small(at)?;
         if t <= self.last || t >= self.end || t < self.stop {
@@ -937,6 +924,10 @@ impl Flat {
                 }
                 None if matches!(tag, T_LIST_STRUCT | T_TUPLE_STRUCT) => {
                     r.flat_rows_end(t, self.end)?
+                }
+                None if root => {
+                    self.inner = true;
+                    r.flat_inner_end(tag, t)?
                 }
                 None => return None,
             }
