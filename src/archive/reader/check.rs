@@ -395,21 +395,32 @@ impl<B: AsRef<[u8]>> Reader<B> {
         Some(())
     }
 
-    /// Where a shaped dict or a list (`tag` at `t`) among a flat record's values ends: its
-    /// slots or its items; `None` for any other container.
-    #[inline(never)]
-    fn flat_inner_end(&self, tag: u8, t: usize) -> Option<usize> {
+    /// A shaped dict or a list (`tag` at `t`) among a flat record's values: where its slots
+    /// or items start and which they are; `None` for any other container. The one reading
+    /// of their headers for both passes of [`Self::flat_record`].
+    #[inline(always)]
+    fn flat_inner_at(&self, tag: u8, t: usize) -> Option<(usize, Inner<'_>)> {
         match tag {
             T_DICT_SHAPED => {
                 let (id, after) = self.varint(t + 1).ok()?;
                 let sh = self.shapes.get(usize::try_from(id).ok()?)?;
-                after.checked_add(sh.shape.size as usize)
+                Some((after, Inner::Dict(sh)))
             }
             T_LIST | T_TUPLE => {
                 let (n, after) = self.count(t + 1, REF).ok()?;
-                Some(after + n * REF)
+                Some((after, Inner::List(n)))
             }
             _ => None,
+        }
+    }
+
+    /// Where a shaped dict or a list (`tag` at `t`) among a flat record's values ends.
+    #[inline(never)]
+    fn flat_inner_end(&self, tag: u8, t: usize) -> Option<usize> {
+        match self.flat_inner_at(tag, t)? {
+            (after, Inner::Dict(sh)) => after.checked_add(sh.shape.size as usize),
+            // `count` checked that the items fit.
+            (after, Inner::List(n)) => Some(after + n * REF),
         }
     }
 
@@ -432,29 +443,23 @@ impl<B: AsRef<[u8]>> Reader<B> {
                 continue;
             }
             let t = self.follow_small(body + sh.shape.offsets[i] as usize)?;
-            match self.byte(t).ok()? {
-                T_DICT_SHAPED => {
-                    let (id, after) = self.varint(t + 1).ok()?;
-                    let sh = self.shapes.get(usize::try_from(id).ok()?)?;
+            let Some((after, inner)) = self.flat_inner_at(self.byte(t).ok()?, t) else {
+                continue;
+            };
+            match inner {
+                Inner::Dict(sh) => {
                     for &j in sh.refs.iter() {
                         let j = usize::from(j);
                         let tagged = sh.shape.encs[j] == Enc::Ref;
-                        f.value(
-                            self,
-                            payloads,
-                            after + sh.shape.offsets[j] as usize,
-                            tagged,
-                            false,
-                        )?;
+                        let at = after + sh.shape.offsets[j] as usize;
+                        f.value(self, payloads, at, tagged, false)?;
                     }
                 }
-                T_LIST | T_TUPLE => {
-                    let (n, after) = self.count(t + 1, REF).ok()?;
+                Inner::List(n) => {
                     for k in 0..n {
                         f.value(self, payloads, after + k * REF, true, false)?;
                     }
                 }
-                _ => {}
             }
         }
         Some(())
@@ -877,6 +882,12 @@ impl Depth {
 /// Out-of-line extents that [`Reader::flat_record`] keeps to compare; a record with more is
 /// left to the walk.
 const FLAT_PAYLOADS: usize = 4;
+
+/// A dict or list among a flat record's values: a shaped dict's shape, or a list's length.
+enum Inner<'a> {
+    Dict(&'a ShapeInfo),
+    List(usize),
+}
 
 /// [`Reader::flat_record`]'s state: the walk's `last` and the end of the value found last
 /// (`stop`, where the next may start), how many out-of-line extents were seen, and whether
