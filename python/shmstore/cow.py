@@ -50,6 +50,7 @@ import gc
 import multiprocessing
 import multiprocessing.connection
 import os
+import sysconfig
 import time
 import traceback
 from dataclasses import dataclass
@@ -73,6 +74,9 @@ __all__ = [
 #: The limit when none is given: 1 MiB beyond the no-op control, per worker.
 DEFAULT_LIMIT = 1 << 20
 _MAX_TYPE_ROWS = 12
+#: Whether this interpreter is a free-threaded build (its allocator is mimalloc, whose delayed
+#: purge the report explains when most of the copied pages held no object).
+_FREE_THREADED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
 _MAX_WORKER_ROWS = 8
 
 
@@ -185,6 +189,14 @@ class CowReport:
             f"  {'(no Python object)':<33}{format_bytes(a.page_bytes - a.attributed):>12}"
             "  pages holding no object found (interpreter and C data)"
         )
+        if _FREE_THREADED and 2 * a.attributed < a.page_bytes:
+            lines.append(
+                "  free-threaded interpreter: memory the parent freed shortly before the fork "
+                "is still mapped in the workers (its allocator, mimalloc, gives it back after "
+                "10 ms), and a worker that allocates reuses it, un-sharing pages that held no "
+                "object; start the parent with MIMALLOC_PURGE_DELAY=0 in its environment to "
+                "have it given back at once"
+            )
         top = {r.type for r in a.rows[:3]}
         if top & {"dict", "list", "tuple", "float", "int", "str"}:
             lines.append(
