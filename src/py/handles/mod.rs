@@ -29,8 +29,8 @@ use crate::archive::Kind;
 use slot::Slot;
 
 super::read::recycled! {
-    RECORD_ITERS: RecordIter,
-    KEY_ITERS: KeyIter,
+    RECORD_ITERS: RecordIter;
+    KEY_ITERS: KeyIter;
 }
 
 /// The handles' part of `read::install_freelists`: the free lists of their iterators, and

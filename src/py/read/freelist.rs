@@ -62,6 +62,12 @@ pub(crate) trait HoldsStore {
 pub(crate) trait Recycled:
     PyClass<Frozen = pyo3::pyclass::boolean_struct::True> + Sync + HoldsStore
 {
+    /// Whether the class is declared with `weakref` (its objects then end with a weak-reference
+    /// list): part of the layout the direct path writes, checked against the type object at
+    /// install (`Layout::of_type`).
+    #[cfg_attr(feature = "abi3", allow(dead_code))] // the stable ABI has no direct path
+    const WEAKREF: bool;
+
     /// The value as pyo3's initializer, for the generic path.
     fn init(self) -> pyo3::PyClassInitializer<Self>;
 
@@ -186,36 +192,48 @@ pub(crate) mod imp {
             }
         }
 
-        /// The layout of `T`'s objects, from its type object, if it is the one this module
-        /// relies on: the object is its header, the value right after it and (for a type
+        /// Where `T`'s objects hold their value and weak-reference list, as this module
+        /// relies on: the object is its header, the value right after it and (for a class
         /// with weak references) the list pointer right after the value, with nothing else
         /// (pyo3 0.30's `#[repr(C)]` object for a frozen, `Sync` class without `__dict__`).
-        /// What differs otherwise.
+        /// A constant, so the direct path's reads and writes have fixed offsets; whether the
+        /// type object agrees is checked once, at install (`of_type`).
+        #[inline(always)]
+        const fn expected<T: Recycled>() -> Layout {
+            let value = std::mem::size_of::<ffi::PyObject>();
+            Layout {
+                value,
+                weak: if T::WEAKREF {
+                    value + std::mem::size_of::<T>()
+                } else {
+                    0
+                },
+            }
+        }
+
+        /// Whether `T`'s type object has the layout of [`Self::expected`]: its size, its
+        /// weak-reference slot and the value's alignment; what differs otherwise.
         ///
         /// # Safety
         /// The GIL is held and `ty` is `T`'s live type object.
-        unsafe fn of_type<T: Recycled>(ty: *mut ffi::PyTypeObject) -> Result<Layout, String> {
+        unsafe fn of_type<T: Recycled>(ty: *mut ffi::PyTypeObject) -> Result<(), String> {
             // SAFETY: `ty` is a live type object (the caller's contract).
             let (size, weak) = unsafe { ((*ty).tp_basicsize, (*ty).tp_weaklistoffset) };
-            let header = std::mem::size_of::<ffi::PyObject>();
+            let want = Self::expected::<T>();
             let t = std::mem::size_of::<T>();
             let word = std::mem::size_of::<usize>();
-            let value = header;
-            let want_weak = if weak == 0 { 0 } else { value + t };
-            let want_size = value + t + if weak == 0 { 0 } else { word };
+            let want_size = want.value + t + if T::WEAKREF { word } else { 0 };
             let aligned = std::mem::align_of::<T>() <= std::mem::align_of::<ffi::PyObject>();
             if aligned
                 && usize::try_from(size).ok() == Some(want_size)
-                && usize::try_from(weak).ok() == Some(want_weak)
+                && usize::try_from(weak).ok() == Some(want.weak)
             {
-                return Ok(Layout {
-                    value,
-                    weak: want_weak,
-                });
+                return Ok(());
             }
             Err(format!(
                 "unexpected object layout: tp_basicsize {size} (expected {want_size}), \
-                 tp_weaklistoffset {weak} (expected {want_weak}), value {t} bytes aligned to {}",
+                 tp_weaklistoffset {weak} (expected {}), value {t} bytes aligned to {}",
+                want.weak,
                 std::mem::align_of::<T>()
             ))
         }
@@ -239,24 +257,39 @@ pub(crate) mod imp {
         }
     }
 
+    /// `FreeList::mode`: the layout is not the expected one; pyo3's path makes and drops
+    /// the objects.
+    const DIRECT_OFF: u8 = 0;
+    /// Made and dropped directly (`make`, `dealloc`), dropped objects kept in the type's
+    /// list (with a GIL: `RECYCLE`).
+    const DIRECT_GLOBAL: u8 = 1;
+    /// Made and dropped directly, dropped objects kept by each thread (free-threaded: the
+    /// type has a slot in the lists per thread).
+    const DIRECT_THREAD: u8 = 2;
+    /// Made and dropped directly, dropped objects freed (free-threaded, no lists per thread).
+    const DIRECT_ONLY: u8 = 3;
+
     pub(crate) struct FreeList {
         ty: UnsafeCell<*mut ffi::PyTypeObject>,
         items: UnsafeCell<Kept>,
-        /// Set by `install` if the type's layout is the expected one (`None`: pyo3's path).
-        layout: UnsafeCell<Option<Layout>>,
+        /// How objects of the type are made and dropped (`DIRECT_*`), set by `install`:
+        /// whether the layout is the expected one (`Layout::expected`; if not, pyo3's path)
+        /// and where dropped objects are kept. One value, so the tiny read paths and the
+        /// dealloc decide with one load.
+        mode: UnsafeCell<u8>,
         /// The type's list in each thread's lists (free-threaded, direct path only), or
-        /// `NO_SLOT`; set by `install` like `layout`.
+        /// `NO_SLOT`; set by `install` like `mode`.
         slot: UnsafeCell<usize>,
     }
 
-    // SAFETY: `ty` and `layout` are written only by `install`, during the module's init,
+    // SAFETY: `ty` and `mode` are written only by `install`, during the module's init,
     // before any object of the type exists (the type is not reachable from Python code yet),
     // and only read afterwards. `items` is read and written only by `alloc`, `free`, `make`
     // and the type's dealloc below, and only while `RECYCLE` is on, which `install` sets
     // only on an interpreter with a GIL: there they run with the GIL held (CPython calls
     // tp_alloc, tp_free and tp_dealloc with it; `make` is called with it), which serialises
     // every access. On a free-threaded interpreter no thread touches `items` (`alloc` and
-    // `keep` check `RECYCLE` first); `slot` is set at install like `layout`.
+    // `keep` check `RECYCLE` first); `slot` is set at install like `mode`.
     unsafe impl Sync for FreeList {}
 
     impl FreeList {
@@ -267,7 +300,7 @@ pub(crate) mod imp {
                     len: 0,
                     objs: [std::ptr::null_mut(); CAP],
                 }),
-                layout: UnsafeCell::new(None),
+                mode: UnsafeCell::new(DIRECT_OFF),
                 slot: UnsafeCell::new(NO_SLOT),
             }
         }
@@ -284,11 +317,11 @@ pub(crate) mod imp {
             value: T,
         ) -> PyResult<Bound<'py, T>> {
             // SAFETY: written only at install, before any object exists (see `Sync`).
-            let (ty, layout) = unsafe { (*self.ty.get(), *self.layout.get()) };
-            let Some(layout) = layout else {
+            let (ty, mode) = unsafe { (*self.ty.get(), *self.mode.get()) };
+            if mode == DIRECT_OFF {
                 // SAFETY: as above.
                 return unsafe { self.make_slow(py, value) };
-            };
+            }
             // SAFETY: the thread is attached and `ty` is `T`'s type (set by `install`).
             let obj = unsafe { self.alloc_direct(ty) };
             if obj.is_null() {
@@ -296,10 +329,10 @@ pub(crate) mod imp {
             }
             // SAFETY: `obj` is a new object of `T`'s type with a reference count of 1,
             // either fresh from the generic allocator (zeroed) or recycled by `dealloc`
-            // below (its value moved out, its weak-reference list cleared), and `layout`
-            // is this type's.
+            // below (its value moved out, its weak-reference list cleared), and the type's
+            // layout is the expected one (`mode`).
             unsafe {
-                layout.fill(obj, value);
+                Layout::expected::<T>().fill(obj, value);
                 Ok(Bound::from_owned_ptr(py, obj).cast_into_unchecked())
             }
         }
@@ -319,13 +352,9 @@ pub(crate) mod imp {
             &self,
             value: impl FnOnce() -> T,
         ) -> Option<*mut ffi::PyObject> {
-            let recycle = super::RECYCLE.load(Ordering::Relaxed);
-            if !recycle && !FT_BUILD {
-                return None;
-            }
             // SAFETY: written only at install, before any object exists (see `Sync`).
-            let layout = unsafe { (*self.layout.get())? };
-            let obj = if recycle {
+            let mode = unsafe { *self.mode.get() };
+            let obj = if mode == DIRECT_GLOBAL {
                 // SAFETY: recycling is on, so the GIL is held (the thread is attached) and
                 // it serialises every use of the list. `obj` is a kept object of exactly
                 // `T`'s type, as `alloc` hands one out: one increment makes it a fresh
@@ -335,21 +364,21 @@ pub(crate) mod imp {
                     ffi::Py_INCREF(obj);
                     obj
                 }
-            } else {
+            } else if FT_BUILD && mode == DIRECT_THREAD {
                 // SAFETY: written only at install (see `Sync`).
                 let slot = unsafe { *self.slot.get() };
-                if slot == NO_SLOT {
-                    return None;
-                }
                 // SAFETY: as in `alloc_direct`: a slot is set only with the lists per
                 // thread on and is below `thread_lists::TYPES`; the thread is attached; the
                 // object popped is the memory of a dropped object of exactly `T`'s type,
                 // which `PyObject_Init` (never failing for a non-null object) makes new.
+                // `DIRECT_THREAD` is set only with a slot.
                 unsafe { ffi::PyObject_Init(thread_lists::pop(slot)?, *self.ty.get()) }
+            } else {
+                return None;
             };
-            // SAFETY: `obj` is a new object of `T`'s type with one reference, and `layout`
-            // is this type's.
-            unsafe { layout.fill(obj, value()) };
+            // SAFETY: `obj` is a new object of `T`'s type with one reference, and the type's
+            // layout is the expected one (`mode` is not `DIRECT_OFF`).
+            unsafe { Layout::expected::<T>().fill(obj, value()) };
             Some(obj)
         }
 
@@ -517,9 +546,7 @@ pub(crate) mod imp {
         // (the store's release, the type's) happens. The store reference is released by a
         // plain decrement: no pyo3 code runs here that would defer it.
         unsafe {
-            let Some(layout) = *list.layout.get() else {
-                return;
-            };
+            let layout = Layout::expected::<T>();
             let base = obj.cast::<u8>();
             if layout.weak != 0
                 && !base
@@ -536,17 +563,19 @@ pub(crate) mod imp {
             // type (`keep`). Kept by this thread (free-threaded): memory only, the type's
             // reference given back below. The object is exactly `T` (this dealloc is
             // `T`'s only, and `T` has no subclasses).
-            let recycle = super::RECYCLE.load(Ordering::Relaxed);
-            let kept = if recycle {
+            // `DIRECT_GLOBAL` only with recycling on (so the GIL held), `DIRECT_THREAD` only
+            // with a slot.
+            let mode = *list.mode.get();
+            let global = mode == DIRECT_GLOBAL;
+            let kept = if global {
                 list.keep_own(obj)
             } else {
-                let slot = *list.slot.get();
-                FT_BUILD && slot != NO_SLOT && thread_lists::keep(slot, obj)
+                FT_BUILD && mode == DIRECT_THREAD && thread_lists::keep(*list.slot.get(), obj)
             };
             if !kept {
                 ffi::PyObject_GC_Del(obj.cast());
             }
-            let type_back = !kept || !recycle;
+            let type_back = !kept || !global;
             value.into_store().release();
             if type_back {
                 ffi::Py_DECREF(ty.cast());
@@ -619,10 +648,6 @@ pub(crate) mod imp {
             *T::list().ty.get() = ty;
             (*ty).tp_alloc = Some(alloc::<T>);
             (*ty).tp_free = Some(free::<T>);
-            if let Ok(layout) = layout {
-                *T::list().layout.get() = Some(layout);
-                (*ty).tp_dealloc = Some(dealloc::<T>);
-            }
         }
         let recycled = if super::RECYCLE.load(Ordering::Relaxed) {
             Ok(())
@@ -630,19 +655,33 @@ pub(crate) mod imp {
             // SAFETY: as above (module init, no instance yet).
             unsafe { give_slot::<T>(layout.is_ok()) }
         };
+        if layout.is_ok() {
+            let mode = if super::RECYCLE.load(Ordering::Relaxed) {
+                DIRECT_GLOBAL
+            } else if recycled.is_ok() {
+                DIRECT_THREAD
+            } else {
+                DIRECT_ONLY
+            };
+            // SAFETY: as above; our dealloc goes in with the mode that it reads set.
+            unsafe {
+                *T::list().mode.get() = mode;
+                (*ty).tp_dealloc = Some(dealloc::<T>);
+            }
+        }
         let name = std::any::type_name::<T>()
             .rsplit("::")
             .next()
             .unwrap_or("?");
         super::super::fastpaths::report(format!("freelist.{name}"), recycled);
-        super::super::fastpaths::report(format!("direct.{name}"), layout.map(drop));
+        super::super::fastpaths::report(format!("direct.{name}"), layout);
     }
 
     super::recycled! {
-        LIST_VIEWS: ListView,
-        DICT_VIEWS: DictView,
-        LIST_ITERS: ListIter,
-        DICT_ITERS: DictIter,
+        LIST_VIEWS: ListView, weakref;
+        DICT_VIEWS: DictView, weakref;
+        LIST_ITERS: ListIter;
+        DICT_ITERS: DictIter;
     }
 
     /// Install the free lists of the view types, and of the types that `more` installs
@@ -758,12 +797,14 @@ pub(crate) use imp::{install, install_type, FreeList, FT_BUILD};
 /// put in place by [`install`] (through [`install_type`]). Used here for the views and by
 /// `handles` for its iterators, which this layer does not name.
 macro_rules! recycled {
-    ($($list:ident: $t:ty),* $(,)?) => {
+    ($($list:ident: $t:ty $(, $weak:ident)?);* $(;)?) => {
         $(
             #[cfg(not(feature = "abi3"))]
             static $list: $crate::py::read::FreeList = $crate::py::read::FreeList::new();
 
             impl $crate::py::read::Recycled for $t {
+                const WEAKREF: bool = $crate::py::read::recycled!(@weakref $($weak)?);
+
                 #[inline(always)]
                 fn init(self) -> pyo3::PyClassInitializer<Self> {
                     self.into()
@@ -777,15 +818,21 @@ macro_rules! recycled {
             }
         )*
     };
+    (@weakref weakref) => {
+        true
+    };
+    (@weakref) => {
+        false
+    };
 }
 pub(crate) use recycled;
 
 #[cfg(feature = "abi3")]
 recycled! {
-    LIST_VIEWS: super::ListView,
-    DICT_VIEWS: super::DictView,
-    LIST_ITERS: super::ListIter,
-    DICT_ITERS: super::DictIter,
+    LIST_VIEWS: super::ListView, weakref;
+    DICT_VIEWS: super::DictView, weakref;
+    LIST_ITERS: super::ListIter;
+    DICT_ITERS: super::DictIter;
 }
 
 /// The stable ABI hides the slots: views use the generic allocator.
