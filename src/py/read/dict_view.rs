@@ -76,8 +76,7 @@ impl super::slots::FastGet for DictView {
             }
             // Another kind of slot (a reference, bytes), or an error: read (or raised) out of
             // line, the field already found.
-            let (rec, form, pos) = v.node.into_parts();
-            return Some(super::slots::field_ptr(py, store, rec, form, pos, f));
+            return Some(super::slots::field_ptr(py, v, f));
         };
         Some(match item {
             Item::None => {
@@ -132,6 +131,13 @@ impl DictView {
     pub(crate) fn new(py: Python<'_>, store: StoreRef, node: Node) -> Self {
         let fields = FieldTable::of(py, &store, node);
         Self::with_fields(store, node, fields)
+    }
+
+    /// The store and the node this view shows.
+    #[inline(always)]
+    #[cfg_attr(feature = "abi3", allow(dead_code))]
+    pub(super) fn shows(&self) -> (&StoreRef, Node) {
+        (&self.store, self.node)
     }
 
     /// A view of the dict at `node`, whose fields (those of its shape in `store`, or empty)

@@ -558,28 +558,25 @@ pub(crate) mod imp {
                 ffi::PyObject_ClearWeakRefs(obj);
             }
             let value = base.add(layout.value).cast::<T>().read();
-            let ty = ffi::Py_TYPE(obj);
-            // Kept in the global list (with a GIL): the object keeps its reference to the
-            // type (`keep`). Kept by this thread (free-threaded): memory only, the type's
-            // reference given back below. The object is exactly `T` (this dealloc is
-            // `T`'s only, and `T` has no subclasses).
-            // `DIRECT_GLOBAL` only with recycling on (so the GIL held), `DIRECT_THREAD` only
-            // with a slot.
+            // Kept in the global list (with a GIL: `DIRECT_GLOBAL` is set only with
+            // recycling on): the object keeps its reference to the type (`keep`), so that
+            // is all. The object is exactly `T` (this dealloc is `T`'s only, and `T` has no
+            // subclasses).
             let mode = *list.mode.get();
-            let global = mode == DIRECT_GLOBAL;
-            let kept = if global {
-                list.keep_own(obj)
-            } else {
-                FT_BUILD && mode == DIRECT_THREAD && thread_lists::keep(*list.slot.get(), obj)
-            };
+            if mode == DIRECT_GLOBAL && list.keep_own(obj) {
+                value.into_store().release();
+                return;
+            }
+            // Kept by this thread (free-threaded; `DIRECT_THREAD` is set only with a slot):
+            // memory only. Kept so or freed, the object's reference to its type is given back.
+            let ty = ffi::Py_TYPE(obj);
+            let kept =
+                FT_BUILD && mode == DIRECT_THREAD && thread_lists::keep(*list.slot.get(), obj);
             if !kept {
                 ffi::PyObject_GC_Del(obj.cast());
             }
-            let type_back = !kept || !global;
             value.into_store().release();
-            if type_back {
-                ffi::Py_DECREF(ty.cast());
-            }
+            ffi::Py_DECREF(ty.cast());
         }
     }
 

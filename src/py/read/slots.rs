@@ -272,20 +272,18 @@ pub(crate) fn list_view_ptr(
     })
 }
 
-/// The value of field `f` of the shaped dict at the node of `store` whose parts these are,
-/// as the whole way reads it (NULL with the exception set, a corrupt slot's included).
+/// The value of field `f` of the dict that view `v` shows, as the whole way reads it (NULL
+/// with the exception set, a corrupt slot's included). Three words of arguments, so that the
+/// tiny path reaches it by a jump rather than a call with a frame of its own.
 #[cfg(not(feature = "abi3"))]
 #[inline(never)]
 pub(crate) fn field_ptr(
     py: Python<'_>,
-    store: &super::StoreRef,
-    rec: u32,
-    form: crate::archive::reader::Form,
-    pos: u64,
+    v: &super::DictView,
     f: crate::py::store::PyField,
 ) -> *mut ffi::PyObject {
     guarded(py, std::ptr::null_mut(), || {
-        let node = crate::archive::Node::from_parts((rec, form, pos));
+        let (store, node) = v.shows();
         Ok(super::protocol::field_value(py, store, node, f)?.into_ptr())
     })
 }
