@@ -26,9 +26,11 @@
 //! counters, a panic guard) for every dealloc: together about a third of the cost of
 //! `view[k]`. `new_view` writes the value straight into a recycled object and the types'
 //! `tp_dealloc` is ours. Both rely on where pyo3 puts the value inside the object, which is
-//! not a public interface, so it is checked at module init against each type object's size
-//! and weak-reference slot (`Layout::of_type`): the object must be exactly its header, the
-//! value and (if any) the weak-reference list, in that order. A type whose layout differs
+//! not a public interface: the direct path writes at offsets fixed at compile time
+//! (`Layout::expected`: the object is exactly its header, the value and, for a class
+//! declared with `weakref` (`recycled!`'s `weakref`), the weak-reference list, in that
+//! order), and module init checks them against each type object's size and weak-reference
+//! slot (`Layout::of_type`) before it turns the direct path on. A type whose layout differs
 //! keeps pyo3's path, and that is reported (`direct.<type>` in `_fast_paths()`, a warning at
 //! import: src/py/read/fastpaths.rs), never silent. The direct path needs no GIL: on a
 //! free-threaded interpreter it is on as well, recycling through the lists per thread.
