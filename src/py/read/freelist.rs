@@ -325,7 +325,7 @@ pub(crate) mod imp {
                 return unsafe { self.make_slow(py, value) };
             }
             // SAFETY: the thread is attached and `ty` is `T`'s type (set by `install`).
-            let obj = unsafe { self.alloc_direct(ty) };
+            let obj = unsafe { self.alloc_direct(ty, mode) };
             if obj.is_null() {
                 return Err(PyErr::fetch(py));
             }
@@ -404,12 +404,13 @@ pub(crate) mod imp {
         ///
         /// # Safety
         /// The thread is attached (holds the GIL where there is one); `ty` is this list's
-        /// type and its layout is known (the direct path is installed).
+        /// type, its layout is known (the direct path is installed) and `mode` is its `mode`.
         #[inline(always)]
-        unsafe fn alloc_direct(&self, ty: *mut ffi::PyTypeObject) -> *mut ffi::PyObject {
-            // SAFETY: written only at install (see `Sync`).
-            let slot = unsafe { *self.slot.get() };
-            if FT_BUILD && slot != NO_SLOT {
+        unsafe fn alloc_direct(&self, ty: *mut ffi::PyTypeObject, mode: u8) -> *mut ffi::PyObject {
+            if FT_BUILD && mode == DIRECT_THREAD {
+                // SAFETY: written only at install (see `Sync`); `DIRECT_THREAD` is set only
+                // with a slot.
+                let slot = unsafe { *self.slot.get() };
                 // SAFETY: a slot is set only with the lists per thread on, and is below
                 // `thread_lists::TYPES`; the thread is attached.
                 if let Some(obj) = unsafe { thread_lists::pop(slot) } {
