@@ -126,6 +126,31 @@ def describe_hung(pid: int) -> str:
     return "\n".join(lines)
 
 
+def connect_waiting(s, path: str, timeout: float) -> None:
+    """Connect the AF_UNIX stream socket ``s`` to ``path`` as shmstore's own client does:
+    while the listen backlog is full (a flood of connections the supervisor has not
+    accepted yet), wait for room, for at most ``timeout`` seconds; then give ``s`` that
+    timeout for its reads and writes.
+
+    A socket with a Python timeout is non-blocking underneath, and a non-blocking connect
+    to a full backlog fails at once with ``EAGAIN`` (``BlockingIOError``); a blocking one
+    waits in the kernel until the server accepts, bounded by ``SO_SNDTIMEO``.
+    """
+    import socket
+    import struct
+
+    s.settimeout(None)
+    whole = int(timeout)
+    s.setsockopt(
+        socket.SOL_SOCKET,
+        socket.SO_SNDTIMEO,
+        struct.pack("ll", whole, int((timeout - whole) * 1_000_000)),
+    )
+    s.connect(path)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, 0))
+    s.settimeout(timeout)
+
+
 def check_all(handle) -> int:
     n = len(handle)
     for i in range(n):
@@ -283,9 +308,9 @@ class Client:
         run = os.environ.get("XDG_RUNTIME_DIR")
         assert run, "sync needs XDG_RUNTIME_DIR"
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(60)
-        s.connect(os.path.join(run, "shmstore", os.environ["SHMSTORE_SUPERVISOR_NAME"] + ".sock"))
         self.socks.append(s)
+        name = os.environ["SHMSTORE_SUPERVISOR_NAME"] + ".sock"
+        connect_waiting(s, os.path.join(run, "shmstore", name), 60)
         for _ in range(2):
             s.sendall(b"HELLO %d\n" % os.getpid())
             buf = b""

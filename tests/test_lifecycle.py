@@ -74,6 +74,7 @@ from typing import Any, Callable
 
 import pytest
 import shmstore
+from _lifecycle_workers import connect_waiting
 from conftest import mounted_tmpfs
 from shmstore import _native
 from shmstore._util import pid_alive
@@ -344,9 +345,8 @@ class Lifecycle:
     def connect(self) -> socket.socket:
         """A raw connection to the supervisor (closed at teardown)."""
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(REPLY_S)
         self.raw.append(s)
-        s.connect(self.socket_path())
+        connect_waiting(s, self.socket_path(), REPLY_S)
         return s
 
     def socket_path(self) -> str:
