@@ -259,6 +259,21 @@ pub fn get_varint(b: &[u8], at: usize) -> Result<(u64, usize), ArchiveError> {
     }
 }
 
+/// [`get_varint`] of one or two bytes (a value below 16,384), for the smallest read paths:
+/// `None` for a longer or truncated varint (the caller then takes the long way, which reads
+/// or reports it). No error value and no call, so a path that inlines it has nothing that
+/// could unwind.
+#[inline(always)]
+#[cfg_attr(not(feature = "python"), allow(dead_code))]
+pub fn get_varint_small(b: &[u8], at: usize) -> Option<(u64, usize)> {
+    let low = *b.get(at)?;
+    if low < 0x80 {
+        return Some((low as u64, at + 1));
+    }
+    let high = *b.get(at + 1)?;
+    (high < 0x80).then(|| (((high as u64) << 7) | (low & 0x7f) as u64, at + 2))
+}
+
 #[inline(never)]
 fn get_varint_long(b: &[u8], at: usize) -> Result<(u64, usize), ArchiveError> {
     let mut v = 0u64;
@@ -342,6 +357,35 @@ mod tests {
                 }
             }
             assert_eq!(get_varint(&[b0], 0).ok(), get_varint_long(&[b0], 0).ok());
+        }
+    }
+
+    #[test]
+    fn small_varints_read_as_the_general_reader_or_not_at_all() {
+        // Every pair of bytes, alone, followed by more, cut short, and at an offset: the
+        // small reader gives what `get_varint` gives for one or two bytes, and nothing for
+        // a longer varint or one past the end (never a different value).
+        for b0 in 0..=255u8 {
+            for b1 in 0..=255u8 {
+                for b in [
+                    &[b0, b1][..],
+                    &[b0, b1, 0x01],
+                    &[0x05, b0, b1, 0x81, 0x01],
+                    &[b0],
+                ] {
+                    for at in 0..b.len() + 1 {
+                        let small = get_varint_small(b, at);
+                        let general = get_varint(b, at).ok();
+                        match small {
+                            Some(got) => assert_eq!(Some(got), general, "{b:?} at {at}"),
+                            None => assert!(
+                                general.is_none_or(|(_, end)| end > at + 2),
+                                "{b:?} at {at}: {general:?} not read"
+                            ),
+                        }
+                    }
+                }
+            }
         }
     }
 

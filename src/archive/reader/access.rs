@@ -458,7 +458,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
             Enc::Str => {
                 // As `follow`, `count` and `get` read it (`slot`), without their errors.
                 let t = self.follow_small(at)?;
-                let (n, after) = get_varint(self.bytes().get(..self.rec_end)?, t).ok()?;
+                let (n, after) = get_varint_small(self.bytes().get(..self.rec_end)?, t)?;
                 let end = usize::try_from(n).ok()?.checked_add(after)?;
                 if end > self.rec_end {
                     return None;
