@@ -234,7 +234,7 @@ pub(crate) fn exact_index(key: &Bound<'_, PyAny>) -> Option<isize> {
 /// line, so that the tiny path stays small and reaches them by a tail call, and each under
 /// the panic guard, as the whole way is.
 ///
-/// They and [`subscript_whole`] are `extern "C"`, though only Rust calls them: such a
+/// They, [`subscript_whole`] and `iternext_whole` are `extern "C"`, though only Rust calls them: such a
 /// function cannot unwind (a panic escaping one aborts, as it would one frame up, in the
 /// slot), and the compiler knows it. A slot that calls a Rust function that might unwind
 /// needs a landing pad that aborts, and with it a frame: the call is not a tail call, and
@@ -485,7 +485,7 @@ unsafe extern "C" fn iternext<T: FastNext>(slf: *mut ffi::PyObject) -> *mut ffi:
 /// As a `tp_iternext` slot of `T`: the GIL is held and `slf` is a live instance of `T`.
 #[cfg(not(feature = "abi3"))]
 #[inline(never)]
-unsafe fn iternext_whole<T: FastNext>(slf: *mut ffi::PyObject) -> *mut ffi::PyObject {
+unsafe extern "C" fn iternext_whole<T: FastNext>(slf: *mut ffi::PyObject) -> *mut ffi::PyObject {
     // SAFETY: the caller's contract.
     let py = unsafe { Python::assume_attached() };
     // SAFETY: as above.
