@@ -68,14 +68,13 @@ def test_plain_list_read_in_workers_fails_with_types(
 
 
 READER_PASSES = """
+import sys
+sys.path.insert(0, %r)
 import shmstore
 from shmstore import cow
+from test_cow import make_records
 
-records = [
-    {"bbox": [float(i), 2.5, 3.5, 4.5], "id": 1000 + i, "name": f"img{i:08d}.jpg"}
-    for i in range(%d)
-]
-shared = shmstore.SharedList(records)
+shared = shmstore.SharedList(make_records())
 try:
     def read_all():
         for r in shared:
@@ -97,7 +96,7 @@ def test_shared_list_reader_passes() -> None:
     # (MIMALLOC_PURGE_DELAY=0 gives it back at once; with a GIL it changes nothing).
     env = {**os.environ, "MIMALLOC_PURGE_DELAY": "0"}
     run = subprocess.run(
-        [sys.executable, "-c", READER_PASSES % N],
+        [sys.executable, "-c", READER_PASSES % str(Path(__file__).parent)],
         env=env,
         capture_output=True,
         text=True,

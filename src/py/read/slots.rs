@@ -234,9 +234,9 @@ pub(crate) fn exact_index(key: &Bound<'_, PyAny>) -> Option<isize> {
 /// line, so that the tiny path stays small and reaches them by a tail call, and each under
 /// the panic guard, as the whole way is.
 ///
-/// They, [`subscript_whole`] and `iternext_whole` are `extern "C"`, though only Rust calls them: such a
-/// function cannot unwind (a panic escaping one aborts, as it would one frame up, in the
-/// slot), and the compiler knows it. A slot that calls a Rust function that might unwind
+/// They, [`subscript_whole`] and `iternext_whole` are `extern "C"`, though only Rust calls
+/// them: such a function cannot unwind (a panic escaping one aborts, as it would one frame
+/// up, in the slot), and the compiler knows it. A slot that calls a Rust function that might unwind
 /// needs a landing pad that aborts, and with it a frame: the call is not a tail call, and
 /// `ann["bbox"]` cost 5 instructions more (callgrind, 3.12). Likewise the tiny paths read a
 /// str's length with `get_varint_small`, which has no error value to drop.
