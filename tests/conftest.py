@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import shmstore
 from hypothesis import HealthCheck, settings
 from shmstore import _native
 from shmstore._util import pid_alive
@@ -183,6 +184,15 @@ def mappings_of(path: str | os.stat_result) -> list[tuple[int, int, str]]:
 def segment_dir() -> Path:
     """The current test's segment directory (``$SHMSTORE_DIR``)."""
     return Path(os.environ["SHMSTORE_DIR"])
+
+
+def gather_a_reclaim(released: int) -> None:
+    """After this process let go of `released` arena chunks (handles closed), put and let go
+    of tiny arena objects until they make a batch, without starting it: this process's next
+    small put reclaims them all and takes the best fit among them (docs/arena.md, "Leases":
+    released chunks are reclaimed once a batch has gathered)."""
+    for _ in range(_native._ARENA_RECLAIM_BATCH - released):
+        shmstore.put(b"", arena=True).close()
 
 
 def _stop_forkserver() -> None:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import shmstore
-from conftest import segment_dir
+from conftest import gather_a_reclaim, segment_dir
 from shmstore import _native
 
 
@@ -77,7 +77,9 @@ def test_a_stale_handle_raises_store_closed_error() -> None:
     ref.close()
     del ref
     gc.collect()
-    # The chunk is free: the next object of that size takes it, with a new generation.
+    # The chunk is free: once reclaimed, the next object of that size takes it, with a new
+    # generation.
+    gather_a_reclaim(1)
     new = shmstore.put(b"b" * 1000, arena=True)
     assert chunk_of(new)[:2] == (arena, offset)
     assert chunk_of(new)[3] != generation
@@ -297,6 +299,7 @@ def test_the_creator_reads_its_chunks_through_the_mapping_it_wrote_them_with() -
     stale_name = stale.name
     stale.close()
     gc.collect()
+    gather_a_reclaim(1)
     new = shmstore.put(np.full(20_000, 99, dtype=np.uint8), arena=True)
     assert int(new.get()[-1]) == 99
     assert new.name.split(":")[0] == stale_name.split(":")[0]  # same arena, same offset
@@ -492,6 +495,7 @@ def test_a_pickled_chunk_handle_is_short_and_checked() -> None:
     again.close()
     del ref, again
     gc.collect()
+    gather_a_reclaim(1)
     new = shmstore.put(b"b" * 1000)
     assert chunk_of(new)[:2] == (arena, offset)
     with pytest.raises(shmstore.StoreClosedError, match="was freed"):
@@ -536,13 +540,14 @@ def test_known_size_objects_are_built_in_their_chunk() -> None:
         else:
             assert got == v
         r.verify()
-    # Same-shaped arrays: a freed chunk is reused by the next one.
+    # Same-shaped arrays: a freed chunk is reused by the next one (once reclaimed).
     same = [shmstore.put(np.full(64 << 10, i, dtype=np.uint8)) for i in range(6)]
     freed = {chunk_of(same[i])[1] for i in (1, 4)}
     for i in (1, 4):
         same[i].close()
     del same[4], same[1]
     gc.collect()
+    gather_a_reclaim(2)
     again = [shmstore.put(np.full(64 << 10, 9, dtype=np.uint8)) for _ in range(2)]
     assert {chunk_of(r)[1] for r in again} == freed
     assert all(int(r.get()[-1]) == 9 for r in again)
@@ -639,8 +644,8 @@ sys.stdin.read()  # until the test closes our stdin
 
 def test_chunks_another_process_held_are_reused_after_it_exits_without_a_new_arena() -> None:
     """Chunks the creator let go of while another process held them are tried again a few
-    per `put` (and all of them before another arena is made): once the holder is gone,
-    the creator's next objects go into those chunks, in the same arena."""
+    per `put` at each reclaim (and all of them before another arena is made): once the
+    holder is gone, the creator's next objects go into those chunks, in the same arena."""
     size = 32 * 1024
     refs = [shmstore.put(np.full(size, i % 200, dtype=np.uint8), arena=True) for i in range(100)]
     arena = chunk_of(refs[0])[0]
@@ -672,5 +677,5 @@ def test_chunks_another_process_held_are_reused_after_it_exits_without_a_new_are
     # hold 201 such chunks at once, so a second hundred in it means the first were reused.
     again = [shmstore.put(np.full(size, 7, dtype=np.uint8), arena=True) for _ in range(100)]
     assert {chunk_of(r)[0] for r in again} == {arena}
-    assert chunk_of(again[0])[1] in offsets
+    assert len({chunk_of(r)[1] for r in again} & offsets) > 50
     assert all(int(r.get()[-1]) == 7 for r in again)

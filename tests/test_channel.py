@@ -412,7 +412,8 @@ def _hold_then_die(ch: shmstore.Channel, ready: Any) -> None:
 
 def test_objects_taken_by_a_killed_getter_are_let_go_of() -> None:
     """A getter holding objects is SIGKILLed: the putter's hold ended when they were
-    taken, the getter's with its death, so their chunks are free again."""
+    taken, the getter's with its death, so their chunks are free again: held by nobody,
+    and reused by the putter (which reclaims released chunks in batches)."""
     ctx = mp.get_context("forkserver")
     ch = shmstore.Channel(capacity=8)
     for i in range(4):
@@ -422,14 +423,27 @@ def test_objects_taken_by_a_killed_getter_are_let_go_of() -> None:
     p.start()
     assert ready.get(timeout=600) == 0 + 1 + 2 + 3
     assert ch._in_flight() == 0  # taken: the putter holds none of them any more
+    ((arena, _, _),) = _native._arena_usage()
+
+    def held() -> dict[tuple[int, int], str]:
+        """(offset, generation) -> state of every chunk not free."""
+        chunks = _native._arena_info(arena)["chunks"]
+        return {(c["offset"], c["generation"]): c["state"] for c in chunks if c["state"] != "free"}
+
+    taken = held()
+    assert list(taken.values()) == ["leased"] * 4  # the getter's leases
     p.kill()
     p.join(600)
-    used_before = _native._arena_usage()
-    # The next puts reuse the freed chunks instead of growing the arena.
-    for i in range(4):
+    assert list(held().values()) == ["unleased"] * 4  # its leases died with it
+    # Reused: a stream of objects put and taken through the channel goes into the chunks
+    # let go of, the four among them (rewritten: a new generation at their offsets),
+    # instead of growing the arena.
+    used_before = _native._arena_usage()[0][1]
+    for i in range(64):
         ch.put(np.full(4096, i, dtype=np.uint8))
-    assert _native._arena_usage() == used_before
-    assert [int(ch.get()[-1]) for _ in range(4)] == [0, 1, 2, 3]
+        assert int(ch.get()[-1]) == i
+    assert _native._arena_usage()[0][1] <= used_before + 16 * 8192
+    assert not set(taken) & set(held()), "a chunk of the killed getter was never reused"
 
 
 def test_a_channel_pickles_by_name() -> None:

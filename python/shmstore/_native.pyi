@@ -12,6 +12,7 @@ from typing_extensions import Buffer, disjoint_base
 
 __all__ = [
     "_ARENA_MAGIC",
+    "_ARENA_RECLAIM_BATCH",
     "_CHANNEL_MAGIC",
     "_CREATOR_PID_AT",
     "_SEGMENT_PREFIX",
@@ -73,6 +74,7 @@ _SEGMENT_PREFIX: str
 _ARENA_MAGIC: bytes
 _CHANNEL_MAGIC: bytes
 _CREATOR_PID_AT: int
+_ARENA_RECLAIM_BATCH: int
 
 _S = TypeVar("_S", bound="StoreHandle")
 _T_co = TypeVar("_T_co", covariant=True)

@@ -1,7 +1,7 @@
 //! Every user's side: an arena file opened read-only ([`ArenaFile`], once per process),
 //! its leases, and [`survey`] (what `shmstore inspect` shows of an arena).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
@@ -13,6 +13,7 @@ use super::alloc::ALIGN;
 use super::format::*;
 use super::lease::*;
 use super::writer::*;
+use super::{OffsetMap, Offsets};
 use crate::process::{self, pid, ForkHooks, ForkLock};
 use crate::segment::SegmentError;
 
@@ -30,10 +31,10 @@ pub struct ArenaFile {
     pub(super) len: u64,
     pub(super) pid: u32,
     /// offset -> (size, handles here, whether this process holds an OFD lock on it).
-    pub(super) leases: Mutex<HashMap<u64, (u64, usize, bool)>>,
+    pub(super) leases: Mutex<OffsetMap<(u64, usize, bool)>>,
     /// In the creator only: chunks whose last lease in this process ended (reuse
     /// candidates). Other processes record nothing.
-    pub(super) released: Mutex<Option<HashSet<u64>>>,
+    pub(super) released: Mutex<Option<Offsets>>,
 }
 
 pub(super) type OpenFiles = HashMap<PathBuf, Weak<ArenaFile>>;
@@ -148,7 +149,7 @@ impl ArenaFile {
             ident: (meta.dev(), meta.ino()),
             len: meta.len(),
             pid: pid(),
-            leases: Mutex::new(HashMap::new()),
+            leases: Mutex::new(OffsetMap::default()),
             released: Mutex::new(None),
         });
         files.insert(path.to_owned(), Arc::downgrade(&f));
@@ -178,13 +179,17 @@ impl ArenaFile {
     /// This process made the arena: record chunks whose last lease here ends, for reuse.
     pub fn mark_owned(&self) {
         let mut r = self.released.lock().unwrap_or_else(|p| p.into_inner());
-        r.get_or_insert_with(HashSet::new);
+        r.get_or_insert_with(Offsets::default);
     }
 
-    /// The chunks released here since the last call (the creator's reuse candidates).
-    pub fn take_released(&self) -> HashSet<u64> {
+    /// Move the chunks released here since the last call (the creator's reuse candidates)
+    /// into `into`. The set here keeps its room: a stream of small objects releases about
+    /// as many between two calls as the last time, with no allocation.
+    pub fn move_released_into(&self, into: &mut Offsets) {
         let mut r = self.released.lock().unwrap_or_else(|p| p.into_inner());
-        r.as_mut().map(std::mem::take).unwrap_or_default()
+        if let Some(r) = r.as_mut() {
+            into.extend(r.drain());
+        }
     }
 
     /// Take a lease on `chunk` and check its generation. Returns the lease and the

@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use super::file::ArenaFile;
 use super::format::ArenaError;
 use super::writer::{ArenaWriter, Chunk, Reservation};
+use super::Offsets;
 use crate::segment::SegmentError;
 
 /// Bytes of chunks of the largest arena segment, unless `SHMSTORE_ARENA_SIZE` says otherwise.
@@ -36,9 +37,16 @@ pub const IDLE_SWEEP_EVERY: u64 = 64;
 /// How long an older arena stays reserved with no object in it, unless
 /// `SHMSTORE_ARENA_IDLE` (seconds) says otherwise.
 pub const DEFAULT_IDLE: Duration = Duration::from_secs(10);
-/// Chunks that other processes held at their last try, tried again at each small `put`
-/// (in the arena it goes to; all of them when that arena has no room left) ...
-const RETRIES_PER_PUT: usize = 1;
+/// Chunks released here are reclaimed (each checked for other processes' leases: one OFD
+/// lock per run of adjacent chunks) once this many have gathered, or when the arena has no
+/// room otherwise. One at every small `put` was a system call per object, and each such
+/// call walks the file's whole list of locks, which a stream of objects in flight makes
+/// long; gathered, the chunks of a stream are mostly adjacent and go back in one call.
+pub const RECLAIM_BATCH: usize = 16;
+/// Chunks that other processes held at their last try, tried again at each reclaim of a
+/// batch, one per `put` since the last (in the arena a `put` goes to; all of them when that
+/// arena has no room left) ...
+const RETRIES_PER_BATCH: usize = RECLAIM_BATCH;
 /// ... and at each sweep for idle arenas, in each older arena.
 const RETRIES_PER_SWEEP: usize = 64;
 
@@ -73,7 +81,7 @@ pub struct Owned<U> {
     dir: PathBuf,
     writer: ArenaWriter,
     arena: Arc<U>,
-    pending: HashSet<u64>,
+    pending: Offsets,
     /// Since when no object has used it (seen by [`Arenas::take_idle`]; reset when a chunk
     /// is placed in it).
     idle_since: Option<Instant>,
@@ -86,15 +94,14 @@ impl<U: ArenaUser> Owned<U> {
             dir,
             writer,
             arena,
-            pending: HashSet::new(),
+            pending: Offsets::default(),
             idle_since: None,
         }
     }
 
     /// Take the chunks released here since the last look into `pending`.
     fn note_released(&mut self) {
-        let released = self.arena.file().take_released();
-        self.pending.extend(released);
+        self.arena.file().move_released_into(&mut self.pending);
     }
 }
 
@@ -370,13 +377,16 @@ fn place_in<U: ArenaUser>(
             path: path.clone(),
             err,
         };
-        a.writer
-            .reclaim_some(&mut a.pending, RETRIES_PER_PUT)
-            .map_err(in_arena)?;
+        if a.pending.len() >= RECLAIM_BATCH {
+            a.writer
+                .reclaim_some(&mut a.pending, RETRIES_PER_BATCH)
+                .map_err(in_arena)?;
+        }
         let mut reserved = a.writer.reserve(max_len).map_err(in_arena)?;
-        if reserved.is_none() && a.writer.refused_count() > 0 {
-            // No room: every chunk held elsewhere at its last try is tried again before
-            // the next arena is made (once per time this arena fills up).
+        if reserved.is_none() && (a.writer.refused_count() > 0 || !a.pending.is_empty()) {
+            // No room: every chunk released here and every one held elsewhere at its last
+            // try is tried before the next arena is made (once per time this arena fills
+            // up).
             a.writer.reclaim(&mut a.pending).map_err(in_arena)?;
             reserved = a.writer.reserve(max_len).map_err(in_arena)?;
         }

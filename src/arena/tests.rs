@@ -1,6 +1,6 @@
 //! Tests of the arena files, writers and leases.
 
-use std::collections::HashSet;
+use super::Offsets;
 use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 use std::path::Path;
 
@@ -41,8 +41,11 @@ fn put_lease_read_back() {
     let meta = std::fs::metadata(w.path()).unwrap();
     assert_eq!(meta.mtime_nsec(), i64::from(segment::SEALED_MTIME_NSEC));
     drop(lease);
-    assert_eq!(f.take_released(), HashSet::from([c.offset]));
-    assert!(f.take_released().is_empty());
+    let mut released = Offsets::default();
+    f.move_released_into(&mut released);
+    assert_eq!(released, Offsets::from_iter([c.offset]));
+    f.move_released_into(&mut released);
+    assert_eq!(released.len(), 1, "nothing released since");
 }
 
 #[test]
@@ -54,7 +57,7 @@ fn a_leased_chunk_is_not_reused_and_a_stale_handle_is_refused() {
     let f = ArenaFile::open(w.path()).unwrap();
     let (lease, _, _) = f.lease(c).unwrap();
     // The creator gave it up, but a lease holds it: not reused.
-    let mut pending = HashSet::from([c.offset]);
+    let mut pending = Offsets::from_iter([c.offset]);
     w.reclaim(&mut pending).unwrap();
     assert!(w.is_refused(c.offset));
     let d = w.put(&[2u8; 1000]).unwrap().unwrap();
@@ -75,7 +78,7 @@ fn a_leased_chunk_is_not_reused_and_a_stale_handle_is_refused() {
         other => panic!("{:?}", other.map(|_| ())),
     }
     // The refused lease left no lock behind: the new chunk can be freed and reused.
-    let mut pending = HashSet::from([e.offset]);
+    let mut pending = Offsets::from_iter([e.offset]);
     w.reclaim(&mut pending).unwrap();
     assert!(pending.is_empty());
 }
@@ -92,7 +95,7 @@ fn a_run_of_freed_chunks_is_reclaimed_around_a_leased_one() {
         .all(|p| p[0].offset + p[0].size == p[1].offset));
     let f = ArenaFile::open(w.path()).unwrap();
     let (lease, _, _) = f.lease(cs[2]).unwrap();
-    let mut pending: HashSet<u64> = cs.iter().map(|c| c.offset).collect();
+    let mut pending: Offsets = cs.iter().map(|c| c.offset).collect();
     w.reclaim(&mut pending).unwrap();
     assert!(pending.is_empty());
     assert!(w.is_refused(cs[2].offset) && w.refused_count() == 1);
@@ -110,7 +113,7 @@ fn a_run_of_freed_chunks_is_reclaimed_around_a_leased_one() {
     let run: Vec<Chunk> = (0..3u8)
         .map(|i| w.put(&[i; 2000]).unwrap().unwrap())
         .collect();
-    let mut pending = HashSet::new();
+    let mut pending = Offsets::default();
     for c in &run {
         w.settled(c.offset);
         pending.insert(c.offset);
@@ -132,7 +135,7 @@ fn chunks_held_elsewhere_are_retried_a_few_at_a_time() {
     let f = ArenaFile::open(w.path()).unwrap();
     let leases: Vec<_> = cs.iter().map(|c| f.lease(*c).unwrap().0).collect();
     // Released since the last call: every one is tried, however few retries are asked.
-    let mut pending: HashSet<u64> = cs.iter().map(|c| c.offset).collect();
+    let mut pending: Offsets = cs.iter().map(|c| c.offset).collect();
     w.reclaim_some(&mut pending, 0).unwrap();
     assert!(pending.is_empty());
     assert_eq!(w.refused_count(), 10);
@@ -165,7 +168,7 @@ fn a_fresh_chunk_is_not_reclaimed_before_it_is_settled() {
     let dir = tempfile::tempdir().unwrap();
     let mut w = arena(dir.path());
     let c = w.put(&[1u8; 100]).unwrap().unwrap();
-    let mut pending = HashSet::from([c.offset]);
+    let mut pending = Offsets::from_iter([c.offset]);
     w.reclaim(&mut pending).unwrap();
     assert!(
         pending.contains(&c.offset),

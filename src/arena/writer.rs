@@ -1,7 +1,7 @@
 //! The creator's side: making an arena file ([`ArenaWriter`]), reserving and writing
 //! chunks ([`Reservation`], [`ChunkSink`]) and reusing the ones no process holds.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::BTreeSet;
 use std::fs::File;
 use std::io;
 use std::os::unix::fs::{FileExt, PermissionsExt};
@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use super::alloc::{Bfc, ALIGN};
 use super::format::*;
 use super::lease::*;
+use super::Offsets;
 use crate::archive::hash;
 use crate::process::pid;
 use crate::segment;
@@ -43,7 +44,7 @@ pub struct ArenaWriter {
     pub(super) next_generation: u64,
     /// Chunks written but not yet leased by the handle being made for them: never
     /// reclaimed, whatever releases of their offset arrive (a stale handle's, say).
-    pub(super) fresh: HashSet<u64>,
+    pub(super) fresh: Offsets,
     /// Chunks this process let go of that another process still held (a lease) when last
     /// tried, in offset order, and where the next retry starts: retried a few at a time
     /// ([`ArenaWriter::reclaim_some`]), so that a process holding thousands of this
@@ -89,7 +90,7 @@ impl ArenaWriter {
             path,
             bfc: Bfc::new(capacity),
             next_generation: 1,
-            fresh: HashSet::new(),
+            fresh: Offsets::default(),
             refused: BTreeSet::new(),
             retry_at: 0,
             pid: pid(),
@@ -119,7 +120,7 @@ impl ArenaWriter {
     /// of `pending` (released since the last call) and every one found leased before. A
     /// chunk still leased is kept for later (the writer's `refused`); `pending` keeps only chunks
     /// that may not be tried yet (written, not yet held by their handle).
-    pub fn reclaim(&mut self, pending: &mut HashSet<u64>) -> Result<(), ArenaError> {
+    pub fn reclaim(&mut self, pending: &mut Offsets) -> Result<(), ArenaError> {
         self.reclaim_some(pending, usize::MAX)
     }
 
@@ -129,7 +130,7 @@ impl ArenaWriter {
     /// processes hold.
     pub fn reclaim_some(
         &mut self,
-        pending: &mut HashSet<u64>,
+        pending: &mut Offsets,
         retries: usize,
     ) -> Result<(), ArenaError> {
         let mut freed = Vec::new();

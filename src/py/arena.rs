@@ -161,13 +161,24 @@ pub(crate) fn encode_small(
     }
 }
 
-/// Put an encoded object archive into an arena of this process and map it; `None` when it
-/// is too large for an arena or arenas are unavailable (no supervisor).
+/// An object put: its store (mapped and opened, for a handle), or, for a put that asked
+/// only to hold it (`open: false`: a channel's object, read only by its getter), its chunk
+/// held without opening the archive (a store's reader made and dropped for nothing was a
+/// tenth of a small channel put).
+pub(crate) enum Put {
+    Store(Arc<Store>),
+    Held(store::HeldChunk),
+}
+
+/// Put an encoded object archive into an arena of this process and map it (or only hold
+/// it: `open`); `None` when it is too large for an arena or arenas are unavailable (no
+/// supervisor).
 pub(crate) fn put_archive(
     py: Python<'_>,
     archive: &[u8],
     dir: Option<PathBuf>,
-) -> PyResult<Option<Arc<Store>>> {
+    open: bool,
+) -> PyResult<Option<Put>> {
     let Some(placed) = reserve(py, archive.len() as u64, dir)? else {
         return Ok(None);
     };
@@ -176,13 +187,13 @@ pub(crate) fn put_archive(
         cancel(py, &path, &r);
         return Err(arena_io(&path, e));
     }
-    give_out(py, path, r, archive.len() as u64, arena)
+    give_out(py, path, r, archive.len() as u64, arena, open)
 }
 
 /// What became of [`put_in_place`].
 pub(crate) enum InPlace {
-    /// In a chunk, mapped for its handle.
-    Put(Arc<Store>),
+    /// In a chunk, mapped for its handle (or held: `open`).
+    Put(Put),
     /// No arena available (no supervisor, no room for one): the object needs a segment.
     NoArena,
     /// Its archive may be larger than the chunk an arena would reserve: encode it into
@@ -192,12 +203,14 @@ pub(crate) enum InPlace {
 
 /// Put `obj`, whose payload is `size` bytes (an array, `bytes`), into an arena of this
 /// process, encoding its archive straight into a chunk reserved for it (no buffer, one
-/// copy of the payload; the chunk shrinks to the archive's length), and map it.
+/// copy of the payload; the chunk shrinks to the archive's length), and map it (or only
+/// hold it: `open`).
 pub(crate) fn put_in_place(
     py: Python<'_>,
     obj: &Bound<'_, PyAny>,
     size: u64,
     dir: Option<PathBuf>,
+    open: bool,
 ) -> PyResult<InPlace> {
     let slot = overhead_slot(obj);
     let max_len = size.saturating_add(overhead(slot));
@@ -214,7 +227,7 @@ pub(crate) fn put_in_place(
         Ok(len) => {
             note_overhead(slot, len, size);
             // Let go of meanwhile: encoded again, into memory, for a new arena.
-            Ok(give_out(py, path, r, len, arena)?.map_or(InPlace::DidNotFit, InPlace::Put))
+            Ok(give_out(py, path, r, len, arena, open)?.map_or(InPlace::DidNotFit, InPlace::Put))
         }
         Err(e) => {
             cancel(py, &path, &r);
@@ -339,34 +352,53 @@ fn cancel(py: Python<'_>, path: &Path, r: &Reservation) {
 }
 
 /// Give out the chunk of `r`, holding an archive of `len` bytes, and map it for this
-/// process's handle; `None` if this process let go of the arena meanwhile
+/// process's handle (or only hold it: `open`); `None` if this process let go of the arena
+/// meanwhile
 /// (`_arena_release`, by another thread or by code the encoding ran): the chunk was never
-/// given out, the object goes elsewhere.
+/// given out, the object goes elsewhere. One stretch without the GIL: committing the chunk,
+/// making its store and settling it need no Python (a GIL handed back and taken again
+/// between them cost more than the three together for a small object).
 fn give_out(
     py: Python<'_>,
     path: PathBuf,
     r: Reservation,
     len: u64,
     arena: Arc<ArenaUse>,
-) -> PyResult<Option<Arc<Store>>> {
-    let committed = py
-        .detach(|| ARENAS.commit(&path, &r, len))
-        .transpose()
-        .map_err(in_arena)?;
-    let Some(chunk) = committed else {
-        log::debug!(
-            "arena {} let go of while an object was written into it",
-            path.display()
-        );
-        return Ok(None);
-    };
-    let written = r.map().clone();
-    let opened = store::open_chunk(py, path.clone(), chunk, Some((arena, len, written)));
-    // Held by its handle now (or failed): the chunk is an ordinary one from here on; if the
-    // handle was not made, this process holds no lease on it, so it is a reuse candidate.
-    let held = opened.is_ok();
-    py.detach(|| ARENAS.settled(&path, chunk.offset, held));
-    opened.map(Some)
+    open: bool,
+) -> PyResult<Option<Put>> {
+    let done = py.detach(|| {
+        let chunk = match ARENAS.commit(&path, &r, len) {
+            None => return Ok(None),
+            Some(Err(e)) => return Err(in_arena(e)),
+            Some(Ok(chunk)) => chunk,
+        };
+        let opened = if open {
+            store::own_chunk(path.clone(), chunk, arena, len, r.map())
+                .map(|s| Put::Store(Arc::new(s)))
+        } else {
+            Ok(Put::Held(store::hold_own_chunk(
+                path.clone(),
+                chunk,
+                arena,
+                len,
+            )))
+        };
+        // Held by its handle now (or failed): the chunk is an ordinary one from here on; if
+        // the handle was not made, this process holds no lease on it, so it is a reuse
+        // candidate.
+        ARENAS.settled(&path, chunk.offset, opened.is_ok());
+        opened.map(Some)
+    });
+    match done? {
+        Some(put) => Ok(Some(put)),
+        None => {
+            log::debug!(
+                "arena {} let go of while an object was written into it",
+                path.display()
+            );
+            Ok(None)
+        }
+    }
 }
 
 thread_local! {

@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
+use super::arena::Put;
 use super::errors::Error;
-use super::handles::put_store;
+use super::handles::put_object;
 use super::read::protocol::Seq;
 use super::read::StoreRef;
 use super::store::{self, Registration, Source, Store};
@@ -25,11 +26,14 @@ use crate::segment;
 /// supervisor, and the objects it put that no get has taken yet.
 struct Shared {
     ring: Ring,
-    /// Objects put here and not yet taken, oldest first: (position, the object's store).
-    /// Holding the store holds the object's chunk or segment for the getter.
-    in_flight: Mutex<VecDeque<(u64, Arc<Store>)>>,
-    /// Arenas this process told the supervisor to keep while the channel is in use.
-    pinned: Mutex<HashSet<PathBuf>>,
+    /// Objects put here and not yet taken, oldest first: (position, the object held).
+    /// Holding it (a chunk held, or a segment's store) keeps it for the getter.
+    in_flight: Mutex<VecDeque<(u64, Put)>>,
+    /// Arenas this process told the supervisor to keep while the channel is in use, by
+    /// their paths' bytes (a `Path`'s hash walks its components: a tenth of a small put).
+    pinned: Mutex<HashSet<std::ffi::OsString, ahash::RandomState>>,
+    /// The channel file's directory, where its objects go (looked up once).
+    dir: PathBuf,
     /// Declared last: the mapping is gone before the supervisor hears of the drop.
     _registration: Registration,
 }
@@ -67,6 +71,13 @@ fn channel_err(path: &Path, err: ChannelError) -> Error {
         },
         ChannelError::Segment(e) => Error::Segment(e),
     }
+}
+
+/// The directory of the channel file at `path`: where the objects put into it go (an arena
+/// or segment elsewhere would work as well, but the supervisor keeps only files of the
+/// same directory for a channel).
+fn dir_of(path: &Path) -> PathBuf {
+    path.parent().unwrap_or(Path::new("/")).to_owned()
 }
 
 fn name_of(path: &Path) -> String {
@@ -151,8 +162,20 @@ impl Channel {
         channel_err(self.file(), err).into()
     }
 
-    /// The handle of a store just put.
-    fn handle_of(&self, s: &Store) -> PyResult<Handle> {
+    /// The handle of an object just put.
+    fn handle_of(&self, put: &Put) -> PyResult<Handle> {
+        let s = match put {
+            Put::Store(s) => s,
+            Put::Held(held) => {
+                return self.checked(Handle {
+                    kind: CHUNK,
+                    path: held.path.clone(),
+                    offset: held.chunk.offset,
+                    size: held.chunk.size,
+                    generation: held.chunk.generation,
+                })
+            }
+        };
         let h = match &s.source {
             Source::Arena { path, chunk } => Handle {
                 kind: CHUNK,
@@ -187,6 +210,11 @@ impl Channel {
                 .into())
             }
         };
+        self.checked(h)
+    }
+
+    /// `h`, if a cell of the ring can carry its path.
+    fn checked(&self, h: Handle) -> PyResult<Handle> {
         let len = h.path.as_os_str().len();
         if len > crate::channel::MAX_PATH {
             return Err(Error::Invalid {
@@ -206,8 +234,13 @@ impl Channel {
     /// Ask the supervisor to keep the arena or segment at `path` while this channel is in
     /// use (once per arena; a segment is one object).
     fn pin(&self, py: Python<'_>, h: &Handle) {
-        if h.kind == CHUNK && !lock(&self.shared.pinned).insert(h.path.clone()) {
-            return;
+        if h.kind == CHUNK {
+            let mut pinned = lock(&self.shared.pinned);
+            // Looked up before a copy of the path is made: every small object of a stream
+            // goes into an arena pinned already.
+            if pinned.contains(h.path.as_os_str()) || !pinned.insert(h.path.clone().into()) {
+                return;
+            }
         }
         let (holder, path) = (self.file().to_owned(), h.path.clone());
         if let Err(e) = py.detach(|| crate::supervisor::client::pin_segment(&holder, &path)) {
@@ -230,7 +263,6 @@ impl Channel {
                     size: h.size,
                     generation: h.generation,
                 },
-                None,
             )?,
             _ => {
                 let name = name_of(&h.path);
@@ -295,11 +327,13 @@ impl Channel {
         let ring = py
             .detach(|| Ring::create(&dir, &name, capacity))
             .map_err(|e| channel_err(&path, e))?;
+        let objects_dir = dir_of(ring.path());
         Ok(Channel {
             shared: Arc::new(Shared {
                 ring,
                 in_flight: Mutex::new(VecDeque::new()),
-                pinned: Mutex::new(HashSet::new()),
+                pinned: Mutex::new(HashSet::default()),
+                dir: objects_dir,
                 _registration: registration,
             }),
             closed: AtomicBool::new(false),
@@ -320,15 +354,9 @@ impl Channel {
         let until = deadline(block, timeout)?;
         self.shared.settle();
         settle_left();
-        // Into the channel's directory (an arena or segment elsewhere would work as well,
-        // but the supervisor keeps only files of the same directory for a channel).
-        let store = put_store(
-            py,
-            obj,
-            None,
-            Some(self.file().parent().unwrap_or(Path::new("/")).to_owned()),
-            true,
-        )?;
+        // Into the channel's directory (`dir_of`).
+        // Held, not opened: the getter opens it.
+        let store = put_object(py, obj, None, Some(self.shared.dir.clone()), true, false)?;
         let h = self.handle_of(&store)?;
         self.pin(py, &h);
         let ring = &self.shared.ring;
@@ -481,11 +509,13 @@ pub(crate) fn _rebuild_channel(py: Python<'_>, path: PathBuf) -> PyResult<Channe
     let ring = py
         .detach(|| Ring::open(&path))
         .map_err(|e| channel_err(&path, e))?;
+    let objects_dir = dir_of(ring.path());
     Ok(Channel {
         shared: Arc::new(Shared {
             ring,
             in_flight: Mutex::new(VecDeque::new()),
-            pinned: Mutex::new(HashSet::new()),
+            pinned: Mutex::new(HashSet::default()),
+            dir: objects_dir,
             _registration: registration,
         }),
         closed: AtomicBool::new(false),

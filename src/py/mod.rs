@@ -85,6 +85,9 @@ mod _native {
             pyo3::types::PyBytes::new(m.py(), crate::channel::MAGIC),
         )?;
         m.add("_CREATOR_PID_AT", crate::segment::CREATOR_PID_AT)?;
+        // How many released chunks a process gathers before its next small put reclaims
+        // them (for tests that need a chunk reused).
+        m.add("_ARENA_RECLAIM_BATCH", crate::arena::owned::RECLAIM_BATCH)?;
         errors::register(m)?;
         graph::register(m)?;
         admin::configure(m.py())?;

@@ -139,7 +139,7 @@ pub(crate) fn _rebuild_chunk<'py>(
         size,
         generation,
     };
-    let store = store::open_chunk(py, path, chunk, None)?;
+    let store = store::open_chunk(py, path, chunk)?;
     store::expect_kind(&store, Kind::Object)?;
     handle_for(py, store)
 }

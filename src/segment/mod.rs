@@ -162,7 +162,25 @@ pub fn default_dir() -> PathBuf {
 
 /// `p` made absolute against the current directory (as is, if that cannot be known).
 fn absolute(p: PathBuf) -> PathBuf {
+    if is_plain_absolute(&p) {
+        return p;
+    }
     std::path::absolute(&p).unwrap_or(p)
+}
+
+/// Whether `std::path::absolute` returns `p` as it is: absolute, with no `.` component and
+/// no repeated or trailing separator (it keeps `..`, and so does this). Lets the directory
+/// a small `put` goes to be taken as given, without a walk over its components and a new
+/// allocation per object.
+pub fn is_plain_absolute(p: &Path) -> bool {
+    use std::os::unix::ffi::OsStrExt;
+    let b = p.as_os_str().as_bytes();
+    b.first() == Some(&b'/')
+        && (b.len() == 1
+            || (!b.ends_with(b"/")
+                && !b.ends_with(b"/.")
+                && !b.windows(2).any(|w| w == b"//")
+                && !b.windows(3).any(|w| w == b"/./")))
 }
 
 /// Where segments go when the segment directory is too small: `$SHMSTORE_FALLBACK_DIR`,
@@ -391,6 +409,46 @@ pub fn normalize_name(name: &str) -> Result<String, SegmentError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A path taken as it is by `is_plain_absolute` is exactly what `std::path::absolute`
+    /// makes of it; every other spelling is left to `std::path::absolute`.
+    #[test]
+    fn plain_absolute_paths_are_what_absolute_makes_of_them() {
+        let parts = [
+            "", "/", "//", ".", "..", "a", "/.", "./", "dev", "shm", "x.y", ".z",
+        ];
+        let mut n_plain = 0;
+        for a in parts {
+            for b in parts {
+                for c in parts {
+                    let s = format!("{a}{b}{c}");
+                    for p in [s.clone(), format!("/{s}"), format!("/dev/{s}")] {
+                        let p = Path::new(&p);
+                        if is_plain_absolute(p) {
+                            n_plain += 1;
+                            let abs = std::path::absolute(p).unwrap();
+                            assert_eq!(abs.as_os_str(), p.as_os_str(), "{p:?}");
+                        }
+                    }
+                }
+            }
+        }
+        assert!(n_plain > 100, "{n_plain}");
+        for p in ["/dev/shm", "/", "/a/../b", "/x.y/.z"] {
+            assert!(is_plain_absolute(Path::new(p)), "{p}");
+        }
+        for p in [
+            "dev/shm",
+            "",
+            "/dev/shm/",
+            "/dev//shm",
+            "/dev/./shm",
+            "/dev/shm/.",
+            "//",
+        ] {
+            assert!(!is_plain_absolute(Path::new(p)), "{p}");
+        }
+    }
 
     #[test]
     fn names() {

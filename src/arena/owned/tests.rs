@@ -160,19 +160,51 @@ fn arenas_grow_as_objects_fill_them() {
     assert_eq!(next.path, held[3].path);
 }
 
+/// `n` chunks of `len` bytes put and held.
+fn put_n(arenas: &Arenas<Use>, dir: &Path, n: usize, len: u64) -> Vec<Held> {
+    (0..n).map(|_| put(arenas, dir, len)).collect()
+}
+
 #[test]
-fn a_chunk_released_here_is_reused() {
+fn chunks_released_here_are_reused_once_a_batch_has_gathered() {
     let dir = tempfile::tempdir().unwrap();
     let arenas = Arenas::<Use>::with_limits(64 * KIB, DEFAULT_IDLE);
-    let a = put(&arenas, dir.path(), 1000);
-    let b = put(&arenas, dir.path(), 1000);
-    assert_ne!(a.chunk.offset, b.chunk.offset);
-    let first = a.chunk;
-    drop(a);
-    // Released by its last handle: the same place, a new generation.
+    let mut held = put_n(&arenas, dir.path(), RECLAIM_BATCH + 1, 1000);
+    let first = held[0].chunk;
+    // One released by its last handle: not tried at the next put (one lock per object
+    // would be a system call per object), the arena has room elsewhere.
+    drop(held.remove(0));
+    let next = put(&arenas, dir.path(), 1000);
+    assert_ne!(next.chunk.offset, first.offset);
+    // A batch released: reclaimed at the next put, which takes the lowest of them (best
+    // fit, lowest offset), a new generation.
+    held.drain(..RECLAIM_BATCH - 1).for_each(drop);
     let c = put(&arenas, dir.path(), 1000);
     assert_eq!(c.chunk.offset, first.offset);
     assert_ne!(c.chunk.generation, first.generation);
+    assert_eq!(capacities(&arenas).len(), 1);
+}
+
+#[test]
+fn a_released_chunk_is_reused_before_a_new_arena_is_made() {
+    let dir = tempfile::tempdir().unwrap();
+    let arenas = Arenas::<Use>::with_limits(64 * KIB, DEFAULT_IDLE);
+    // Fill the one arena, then release one chunk: fewer than a batch, yet the next put
+    // reclaims it rather than make a second arena.
+    let mut held = vec![put(&arenas, dir.path(), 5000)];
+    while let Ok((path, r, _)) = arenas.place(dir.path(), 5000).unwrap() {
+        arenas.cancel(&path, &r);
+        held.push(put(&arenas, dir.path(), 5000));
+    }
+    assert!(
+        held.len() > 3 && held.len() < RECLAIM_BATCH,
+        "{} chunks",
+        held.len()
+    );
+    let freed = held.remove(1).chunk;
+    let again = put(&arenas, dir.path(), 5000);
+    assert_eq!(again.chunk.offset, freed.offset);
+    assert_ne!(again.chunk.generation, freed.generation);
     assert_eq!(capacities(&arenas).len(), 1);
 }
 
@@ -183,31 +215,35 @@ fn a_cancelled_or_unheld_chunk_is_free_again() {
     let (path, r, _) = reserve(&arenas, dir.path(), 1000);
     arenas.cancel(&path, &r);
     assert_eq!(arenas.usage()[0].1, 0);
-    // Given out, but its handle was never made: a reuse candidate at the next put.
+    // Given out, but its handle was never made: a reuse candidate, reclaimed with the
+    // next batch of released chunks.
     let (path, mut r, _) = reserve(&arenas, dir.path(), 1000);
     r.write_at(0, &[1u8; 1000]).unwrap();
     let chunk = arenas.commit(&path, &r, 1000).unwrap().unwrap();
     arenas.settled(&path, chunk.offset, false);
+    drop(put_n(&arenas, dir.path(), RECLAIM_BATCH - 1, 1000));
     let again = put(&arenas, dir.path(), 1000);
     assert_eq!(again.chunk.offset, chunk.offset);
     assert_ne!(again.chunk.generation, chunk.generation);
 }
 
 #[test]
-fn a_chunk_leased_elsewhere_is_retried_at_later_puts() {
+fn a_chunk_leased_elsewhere_is_retried_at_later_reclaims() {
     let dir = tempfile::tempdir().unwrap();
     let arenas = Arenas::<Use>::with_limits(64 * KIB, DEFAULT_IDLE);
-    let a = put(&arenas, dir.path(), 1000);
-    let _b = put(&arenas, dir.path(), 1000);
-    let first = a.chunk;
-    let elsewhere = lease_elsewhere(&a);
-    drop(a);
-    // Released here, still leased by another process: not reused.
+    let mut batch = put_n(&arenas, dir.path(), RECLAIM_BATCH, 1000);
+    let _kept = put(&arenas, dir.path(), 1000);
+    let first = batch[0].chunk;
+    let elsewhere = lease_elsewhere(&batch[0]);
+    batch.clear();
+    // Released here, still leased by another process: not reused; the rest of the batch
+    // is (the lowest of them).
     let c = put(&arenas, dir.path(), 1000);
     assert_ne!(c.chunk.offset, first.offset);
-    // Once the other process lets go, a later put tries it again and reuses it (the
-    // exact fit).
+    // Once the other process lets go, the next reclaim tries it again and it is reused
+    // (the lowest free offset, an exact fit).
     drop(elsewhere);
+    drop(put_n(&arenas, dir.path(), RECLAIM_BATCH, 1000));
     let d = put(&arenas, dir.path(), 1000);
     assert_eq!(d.chunk.offset, first.offset);
     assert_eq!(capacities(&arenas).len(), 1);

@@ -8,7 +8,7 @@ mod shared_dict;
 mod shared_list;
 mod slot;
 
-pub(crate) use object_ref::{put, put_store, Ref};
+pub(crate) use object_ref::{put, put_object, Ref};
 pub(crate) use shared_dict::{KeyIter, SharedDict};
 pub(crate) use shared_list::{RecordIter, SharedList};
 

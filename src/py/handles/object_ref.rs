@@ -51,41 +51,60 @@ pub(crate) fn put<'py>(
 
 /// What `put` does before it makes the `Ref`: the object's archive written into a chunk of
 /// an arena (small objects, unless `arena` is false or it is named) or a segment, mapped.
-pub(crate) fn put_store(
+fn put_store(
     py: Python<'_>,
     obj: &Bound<'_, PyAny>,
     name: Option<&str>,
     dir: Option<PathBuf>,
     arena: bool,
 ) -> PyResult<Arc<Store>> {
+    match put_object(py, obj, name, dir, arena, true)? {
+        arena::Put::Store(store) => Ok(store),
+        // Made only when `open` is false; were it made here, the chunk would be opened as
+        // any process opens a chunk it holds (`held` keeps it meanwhile).
+        arena::Put::Held(held) => store::open_chunk(py, held.path.clone(), held.chunk),
+    }
+}
+
+/// [`put_store`], or, with `open` false, a small object's chunk only held (not opened: for
+/// a channel, whose getter opens it).
+pub(crate) fn put_object(
+    py: Python<'_>,
+    obj: &Bound<'_, PyAny>,
+    name: Option<&str>,
+    dir: Option<PathBuf>,
+    arena: bool,
+    open: bool,
+) -> PyResult<arena::Put> {
     // Known-size input (an array, bytes): check the room before writing anything.
-    let size_hint = obj
-        .getattr("nbytes")
-        .and_then(|n| n.extract::<u64>())
-        .ok()
-        .or_else(|| {
-            obj.cast::<PyBytes>()
-                .ok()
-                .map(|b| b.as_bytes().len() as u64)
-        });
+    // An object without `nbytes` (a dict, a list) is told so without an exception being
+    // made (`getattr_opt`); any failure of the attribute means "size unknown", as before.
+    let size_hint = match obj.cast::<PyBytes>() {
+        Ok(b) => Some(b.as_bytes().len() as u64),
+        Err(_) => obj
+            .getattr_opt(pyo3::intern!(py, "nbytes"))
+            .ok()
+            .flatten()
+            .and_then(|n| n.extract::<u64>().ok()),
+    };
     // A small object into this process's arena (docs/arena.md), unless `arena=False` or
     // named; too large, or no supervisor: a segment of its own.
     if arena && name.is_none() && arena::may_fit(obj, size_hint) {
         // Known size: the archive is built straight into a chunk reserved for it.
         let in_place = match size_hint {
-            Some(n) => arena::put_in_place(py, obj, n, dir.clone())?,
+            Some(n) => arena::put_in_place(py, obj, n, dir.clone(), open)?,
             None => arena::InPlace::DidNotFit,
         };
         match in_place {
-            arena::InPlace::Put(store) => return Ok(store),
+            arena::InPlace::Put(put) => return Ok(put),
             arena::InPlace::NoArena => {}
             arena::InPlace::DidNotFit => {
                 if let Some(archive) = arena::encode_small(obj, size_hint)? {
                     if let Some(n) = size_hint {
                         arena::learn_overhead(obj, archive.len() as u64, n);
                     }
-                    if let Some(store) = arena::put_archive(py, &archive, dir.clone())? {
-                        return Ok(store);
+                    if let Some(put) = arena::put_archive(py, &archive, dir.clone(), open)? {
+                        return Ok(put);
                     }
                 }
             }
@@ -94,4 +113,5 @@ pub(crate) fn put_store(
     store::build(py, Kind::Object, name, dir, size_hint, |builder| {
         Encoder::new(builder, "obj").write_record(obj, None)
     })
+    .map(arena::Put::Store)
 }

@@ -165,49 +165,88 @@ pub(super) fn arena_use(py: Python<'_>, path: &Path) -> Result<Arc<ArenaUse>, St
     Ok(u)
 }
 
-/// Open a chunk of an arena: find or open this process's use of the arena (registered once),
-/// take a lease on the chunk, check its generation, and open its archive in a window of the
-/// arena's one mapping in this process. `own`: the creator's put, which just wrote the chunk
-/// (an archive of this many bytes) into its arena (`ArenaFile::lease_own`).
-pub(crate) fn open_chunk(
-    py: Python<'_>,
-    path: PathBuf,
-    chunk: Chunk,
-    own: Option<(Arc<ArenaUse>, u64, Arc<memmap2::MmapRaw>)>,
-) -> PyResult<Arc<Store>> {
+/// Open a chunk of an arena another handle names: find or open this process's use of the
+/// arena (registered once), take a lease on the chunk, check its generation, and open its
+/// archive in a window of the arena's one mapping in this process.
+pub(crate) fn open_chunk(py: Python<'_>, path: PathBuf, chunk: Chunk) -> PyResult<Arc<Store>> {
     fork_hooks();
     let source = Source::Arena { path, chunk };
     let failed = |e: StoreErr| e.into_error(&format!("store {:?}", source.name()));
-    let (arena, own) = match own {
-        Some((u, len, written)) => (u, Some((len, written))),
-        None => (arena_use(py, source.path()).map_err(failed)?, None),
-    };
+    let arena = arena_use(py, source.path()).map_err(failed)?;
     let opened = py.detach(|| {
-        let (lease, window) = match own {
-            // The creator reads its chunk through the mapping it wrote it with (its pages
-            // are in: no page fault, and no pages of a second mapping to take down later).
-            Some((len, written)) => {
-                let (lease, at, len) = arena.file.lease_own(chunk, len);
-                (
-                    lease,
-                    Mapping::written_window(&written, source.path(), at, len),
-                )
-            }
-            None => {
-                let (lease, at, len) = arena.file.lease(chunk).map_err(StoreErr::Arena)?;
-                (
-                    lease,
-                    Mapping::window(arena.file.map(), source.path(), at, len),
-                )
-            }
-        };
-        let mapping = window.map_err(StoreErr::Segment)?;
+        let (lease, at, len) = arena.file.lease(chunk).map_err(StoreErr::Arena)?;
+        let mapping =
+            Mapping::window(arena.file.map(), source.path(), at, len).map_err(StoreErr::Segment)?;
         let reader = Reader::open(mapping).map_err(StoreErr::Archive)?;
         Ok::<_, StoreErr>((reader, lease))
     });
     let (reader, lease) = opened.map_err(failed)?;
+    Ok(Arc::new(chunk_store(reader, lease, arena, source)))
+}
+
+/// The creator's store of the chunk it just wrote into its own arena (an archive of `len`
+/// bytes, through the writable mapping `written`), made without Python (the caller need not
+/// hold the GIL: `put` makes it in the same stretch without the GIL as it commits the
+/// chunk). Its lease is counted here without a lock (`ArenaFile::lease_own`), and it reads
+/// the chunk through the mapping it was written with (its pages are in: no page fault, and
+/// no pages of a second mapping to take down later).
+pub(crate) fn own_chunk(
+    path: PathBuf,
+    chunk: Chunk,
+    arena: Arc<ArenaUse>,
+    len: u64,
+    written: &Arc<memmap2::MmapRaw>,
+) -> Result<Store, Error> {
+    fork_hooks();
+    let source = Source::Arena { path, chunk };
+    let (lease, at, len) = arena.file.lease_own(chunk, len);
+    let opened = Mapping::written_window(written, source.path(), at, len)
+        .map_err(StoreErr::Segment)
+        .and_then(|m| Reader::open(m).map_err(StoreErr::Archive));
+    match opened {
+        Ok(reader) => Ok(chunk_store(reader, lease, arena, source)),
+        Err(e) => Err(e.into_error(&format!("store {:?}", source.name()))),
+    }
+}
+
+/// A chunk of its own arena this process holds for a reader elsewhere without reading it
+/// itself (a channel's object in flight): what a `Store` of it would hold (the lease, this
+/// process's use of the arena), without opening the archive. Fields drop in order, as a
+/// `Store`'s: the lease before the use of the arena.
+pub(crate) struct HeldChunk {
+    pub(crate) path: PathBuf,
+    pub(crate) chunk: Chunk,
+    _lease: crate::arena::Lease,
+    _arena: Arc<ArenaUse>,
+}
+
+/// Hold the chunk this process just wrote into its own arena (an archive of `len` bytes),
+/// without Python, as [`own_chunk`] does but without opening it.
+pub(crate) fn hold_own_chunk(
+    path: PathBuf,
+    chunk: Chunk,
+    arena: Arc<ArenaUse>,
+    len: u64,
+) -> HeldChunk {
+    fork_hooks();
+    let (lease, _, _) = arena.file.lease_own(chunk, len);
+    HeldChunk {
+        path,
+        chunk,
+        _lease: lease,
+        _arena: arena,
+    }
+}
+
+/// A chunk's store: its reader, this process's lease on it and use of its arena.
+fn chunk_store(
+    reader: Reader<Mapping>,
+    lease: crate::arena::Lease,
+    arena: Arc<ArenaUse>,
+    source: Source,
+) -> Store {
     let registration = Registration::none(source.path().to_owned());
-    Ok(Arc::new(Store {
+    Store {
         reader,
         ident: arena.file.ident(),
         source,
@@ -215,5 +254,5 @@ pub(crate) fn open_chunk(
         _lease: Some(lease),
         arena: Some(arena),
         registration,
-    }))
+    }
 }

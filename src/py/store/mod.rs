@@ -318,7 +318,7 @@ fn parse_chunk(s: &str) -> Option<Chunk> {
 
 fn open_store(py: Python<'_>, source: Source) -> PyResult<Arc<Store>> {
     if let Source::Arena { path, chunk } = source {
-        return open_chunk(py, path, chunk, None);
+        return open_chunk(py, path, chunk);
     }
     if let Some(s) = cached(source.path()) {
         return Ok(s);
@@ -420,7 +420,7 @@ pub(crate) fn attach(py: Python<'_>, name: &str, dir: Option<&Path>) -> PyResult
             .map(|d| d.join(&arena))
             .find(|p| p.exists())
             .unwrap_or_else(|| dirs[0].join(&arena));
-        return open_chunk(py, path, chunk, None);
+        return open_chunk(py, path, chunk);
     }
     let name = segment::normalize_name(name).map_err(Error::from)?;
     let dirs = match dir {
@@ -439,6 +439,11 @@ pub(crate) fn attach(py: Python<'_>, name: &str, dir: Option<&Path>) -> PyResult
 /// is: the path is what pickles carry and what the supervisor is told (it refuses a relative
 /// one), and another process, or this one after a `chdir`, must find the same files.
 pub(crate) fn absolute_dir(dir: PathBuf) -> PyResult<PathBuf> {
+    // Already what `absolute` would make of it (every small `put` into a channel's directory
+    // asks): kept as it is, without the walk over its components and a new allocation.
+    if segment::is_plain_absolute(&dir) {
+        return Ok(dir);
+    }
     std::path::absolute(&dir).map_err(|err| {
         Error::Io {
             at: dir.display().to_string(),
