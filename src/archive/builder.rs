@@ -156,8 +156,10 @@ impl<W: Sink> Builder<W> {
             out,
             pos: HEADER_LEN as u64,
             kind,
-            index: Vec::new(),
-            blocks: Vec::new(),
+            // Room for a few records and blocks at once (an object archive has one of each),
+            // grown from there.
+            index: Vec::with_capacity(64),
+            blocks: Vec::with_capacity(64),
             count: 0,
             enc: Encoder::default(),
             block_first: 0,

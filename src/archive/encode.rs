@@ -103,6 +103,11 @@ impl Encoder {
     /// Encode one record; the bytes are valid until the next call.
     pub fn record(&mut self, v: &Value) -> Result<&[u8], ArchiveError> {
         self.out.clear();
+        if self.out.capacity() == 0 {
+            // A fresh encoder (one per small object put): room for a usual record at once,
+            // not grown from 8 bytes by three reallocations.
+            self.out.reserve(256);
+        }
         let mut queue = VecDeque::new();
         self.tagged(v, &mut queue)?;
         while let Some(p) = queue.pop_front() {
