@@ -268,9 +268,9 @@ impl<W: Sink> Builder<W> {
     /// Encode `value` and write it as the next record.
     pub fn finish_record(&mut self, value: &Value) -> Result<(), ArchiveError> {
         self.check_next()?;
-        let mut enc = std::mem::take(&mut self.enc);
-        let res = enc.record(value).and_then(|bytes| self.put_record(bytes));
-        self.enc = enc;
+        let bytes = self.enc.take_record(value)?;
+        let res = self.put_record(&bytes);
+        self.enc.reuse(bytes);
         res
     }
 

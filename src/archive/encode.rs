@@ -101,6 +101,19 @@ impl Encoder {
     }
 
     /// Encode one record; the bytes are valid until the next call.
+    /// [`Self::record`], its bytes handed out with their buffer, to be given back with
+    /// [`Self::reuse`] (so that a builder can write them while it holds this encoder, with no
+    /// second encoder made to stand in for it meanwhile).
+    pub fn take_record(&mut self, v: &Value) -> Result<Vec<u8>, ArchiveError> {
+        self.record(v)?;
+        Ok(std::mem::take(&mut self.out))
+    }
+
+    /// Give back the buffer [`Self::take_record`] handed out: the next record reuses it.
+    pub fn reuse(&mut self, out: Vec<u8>) {
+        self.out = out;
+    }
+
     pub fn record(&mut self, v: &Value) -> Result<&[u8], ArchiveError> {
         self.out.clear();
         if self.out.capacity() == 0 {
