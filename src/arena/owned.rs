@@ -44,8 +44,8 @@ pub const DEFAULT_IDLE: Duration = Duration::from_secs(10);
 /// long; gathered, the chunks of a stream are mostly adjacent and go back in one call.
 pub const RECLAIM_BATCH: usize = 16;
 /// Chunks that other processes held at their last try, tried again at each reclaim of a
-/// batch, one per `put` since the last (in the arena a `put` goes to; all of them when that
-/// arena has no room left) ...
+/// batch, as many as the batch (in the arena a `put` goes to; all of them when that arena
+/// has no room left) ...
 const RETRIES_PER_BATCH: usize = RECLAIM_BATCH;
 /// ... and at each sweep for idle arenas, in each older arena.
 const RETRIES_PER_SWEEP: usize = 64;
