@@ -1,6 +1,7 @@
 //! `put(obj, arena=True)`: small objects into this process's arena segments
 //! (docs/arena.md), and the allocator simulation of the fragmentation benchmark.
 
+use std::borrow::Cow;
 use std::io::Cursor;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,7 +16,7 @@ use super::write::Encoder;
 use crate::archive::builder::Sink;
 use crate::archive::{Builder, Kind};
 use crate::arena::owned::{self, ArenaUser, Arenas, InArena, Owned};
-use crate::arena::{alloc, PartState, Reservation};
+use crate::arena::{alloc, Chunk, PartState, Reservation};
 use crate::process::{self, ForkHooks, ForkLock};
 use crate::segment;
 
@@ -161,24 +162,71 @@ pub(crate) fn encode_small(
     }
 }
 
-/// An object put: its store (mapped and opened, for a handle), or, for a put that asked
-/// only to hold it (`open: false`: a channel's object, read only by its getter), its chunk
+/// What a put keeps of the object it wrote: a store, mapped and opened, for a handle
+/// (`Arc<Store>`: `shmstore.put`), or a [`Put`] (a channel's objects, read only by their
+/// getters).
+pub(crate) trait Keep: Sized + Send {
+    /// Kept of the chunk of an arena of this process just committed, holding an archive of
+    /// `len` bytes written through `written`; made without Python (the GIL is not held).
+    fn chunk(
+        path: PathBuf,
+        chunk: Chunk,
+        arena: Arc<ArenaUse>,
+        len: u64,
+        written: &Arc<memmap2::MmapRaw>,
+    ) -> Result<Self, Error>;
+    /// Kept of an object that went into a segment of its own.
+    fn segment(store: Arc<Store>) -> Self;
+}
+
+impl Keep for Arc<Store> {
+    fn chunk(
+        path: PathBuf,
+        chunk: Chunk,
+        arena: Arc<ArenaUse>,
+        len: u64,
+        written: &Arc<memmap2::MmapRaw>,
+    ) -> Result<Self, Error> {
+        store::own_chunk(path, chunk, arena, len, written).map(Arc::new)
+    }
+
+    fn segment(store: Arc<Store>) -> Self {
+        store
+    }
+}
+
+/// An object put into a channel: the store of its own segment, or, in an arena, its chunk
 /// held without opening the archive (a store's reader made and dropped for nothing was a
-/// tenth of a small channel put).
+/// tenth of a small channel put; the getter opens it).
 pub(crate) enum Put {
     Store(Arc<Store>),
     Held(store::HeldChunk),
 }
 
-/// Put an encoded object archive into an arena of this process and map it (or only hold
-/// it: `open`); `None` when it is too large for an arena or arenas are unavailable (no
-/// supervisor).
-pub(crate) fn put_archive(
+impl Keep for Put {
+    fn chunk(
+        path: PathBuf,
+        chunk: Chunk,
+        arena: Arc<ArenaUse>,
+        len: u64,
+        _written: &Arc<memmap2::MmapRaw>,
+    ) -> Result<Self, Error> {
+        Ok(Put::Held(store::hold_own_chunk(path, chunk, arena, len)))
+    }
+
+    fn segment(store: Arc<Store>) -> Self {
+        Put::Store(store)
+    }
+}
+
+/// Put an encoded object archive into an arena of this process (in `dir`, the default
+/// directory if `None`) and keep it (`K`); `None` when it is too large for an arena or
+/// arenas are unavailable (no supervisor).
+pub(crate) fn put_archive<K: Keep>(
     py: Python<'_>,
     archive: &[u8],
-    dir: Option<PathBuf>,
-    open: bool,
-) -> PyResult<Option<Put>> {
+    dir: Option<&Path>,
+) -> PyResult<Option<K>> {
     let Some(placed) = reserve(py, archive.len() as u64, dir)? else {
         return Ok(None);
     };
@@ -187,13 +235,13 @@ pub(crate) fn put_archive(
         cancel(py, &path, &r);
         return Err(arena_io(&path, e));
     }
-    give_out(py, path, r, archive.len() as u64, arena, open)
+    give_out(py, path, r, archive.len() as u64, arena)
 }
 
 /// What became of [`put_in_place`].
-pub(crate) enum InPlace {
-    /// In a chunk, mapped for its handle (or held: `open`).
-    Put(Put),
+pub(crate) enum InPlace<K> {
+    /// In a chunk, kept (`K`).
+    Put(K),
     /// No arena available (no supervisor, no room for one): the object needs a segment.
     NoArena,
     /// Its archive may be larger than the chunk an arena would reserve: encode it into
@@ -203,15 +251,13 @@ pub(crate) enum InPlace {
 
 /// Put `obj`, whose payload is `size` bytes (an array, `bytes`), into an arena of this
 /// process, encoding its archive straight into a chunk reserved for it (no buffer, one
-/// copy of the payload; the chunk shrinks to the archive's length), and map it (or only
-/// hold it: `open`).
-pub(crate) fn put_in_place(
+/// copy of the payload; the chunk shrinks to the archive's length), and keep it (`K`).
+pub(crate) fn put_in_place<K: Keep>(
     py: Python<'_>,
     obj: &Bound<'_, PyAny>,
     size: u64,
-    dir: Option<PathBuf>,
-    open: bool,
-) -> PyResult<InPlace> {
+    dir: Option<&Path>,
+) -> PyResult<InPlace<K>> {
     let slot = overhead_slot(obj);
     let max_len = size.saturating_add(overhead(slot));
     if !fits(max_len) {
@@ -227,7 +273,7 @@ pub(crate) fn put_in_place(
         Ok(len) => {
             note_overhead(slot, len, size);
             // Let go of meanwhile: encoded again, into memory, for a new arena.
-            Ok(give_out(py, path, r, len, arena, open)?.map_or(InPlace::DidNotFit, InPlace::Put))
+            Ok(give_out(py, path, r, len, arena)?.map_or(InPlace::DidNotFit, InPlace::Put))
         }
         Err(e) => {
             cancel(py, &path, &r);
@@ -322,14 +368,16 @@ fn fits(max_len: u64) -> bool {
 /// A chunk for an archive of up to `max_len` bytes in one of this process's arenas in `dir`
 /// (the default directory if `None`), a new arena made when none has room; `None` when it
 /// is too large for an arena or arenas are unavailable (no supervisor, no room).
-fn reserve(py: Python<'_>, max_len: u64, dir: Option<PathBuf>) -> PyResult<Option<Placed>> {
+fn reserve(py: Python<'_>, max_len: u64, dir: Option<&Path>) -> PyResult<Option<Placed>> {
     if !fits(max_len) {
         return Ok(None);
     }
     // Arena work needs no Python: done without the GIL (never wait for the lock with it).
+    // A directory already absolute (a channel's, every put) is taken as it is, not copied.
     let dir = match dir {
-        Some(d) => store::absolute_dir(d)?,
-        None => segment::default_dir(),
+        Some(d) if segment::is_plain_absolute(d) => Cow::Borrowed(d),
+        Some(d) => Cow::Owned(store::absolute_path(d.to_owned())?),
+        None => Cow::Owned(segment::default_dir()),
     };
     let placed = py
         .detach(|| ARENAS.place(&dir, max_len))
@@ -337,7 +385,7 @@ fn reserve(py: Python<'_>, max_len: u64, dir: Option<PathBuf>) -> PyResult<Optio
     match placed {
         Ok(p) => Ok(Some(p)),
         Err(made) => {
-            let Some(new) = new_arena(py, dir.clone(), made)? else {
+            let Some(new) = new_arena(py, dir.clone().into_owned(), made)? else {
                 return Ok(None);
             };
             let placed = py.detach(|| ARENAS.adopt(new, &dir, max_len));
@@ -351,38 +399,27 @@ fn cancel(py: Python<'_>, path: &Path, r: &Reservation) {
     py.detach(|| ARENAS.cancel(path, r));
 }
 
-/// Give out the chunk of `r`, holding an archive of `len` bytes, and map it for this
-/// process's handle (or only hold it: `open`); `None` if this process let go of the arena
+/// Give out the chunk of `r`, holding an archive of `len` bytes, and keep it (`K`: a store
+/// for this process's handle, or the chunk only held); `None` if this process let go of the arena
 /// meanwhile
 /// (`_arena_release`, by another thread or by code the encoding ran): the chunk was never
 /// given out, the object goes elsewhere. One stretch without the GIL: committing the chunk,
 /// making its store and settling it need no Python (a GIL handed back and taken again
 /// between them cost more than the three together for a small object).
-fn give_out(
+fn give_out<K: Keep>(
     py: Python<'_>,
     path: PathBuf,
     r: Reservation,
     len: u64,
     arena: Arc<ArenaUse>,
-    open: bool,
-) -> PyResult<Option<Put>> {
+) -> PyResult<Option<K>> {
     let done = py.detach(|| {
         let chunk = match ARENAS.commit(&path, &r, len) {
             None => return Ok(None),
             Some(Err(e)) => return Err(in_arena(e)),
             Some(Ok(chunk)) => chunk,
         };
-        let opened = if open {
-            store::own_chunk(path.clone(), chunk, arena, len, r.map())
-                .map(|s| Put::Store(Arc::new(s)))
-        } else {
-            Ok(Put::Held(store::hold_own_chunk(
-                path.clone(),
-                chunk,
-                arena,
-                len,
-            )))
-        };
+        let opened = K::chunk(path.clone(), chunk, arena, len, r.map());
         // Held by its handle now (or failed): the chunk is an ordinary one from here on; if
         // the handle was not made, this process holds no lease on it, so it is a reuse
         // candidate.

@@ -307,10 +307,7 @@ impl Channel {
         let capacity = valid_capacity(capacity)?;
         let dir = dir.unwrap_or_else(segment::default_dir);
         // Absolute: the path is what other processes open it by.
-        let dir = std::path::absolute(&dir).map_err(|err| Error::Io {
-            at: dir.display().to_string(),
-            err,
-        })?;
+        let dir = store::absolute_path(dir)?;
         let name = segment::random_name();
         let path = dir.join(&name);
         // The supervisor knows the file before it exists, so it is removed after the last
@@ -356,7 +353,7 @@ impl Channel {
         settle_left();
         // Into the channel's directory (`dir_of`).
         // Held, not opened: the getter opens it.
-        let store = put_object(py, obj, None, Some(self.shared.dir.clone()), true, false)?;
+        let store: Put = put_object(py, obj, None, Some(&self.shared.dir), true)?;
         let h = self.handle_of(&store)?;
         self.pin(py, &h);
         let ring = &self.shared.ring;

@@ -162,10 +162,18 @@ pub fn default_dir() -> PathBuf {
 
 /// `p` made absolute against the current directory (as is, if that cannot be known).
 fn absolute(p: PathBuf) -> PathBuf {
+    to_absolute(p).unwrap_or_else(|(p, _)| p)
+}
+
+/// `p` made absolute against the current directory, as `std::path::absolute` makes it; a
+/// path already in that form ([`is_plain_absolute`]) is returned as it is, without the walk
+/// over its components and a new allocation. On failure (the current directory cannot be
+/// known), `p` back with the error.
+pub fn to_absolute(p: PathBuf) -> Result<PathBuf, (PathBuf, std::io::Error)> {
     if is_plain_absolute(&p) {
-        return p;
+        return Ok(p);
     }
-    std::path::absolute(&p).unwrap_or(p)
+    std::path::absolute(&p).map_err(|err| (p, err))
 }
 
 /// Whether `std::path::absolute` returns `p` as it is: absolute, with no `.` component and

@@ -1,6 +1,6 @@
 //! `Ref` and `put`: one object shared by name.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use pyo3::prelude::*;
@@ -58,24 +58,20 @@ fn put_store(
     dir: Option<PathBuf>,
     arena: bool,
 ) -> PyResult<Arc<Store>> {
-    match put_object(py, obj, name, dir, arena, true)? {
-        arena::Put::Store(store) => Ok(store),
-        // Made only when `open` is false; were it made here, the chunk would be opened as
-        // any process opens a chunk it holds (`held` keeps it meanwhile).
-        arena::Put::Held(held) => store::open_chunk(py, held.path.clone(), held.chunk),
-    }
+    put_object(py, obj, name, dir.as_deref(), arena)
 }
 
-/// [`put_store`], or, with `open` false, a small object's chunk only held (not opened: for
-/// a channel, whose getter opens it).
-pub(crate) fn put_object(
+/// Put `obj` into a chunk of an arena of this process (a small object, unless `arena` is
+/// false or it is named) or a segment of its own, in `dir` (the default directory if
+/// `None`), and keep it (`K`: its store, mapped, for `put`'s handle; or, for a channel, a
+/// small object's chunk only held, not opened: its getter opens it).
+pub(crate) fn put_object<K: arena::Keep>(
     py: Python<'_>,
     obj: &Bound<'_, PyAny>,
     name: Option<&str>,
-    dir: Option<PathBuf>,
+    dir: Option<&Path>,
     arena: bool,
-    open: bool,
-) -> PyResult<arena::Put> {
+) -> PyResult<K> {
     // Known-size input (an array, bytes): check the room before writing anything.
     // An object without `nbytes` (a dict, a list) is told so without an exception being
     // made (`getattr_opt`); any failure of the attribute means "size unknown", as before.
@@ -92,7 +88,7 @@ pub(crate) fn put_object(
     if arena && name.is_none() && arena::may_fit(obj, size_hint) {
         // Known size: the archive is built straight into a chunk reserved for it.
         let in_place = match size_hint {
-            Some(n) => arena::put_in_place(py, obj, n, dir.clone(), open)?,
+            Some(n) => arena::put_in_place(py, obj, n, dir)?,
             None => arena::InPlace::DidNotFit,
         };
         match in_place {
@@ -103,15 +99,16 @@ pub(crate) fn put_object(
                     if let Some(n) = size_hint {
                         arena::learn_overhead(obj, archive.len() as u64, n);
                     }
-                    if let Some(put) = arena::put_archive(py, &archive, dir.clone(), open)? {
+                    if let Some(put) = arena::put_archive(py, &archive, dir)? {
                         return Ok(put);
                     }
                 }
             }
         }
     }
+    let dir = dir.map(Path::to_path_buf);
     store::build(py, Kind::Object, name, dir, size_hint, |builder| {
         Encoder::new(builder, "obj").write_record(obj, None)
     })
-    .map(arena::Put::Store)
+    .map(K::segment)
 }

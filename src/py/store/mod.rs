@@ -412,7 +412,7 @@ pub(crate) fn attach(py: Python<'_>, name: &str, dir: Option<&Path>) -> PyResult
             what: "a chunk of an arena is named <arena>@<offset>:<size>:<generation>".into(),
         })?;
         let dirs = match dir {
-            Some(d) => vec![absolute_dir(d.to_owned())?],
+            Some(d) => vec![absolute_path(d.to_owned())?],
             None => segment::search_dirs(),
         };
         let path = dirs
@@ -424,7 +424,7 @@ pub(crate) fn attach(py: Python<'_>, name: &str, dir: Option<&Path>) -> PyResult
     }
     let name = segment::normalize_name(name).map_err(Error::from)?;
     let dirs = match dir {
-        Some(d) => vec![absolute_dir(d.to_owned())?],
+        Some(d) => vec![absolute_path(d.to_owned())?],
         None => segment::search_dirs(),
     };
     let path = dirs
@@ -435,18 +435,14 @@ pub(crate) fn attach(py: Python<'_>, name: &str, dir: Option<&Path>) -> PyResult
     open_store(py, Source::Segment { name, path })
 }
 
-/// A `dir=` argument made absolute against the current directory, as the segment directory
-/// is: the path is what pickles carry and what the supervisor is told (it refuses a relative
-/// one), and another process, or this one after a `chdir`, must find the same files.
-pub(crate) fn absolute_dir(dir: PathBuf) -> PyResult<PathBuf> {
-    // Already what `absolute` would make of it (every small `put` into a channel's directory
-    // asks): kept as it is, without the walk over its components and a new allocation.
-    if segment::is_plain_absolute(&dir) {
-        return Ok(dir);
-    }
-    std::path::absolute(&dir).map_err(|err| {
+/// A path given by the caller (a `dir=` argument, a saved archive file) made absolute
+/// against the current directory, as the segment directory is: the path is what pickles
+/// carry and what the supervisor is told (it refuses a relative one), and another process,
+/// or this one after a `chdir`, must find the same files.
+pub(crate) fn absolute_path(path: PathBuf) -> PyResult<PathBuf> {
+    segment::to_absolute(path).map_err(|(path, err)| {
         Error::Io {
-            at: dir.display().to_string(),
+            at: path.display().to_string(),
             err,
         }
         .into()
@@ -458,7 +454,7 @@ pub(crate) fn absolute_dir(dir: PathBuf) -> PyResult<PathBuf> {
 /// warning).
 fn placement(dir: Option<PathBuf>, size_hint: Option<u64>) -> PyResult<(PathBuf, Option<PathBuf>)> {
     if let Some(d) = dir {
-        let d = absolute_dir(d)?;
+        let d = absolute_path(d)?;
         if let Some(n) = size_hint {
             segment::preflight(&d, n).map_err(Error::from)?;
         }
@@ -495,10 +491,7 @@ pub(crate) fn attach_source(py: Python<'_>, source: Source) -> PyResult<Arc<Stor
 
 /// Map a saved archive file.
 pub(crate) fn open_file(py: Python<'_>, path: &Path) -> PyResult<Arc<Store>> {
-    let abs = std::path::absolute(path).map_err(|err| Error::Io {
-        at: path.display().to_string(),
-        err,
-    })?;
+    let abs = absolute_path(path.to_owned())?;
     open_store(py, Source::File { path: abs })
 }
 
