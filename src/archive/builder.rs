@@ -166,7 +166,12 @@ impl<W: Sink> Builder<W> {
             block_bytes: 0,
             block_hash: Xxh3Default::new(),
             keys: Vec::new(),
-            key_offsets: vec![0],
+            // Dict kind only (every use is under `kind == Dict`): no allocation for others.
+            key_offsets: if kind == Kind::Dict {
+                vec![0]
+            } else {
+                Vec::new()
+            },
             key_table: KeyTable::default(),
             creator_pid,
         })

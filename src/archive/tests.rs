@@ -34,7 +34,7 @@ pub(crate) fn decode(
         Item::Array(a) => {
             let v = r.array(a)?;
             Value::Array(Box::new(ArrayMeta {
-                typestr: v.typestr.into(),
+                typestr: v.typestr.as_str().into(),
                 shape: v.shape.iter().map(|&d| d as u64).collect(),
                 data: Extent {
                     offset: v.offset as u64,

@@ -96,6 +96,41 @@ pub fn typestr_itemsize(typestr: &str) -> Option<usize> {
     ok.then_some(size)
 }
 
+/// A typestr that passed [`typestr_itemsize`] (3 or 4 ASCII bytes), held inline: a stored
+/// array read is described without an allocation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TypeStr {
+    bytes: [u8; 4],
+    len: u8,
+}
+
+impl TypeStr {
+    /// Unsigned bytes, `|u1`.
+    pub const BYTES: TypeStr = TypeStr {
+        bytes: *b"|u1\0",
+        len: 3,
+    };
+
+    /// `s` and its item size, if it is a typestr stored arrays may have.
+    pub fn new(s: &str) -> Option<(TypeStr, usize)> {
+        let size = typestr_itemsize(s)?;
+        let mut bytes = [0; 4];
+        bytes[..s.len()].copy_from_slice(s.as_bytes());
+        Some((
+            TypeStr {
+                bytes,
+                len: s.len() as u8,
+            },
+            size,
+        ))
+    }
+
+    pub fn as_str(&self) -> &str {
+        // ASCII (`typestr_itemsize` accepts nothing else), so always UTF-8.
+        std::str::from_utf8(&self.bytes[..usize::from(self.len)]).unwrap_or_default()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -117,5 +152,27 @@ mod tests {
         assert_eq!(typestr_itemsize("<f+8"), None);
         assert_eq!(typestr_itemsize("<f0008"), None);
         assert_eq!(typestr_itemsize("<i08"), None);
+    }
+
+    /// `TypeStr` holds exactly the typestrs `typestr_itemsize` accepts, as they were given.
+    #[test]
+    fn inline_typestrs() {
+        let mut accepted = 0;
+        for order in ["<", ">", "|", "=", "!", "\u{e9}"] {
+            for kind in ["b", "i", "u", "f", "c", "O", "U", "M"] {
+                for size in ["", "0", "1", "2", "3", "4", "8", "16", "32", "08", "100"] {
+                    let s = format!("{order}{kind}{size}");
+                    let inline = TypeStr::new(&s);
+                    assert_eq!(inline.map(|(_, n)| n), typestr_itemsize(&s), "{s}");
+                    if let Some((t, _)) = inline {
+                        assert_eq!(t.as_str(), s);
+                        accepted += 1;
+                    }
+                }
+            }
+        }
+        assert_eq!(accepted, 4 * 14);
+        assert_eq!(TypeStr::BYTES.as_str(), "|u1");
+        assert_eq!(TypeStr::new("|u1").map(|(t, _)| t), Some(TypeStr::BYTES));
     }
 }

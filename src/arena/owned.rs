@@ -64,7 +64,7 @@ pub trait ArenaUser: Send + Sync + Sized + 'static {
 
 /// A chunk reserved in an arena of this process: the arena's path, the reservation, and
 /// this process's use of the arena.
-pub type Placed<U> = (PathBuf, Reservation, Arc<U>);
+pub type Placed<U> = (Arc<Path>, Reservation, Arc<U>);
 
 /// An arena error, with the arena it was met in.
 #[derive(Debug)]
@@ -79,6 +79,8 @@ pub struct InArena {
 /// elsewhere).
 pub struct Owned<U> {
     dir: PathBuf,
+    /// The arena's path (the writer's), shared with each chunk placed in it: no copy per put.
+    path: Arc<Path>,
     writer: ArenaWriter,
     arena: Arc<U>,
     pending: Offsets,
@@ -92,6 +94,7 @@ impl<U: ArenaUser> Owned<U> {
     pub fn new(dir: PathBuf, writer: ArenaWriter, arena: Arc<U>) -> Self {
         Owned {
             dir,
+            path: writer.path().into(),
             writer,
             arena,
             pending: Offsets::default(),
@@ -372,9 +375,9 @@ fn place_in<U: ArenaUser>(
         .filter(|a| a.writer.is_ours() && a.dir == dir)
     {
         a.note_released();
-        let path = a.writer.path().to_owned();
+        let path = a.path.clone();
         let in_arena = |err| InArena {
-            path: path.clone(),
+            path: path.to_path_buf(),
             err,
         };
         if a.pending.len() >= RECLAIM_BATCH {

@@ -91,13 +91,14 @@ fn name_of(path: &Path) -> String {
         .unwrap_or_default()
 }
 
-/// What a cell carries: where an object is.
+/// What a cell carries: where an object is. A putter's handle may borrow its path
+/// (`Handle<&Path>`: no copy per object); a getter's owns the path read from the cell.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Handle {
+pub struct Handle<P = PathBuf> {
     /// 1: a chunk of the arena at `path` (`offset`, `size`, `generation`); 2: the segment at
     /// `path`.
     pub kind: u8,
-    pub path: PathBuf,
+    pub path: P,
     pub offset: u64,
     pub size: u64,
     pub generation: u64,
@@ -291,8 +292,8 @@ impl Ring {
     /// Put `h` into the next free cell; `Ok(None)` when the channel is full (nothing was
     /// written), else the position it took. The caller keeps the object alive until
     /// [`Ring::taken`] says so.
-    pub fn try_push(&self, h: &Handle) -> Result<Option<u64>, ChannelError> {
-        let path = h.path.as_os_str().as_encoded_bytes();
+    pub fn try_push<P: AsRef<Path>>(&self, h: &Handle<P>) -> Result<Option<u64>, ChannelError> {
+        let path = h.path.as_ref().as_os_str().as_encoded_bytes();
         if path.len() > MAX_PATH || h.kind == 0 {
             return Err(ChannelError::Corrupt {
                 channel: name_of(&self.path),
@@ -394,7 +395,7 @@ impl Ring {
         Err(self.stuck(what))
     }
 
-    fn write_cell(&self, pos: u64, h: &Handle, path: &[u8]) {
+    fn write_cell<P>(&self, pos: u64, h: &Handle<P>, path: &[u8]) {
         // Who claimed it is named already (`claim`): a process that dies from here on is
         // found dead by a getter (`recover_get`).
         let meta = u64::from(h.kind) | (path.len() as u64) << 8;

@@ -166,10 +166,11 @@ pub(crate) fn encode_small(
 /// (`Arc<Store>`: `shmstore.put`), or a [`Put`] (a channel's objects, read only by their
 /// getters).
 pub(crate) trait Keep: Sized + Send {
-    /// Kept of the chunk of an arena of this process just committed, holding an archive of
-    /// `len` bytes written through `written`; made without Python (the GIL is not held).
+    /// Kept of the chunk of the arena at `path` of this process just committed, holding an
+    /// archive of `len` bytes written through `written`; made without Python (the GIL is
+    /// not held).
     fn chunk(
-        path: PathBuf,
+        path: &Arc<Path>,
         chunk: Chunk,
         arena: Arc<ArenaUse>,
         len: u64,
@@ -181,13 +182,13 @@ pub(crate) trait Keep: Sized + Send {
 
 impl Keep for Arc<Store> {
     fn chunk(
-        path: PathBuf,
+        path: &Arc<Path>,
         chunk: Chunk,
         arena: Arc<ArenaUse>,
         len: u64,
         written: &Arc<memmap2::MmapRaw>,
     ) -> Result<Self, Error> {
-        store::own_chunk(path, chunk, arena, len, written).map(Arc::new)
+        store::own_chunk(path.to_path_buf(), chunk, arena, len, written).map(Arc::new)
     }
 
     fn segment(store: Arc<Store>) -> Self {
@@ -205,13 +206,18 @@ pub(crate) enum Put {
 
 impl Keep for Put {
     fn chunk(
-        path: PathBuf,
+        path: &Arc<Path>,
         chunk: Chunk,
         arena: Arc<ArenaUse>,
         len: u64,
         _written: &Arc<memmap2::MmapRaw>,
     ) -> Result<Self, Error> {
-        Ok(Put::Held(store::hold_own_chunk(path, chunk, arena, len)))
+        Ok(Put::Held(store::hold_own_chunk(
+            path.clone(),
+            chunk,
+            arena,
+            len,
+        )))
     }
 
     fn segment(store: Arc<Store>) -> Self {
@@ -408,7 +414,7 @@ fn cancel(py: Python<'_>, path: &Path, r: &Reservation) {
 /// between them cost more than the three together for a small object).
 fn give_out<K: Keep>(
     py: Python<'_>,
-    path: PathBuf,
+    path: Arc<Path>,
     r: Reservation,
     len: u64,
     arena: Arc<ArenaUse>,
@@ -419,7 +425,7 @@ fn give_out<K: Keep>(
             Some(Err(e)) => return Err(in_arena(e)),
             Some(Ok(chunk)) => chunk,
         };
-        let opened = K::chunk(path.clone(), chunk, arena, len, r.map());
+        let opened = K::chunk(&path, chunk, arena, len, r.map());
         // Held by its handle now (or failed): the chunk is an ordinary one from here on; if
         // the handle was not made, this process holds no lease on it, so it is a reuse
         // candidate.

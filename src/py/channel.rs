@@ -162,14 +162,14 @@ impl Channel {
         channel_err(self.file(), err).into()
     }
 
-    /// The handle of an object just put.
-    fn handle_of(&self, put: &Put) -> PyResult<Handle> {
+    /// The handle of an object just put (borrowing its path).
+    fn handle_of<'a>(&self, put: &'a Put) -> PyResult<Handle<&'a Path>> {
         let s = match put {
             Put::Store(s) => s,
             Put::Held(held) => {
                 return self.checked(Handle {
                     kind: CHUNK,
-                    path: held.path.clone(),
+                    path: &*held.path,
                     offset: held.chunk.offset,
                     size: held.chunk.size,
                     generation: held.chunk.generation,
@@ -179,14 +179,14 @@ impl Channel {
         let h = match &s.source {
             Source::Arena { path, chunk } => Handle {
                 kind: CHUNK,
-                path: path.clone(),
+                path: path.as_path(),
                 offset: chunk.offset,
                 size: chunk.size,
                 generation: chunk.generation,
             },
             Source::Segment { path, .. } => Handle {
                 kind: SEGMENT,
-                path: path.clone(),
+                path: path.as_path(),
                 offset: 0,
                 size: 0,
                 generation: 0,
@@ -214,7 +214,7 @@ impl Channel {
     }
 
     /// `h`, if a cell of the ring can carry its path.
-    fn checked(&self, h: Handle) -> PyResult<Handle> {
+    fn checked<'a>(&self, h: Handle<&'a Path>) -> PyResult<Handle<&'a Path>> {
         let len = h.path.as_os_str().len();
         if len > crate::channel::MAX_PATH {
             return Err(Error::Invalid {
@@ -233,16 +233,16 @@ impl Channel {
 
     /// Ask the supervisor to keep the arena or segment at `path` while this channel is in
     /// use (once per arena; a segment is one object).
-    fn pin(&self, py: Python<'_>, h: &Handle) {
+    fn pin(&self, py: Python<'_>, h: &Handle<&Path>) {
         if h.kind == CHUNK {
             let mut pinned = lock(&self.shared.pinned);
             // Looked up before a copy of the path is made: every small object of a stream
             // goes into an arena pinned already.
-            if pinned.contains(h.path.as_os_str()) || !pinned.insert(h.path.clone().into()) {
+            if pinned.contains(h.path.as_os_str()) || !pinned.insert(h.path.as_os_str().into()) {
                 return;
             }
         }
-        let (holder, path) = (self.file().to_owned(), h.path.clone());
+        let (holder, path) = (self.file().to_owned(), h.path.to_owned());
         if let Err(e) = py.detach(|| crate::supervisor::client::pin_segment(&holder, &path)) {
             log::debug!(
                 "channel {}: no pin for {}: {e}",

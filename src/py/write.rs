@@ -4,6 +4,7 @@
 //! (a full /dev/shm is OutOfSharedMemoryError whatever the value being written).
 
 use std::borrow::Cow;
+use std::mem::MaybeUninit;
 
 use pyo3::exceptions::PyUnicodeEncodeError;
 use pyo3::intern;
@@ -40,7 +41,7 @@ enum Seg<'py> {
 /// Encodes the records of one store.
 pub(crate) struct Encoder<'b, 'py, W: Sink> {
     builder: &'b mut Builder<W>,
-    root: String,
+    root: &'static str,
     path: Vec<Seg<'py>>,
     /// Containers on the current path, to refuse self-referencing input.
     active: Vec<usize>,
@@ -61,10 +62,10 @@ fn key_repr(key: &Bound<'_, PyAny>) -> String {
 
 impl<'b, 'py, W: Sink + Send> Encoder<'b, 'py, W> {
     /// `root` names the input in error paths (`records`, `mapping`, `obj`).
-    pub(crate) fn new(builder: &'b mut Builder<W>, root: &str) -> Self {
+    pub(crate) fn new(builder: &'b mut Builder<W>, root: &'static str) -> Self {
         Encoder {
             builder,
-            root: root.to_owned(),
+            root,
             path: Vec::new(),
             active: Vec::new(),
             key_ids: Default::default(),
@@ -73,7 +74,7 @@ impl<'b, 'py, W: Sink + Send> Encoder<'b, 'py, W> {
 
     /// The path to the value being encoded, e.g. `records[12]['annotations'][3]`.
     fn where_(&self) -> String {
-        let mut s = self.root.clone();
+        let mut s = self.root.to_owned();
         for seg in &self.path {
             match seg {
                 Seg::Index(i) => s.push_str(&format!("[{i}]")),
@@ -354,11 +355,12 @@ impl<'b, 'py, W: Sink + Send> Encoder<'b, 'py, W> {
         // gives the shape. Refused for non-contiguous input (slices, transposes): copied to
         // C order once, here (`copy`, not `ascontiguousarray`, which would turn a 0-d array
         // into 1-d; the copy keeps the dtype, so the typestr is the input's).
-        let (arr, buf) = match ContiguousBytes::get(obj) {
+        let (mut view, mut copy_view) = (MaybeUninit::zeroed(), MaybeUninit::zeroed());
+        let (arr, buf) = match ContiguousBytes::get(obj, &mut view) {
             Ok(buf) => (obj.clone(), buf),
             Err(_) => {
                 let arr = obj.call_method1(intern!(py, "copy"), ("C",))?;
-                let buf = ContiguousBytes::get(&arr)?;
+                let buf = ContiguousBytes::get(&arr, &mut copy_view)?;
                 (arr, buf)
             }
         };
@@ -419,27 +421,34 @@ fn remember_dtype(dtype: &Bound<'_, PyAny>, typestr: &str) {
 
 /// A C-contiguous buffer export of an object (`PyObject_GetBuffer` with
 /// `PyBUF_C_CONTIGUOUS`: refused unless the exporter's memory is one C-ordered run), released
-/// when dropped. Its bytes: `ptr .. ptr + len`.
-struct ContiguousBytes {
-    view: Box<pyo3::ffi::Py_buffer>,
+/// when dropped. Its bytes: `ptr .. ptr + len`. The `Py_buffer` is the caller's (on its
+/// stack: no allocation per array put), borrowed for as long as the export lives, so its
+/// address stays fixed until `PyBuffer_Release` (exporters may keep pointers into it).
+struct ContiguousBytes<'v> {
+    view: &'v mut pyo3::ffi::Py_buffer,
     ptr: *const u8,
     len: usize,
 }
 
-impl ContiguousBytes {
-    fn get(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
-        // SAFETY: Py_buffer is a plain C struct for which all-zero is a valid "empty" value;
-        // it is boxed so that its address stays fixed until PyBuffer_Release (exporters may
-        // keep pointers into it). The GIL is held (`obj` is bound).
-        let mut view: Box<pyo3::ffi::Py_buffer> = Box::new(unsafe { std::mem::zeroed() });
-        // SAFETY: `obj` is a live object and `view` a writable Py_buffer; on success the
-        // export is released exactly once, in Drop.
+impl<'v> ContiguousBytes<'v> {
+    fn get(
+        obj: &Bound<'_, PyAny>,
+        view: &'v mut MaybeUninit<pyo3::ffi::Py_buffer>,
+    ) -> PyResult<Self> {
+        // SAFETY: `obj` is a live object (the GIL is held: it is bound) and `view` a
+        // writable Py_buffer; on success the export is released exactly once, in Drop.
         let rc = unsafe {
-            pyo3::ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, pyo3::ffi::PyBUF_C_CONTIGUOUS)
+            pyo3::ffi::PyObject_GetBuffer(
+                obj.as_ptr(),
+                view.as_mut_ptr(),
+                pyo3::ffi::PyBUF_C_CONTIGUOUS,
+            )
         };
         if rc != 0 {
             return Err(PyErr::fetch(obj.py()));
         }
+        // SAFETY: PyObject_GetBuffer succeeded, so it filled the struct in.
+        let view = unsafe { view.assume_init_mut() };
         let len = usize::try_from(view.len).unwrap_or(0);
         let ptr = view.buf as *const u8;
         Ok(ContiguousBytes { view, ptr, len })
@@ -462,11 +471,11 @@ impl ContiguousBytes {
     }
 }
 
-impl Drop for ContiguousBytes {
+impl Drop for ContiguousBytes<'_> {
     fn drop(&mut self) {
         // SAFETY: the export was made by PyObject_GetBuffer in `get` and not released since.
         // Called with the GIL held: the value never leaves the `array` call that made it.
-        unsafe { pyo3::ffi::PyBuffer_Release(&mut *self.view) };
+        unsafe { pyo3::ffi::PyBuffer_Release(self.view) };
     }
 }
 

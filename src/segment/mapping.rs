@@ -86,6 +86,9 @@ pub struct Mapping {
     /// them (several times per `lst[i]`), and a stored (address, length) is two loads where
     /// finding them again is a match on the kind of mapping, a call that is not inlined.
     bytes: Span,
+    /// The file it maps, whose name it may own (`take_ownership`, `unlink`); empty for a
+    /// window into an arena (a chunk has no name of its own: its store's `Source` says
+    /// where it is), so that opening a chunk copies no path.
     path: PathBuf,
     /// Set in the creating process: (path, pid) of the name it owns.
     owner: Mutex<Option<(PathBuf, u32)>>,
@@ -526,7 +529,7 @@ impl Mapping {
         };
         Ok(Mapping::new(
             Mapped::Window { arena, start, len },
-            path.to_owned(),
+            PathBuf::new(),
             false,
         ))
     }

@@ -697,14 +697,14 @@ impl<B: AsRef<[u8]>> Reader<B> {
     }
 
     /// Check an array's metadata against its data and return where it lives.
-    pub fn array(&self, a: ArrayAt) -> Result<ArrayView<'_>, ArchiveError> {
+    pub fn array(&self, a: ArrayAt) -> Result<ArrayView, ArchiveError> {
         let at = a.pos as usize;
         let rec = a.rec;
         let end = self.array_meta_end(at)?;
         let tl = self.byte(at)? as usize;
         let typestr = std::str::from_utf8(self.get(at + 1, tl)?)
             .map_err(|_| ArchiveError::Corrupt(format!("record {rec}: array dtype not UTF-8")))?;
-        let Some(itemsize) = typestr_itemsize(typestr) else {
+        let Some((typestr, itemsize)) = TypeStr::new(typestr) else {
             return corrupt(format!("array with unsupported dtype {typestr:?}"));
         };
         let nd = self.byte(at + 1 + tl)? as usize;

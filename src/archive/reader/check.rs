@@ -1054,18 +1054,26 @@ pub(super) fn parse_shapes(
 
 pub(super) fn parse_blocks(bytes: &[u8], h: &Header) -> Result<Vec<u64>, ArchiveError> {
     let n = h.blocks() as usize;
-    let mut out = Vec::with_capacity(n);
+    // As many blocks as records, in order from record 0 (checked below): block b is record
+    // b, and the table says nothing (`Reader::alone`); nothing is kept (an object's store has
+    // one record in one block).
+    let keep = n as u64 != h.count;
+    let mut out = Vec::with_capacity(if keep { n } else { 0 });
+    let mut before = 0;
     for b in 0..n {
         let first = u64_at(bytes, h.blocks_off as usize + b * BLOCK_ENTRY);
         let ok = if b == 0 {
             first == 0
         } else {
-            first > out[b - 1] && first < h.count
+            first > before && first < h.count
         };
         if !ok {
             return corrupt("block table malformed");
         }
-        out.push(first);
+        before = first;
+        if keep {
+            out.push(first);
+        }
     }
     if (h.count > 0) != (n > 0) {
         return corrupt("block table malformed");

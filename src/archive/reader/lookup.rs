@@ -11,7 +11,12 @@ impl<B: AsRef<[u8]>> Reader<B> {
     pub fn confirm_miss(&self, rec: u64) -> Result<(), ArchiveError> {
         self.validate_record(rec)?;
         let (word, bit) = ((rec / 64) as usize, 1u64 << (rec % 64));
-        if self.indexes_checked[word].load(Ordering::Acquire) & bit != 0 {
+        let checked = self.indexes_checked.get_or_init(|| {
+            (0..self.header.count.div_ceil(64))
+                .map(|_| AtomicU64::new(0))
+                .collect()
+        });
+        if checked[word].load(Ordering::Acquire) & bit != 0 {
             return Ok(());
         }
         let (s, e) = self.span(rec)?;
@@ -48,7 +53,7 @@ impl<B: AsRef<[u8]>> Reader<B> {
                 }
             }
         }
-        self.indexes_checked[word].fetch_or(bit, Ordering::AcqRel);
+        checked[word].fetch_or(bit, Ordering::AcqRel);
         Ok(())
     }
 

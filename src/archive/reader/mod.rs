@@ -21,6 +21,7 @@ mod lookup;
 use check::{parse_blocks, parse_shapes, parse_symbols};
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 use xxhash_rust::xxh3::Xxh3Default;
 
@@ -30,7 +31,7 @@ use crate::archive::builder::BLOCK_RECORDS;
 use crate::archive::format::*;
 use crate::archive::header::{record_span, Header, Kind, BLOCK_ENTRY, HEADER_LEN, PAYLOAD_ALIGN};
 use crate::archive::key::{decode_key, Key};
-use crate::archive::value::{typestr_itemsize, Extent, MAX_DEPTH, MAX_KEY_DEPTH};
+use crate::archive::value::{Extent, TypeStr, MAX_DEPTH, MAX_KEY_DEPTH};
 use crate::archive::{table, u32_at, u64_at, ArchiveError};
 
 /// How a node's bytes are read.
@@ -100,8 +101,8 @@ pub struct ArrayAt {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ArrayView<'a> {
-    pub typestr: &'a str,
+pub struct ArrayView {
+    pub typestr: TypeStr,
     pub shape: Vec<usize>,
     /// Absolute byte offset of the data in the archive (64-byte aligned).
     pub offset: usize,
@@ -155,8 +156,10 @@ pub struct Reader<B> {
     header: Header,
     /// One bit per record: its block's checksum and its tree checked in this process.
     validated: Vec<AtomicU64>,
-    /// One bit per record: the hash indexes of its general dicts checked (`confirm_miss`).
-    indexes_checked: Vec<AtomicU64>,
+    /// One bit per record: the hash indexes of its general dicts checked (`confirm_miss`);
+    /// made at the first miss (most stores never miss a lookup, and an object's store is
+    /// opened for every small object a channel passes).
+    indexes_checked: OnceLock<Box<[AtomicU64]>>,
     /// The block checked last in this process (`usize::MAX` before the first): a block
     /// checked right after the one before it is read in order, and the next one's bytes
     /// are worth loading ahead (`prefetch_next_block`).
@@ -258,16 +261,12 @@ impl<B: AsRef<[u8]>> Reader<B> {
         }
         let symbols = parse_symbols(bytes, &header)?;
         let shapes = parse_shapes(bytes, &header, &symbols)?;
-        let mut block_first = parse_blocks(bytes, &header)?;
-        // Blocks are in order and start at record 0 (checked by `parse_blocks`), so as
-        // many blocks as records means block b = record b: the table says nothing.
-        if block_first.len() as u64 == header.count {
-            block_first = Vec::new();
-        }
+        // Empty when every record is a block of its own (`parse_blocks`).
+        let block_first = parse_blocks(bytes, &header)?;
         let words = header.count.div_ceil(64) as usize;
         Ok(Reader {
             validated: (0..words).map(|_| AtomicU64::new(0)).collect(),
-            indexes_checked: (0..words).map(|_| AtomicU64::new(0)).collect(),
+            indexes_checked: OnceLock::new(),
             last_checked: AtomicUsize::new(usize::MAX),
             block_first,
             rec_end: header.index_off as usize,

@@ -72,7 +72,7 @@ fn reserve(arenas: &Arenas<Use>, dir: &Path, max_len: u64) -> Placed<Use> {
 
 /// A handle's hold on a chunk given out: the chunk, and the lease that keeps it.
 struct Held {
-    path: PathBuf,
+    path: Arc<Path>,
     chunk: Chunk,
     _lease: Lease,
 }
@@ -153,7 +153,7 @@ fn arenas_grow_as_objects_fill_them() {
     // 3 MiB objects, all held: one fits the first arena, two the second, five the third.
     let held: Vec<Held> = (0..4).map(|_| put(&arenas, dir.path(), 3 * MIB)).collect();
     assert_eq!(capacities(&arenas), [4 * MIB, 8 * MIB, 16 * MIB]);
-    let paths: Vec<&PathBuf> = held.iter().map(|h| &h.path).collect();
+    let paths: Vec<&Path> = held.iter().map(|h| &*h.path).collect();
     assert!(paths[0] != paths[1] && paths[1] == paths[2] && paths[2] != paths[3]);
     // A chunk goes to the newest arena with room (the third), not the older ones.
     let next = put(&arenas, dir.path(), 3 * MIB);
@@ -281,7 +281,7 @@ fn a_full_arena_retries_every_chunk_leased_elsewhere_before_a_new_one_is_made() 
         Ok(p) => p,
         Err(made) => panic!("no room after the retry ({made} arenas)"),
     };
-    assert_eq!(path, held[0].path);
+    assert_eq!(*path, *held[0].path);
     assert!(r.room() >= 3 * 4096 - 64);
     arenas.cancel(&path, &r);
     let again = put(&arenas, dir.path(), 3 * 4096 - 64);
@@ -312,7 +312,7 @@ fn an_older_arena_unused_for_the_idle_limit_is_let_go_of() {
     // In use: kept, however long.
     assert!(sweep(t0).is_empty());
     assert!(sweep(t0 + 2 * limit).is_empty());
-    let older_path = older.path.clone();
+    let older_path = older.path.to_path_buf();
     drop((older, newer, other));
     // Unused since this sweep: kept until the limit has passed since.
     assert!(sweep(t0).is_empty());
@@ -332,7 +332,7 @@ fn an_arena_used_again_starts_its_idle_time_over() {
     let big = 64 * KIB - 64;
     let older = put(&arenas, dir.path(), big);
     let newer = put(&arenas, dir.path(), big);
-    let older_path = older.path.clone();
+    let older_path = older.path.to_path_buf();
     let t0 = Instant::now();
     let sweep = |at: Instant| {
         let mut list = arenas.lock();
@@ -343,7 +343,7 @@ fn an_arena_used_again_starts_its_idle_time_over() {
     assert_eq!(sweep(t0), 0);
     // Used again (the newer one is full: the chunk goes to the older one).
     let again = put(&arenas, dir.path(), big);
-    assert_eq!(again.path, older_path);
+    assert_eq!(*again.path, *older_path);
     assert_eq!(sweep(t0 + limit / 2), 0);
     drop(again);
     assert_eq!(sweep(t0 + limit), 0, "idle only since the last sweep");
@@ -406,7 +406,7 @@ fn a_forked_child_never_fills_its_parents_arenas() {
     // Two arenas: the older one full, then unused (idle: the limit is zero).
     let older = put(&arenas, dir.path(), 64 * KIB - 64);
     let held = put(&arenas, dir.path(), 1000);
-    let parents = held.path.clone();
+    let parents = held.path.to_path_buf();
     drop(older);
     // SAFETY: the child runs only this test's code on its own objects (the arena layer's
     // process-wide locks are held across the fork by their hooks), never unwinds out of the
@@ -426,7 +426,7 @@ fn a_forked_child_never_fills_its_parents_arenas() {
             let new = new_arena(&arenas, dir.path(), 0);
             let placed = arenas.adopt(new, dir.path(), 1000);
             let own = match placed {
-                Ok(Some((path, _, _))) => path != parents,
+                Ok(Some((path, _, _))) => *path != *parents,
                 _ => false,
             };
             let only_own = arenas.lock().len() == 1 && arenas.usage().len() == 1;

@@ -25,6 +25,7 @@ use pyo3::PyClassInitializer;
 use super::errors::Error;
 use super::read::{new_untracked, ArrayOwner, StoreRef};
 use super::store::{self, Source, Store};
+use crate::archive::value::TypeStr;
 use crate::archive::Kind;
 use slot::Slot;
 
@@ -255,7 +256,10 @@ impl StoreHandle {
     fn archive<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
         let store = Self::store(slf)?;
         let nbytes = store.nbytes();
-        let owner = new_untracked(slf.py(), ArrayOwner::new(store, "|u1", vec![nbytes], 0))?;
+        let owner = new_untracked(
+            slf.py(),
+            ArrayOwner::new(store, TypeStr::BYTES, vec![nbytes], 0),
+        )?;
         Ok(pyo3::types::PyMemoryView::from(owner.as_any())?.into_any())
     }
 
@@ -353,7 +357,10 @@ impl StoreHandle {
         let store = Self::store(slf)?;
         let (addr, len) = store.mapping().extent();
         let nbytes = store.nbytes();
-        let keeper = new_untracked(slf.py(), ArrayOwner::new(store, "|u1", vec![nbytes], 0))?;
+        let keeper = new_untracked(
+            slf.py(),
+            ArrayOwner::new(store, TypeStr::BYTES, vec![nbytes], 0),
+        )?;
         Ok((addr, len, keeper))
     }
 

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 
+use crate::archive::value::TypeStr;
 use crate::py::store::Store;
 
 /// Owns the mapping behind a numpy array (the array's `.base`). The array is made through
@@ -13,16 +14,21 @@ use crate::py::store::Store;
 #[pyclass(name = "ArrayOwner", module = "shmstore", frozen, weakref)]
 pub(crate) struct ArrayOwner {
     store: Arc<Store>,
-    typestr: String,
+    typestr: TypeStr,
     shape: Vec<usize>,
     offset: usize,
 }
 
 impl ArrayOwner {
-    pub(crate) fn new(store: Arc<Store>, typestr: &str, shape: Vec<usize>, offset: usize) -> Self {
+    pub(crate) fn new(
+        store: Arc<Store>,
+        typestr: TypeStr,
+        shape: Vec<usize>,
+        offset: usize,
+    ) -> Self {
         ArrayOwner {
             store,
-            typestr: typestr.to_owned(),
+            typestr,
             shape,
             offset,
         }
@@ -30,7 +36,7 @@ impl ArrayOwner {
 
     /// The stored array's type string and shape.
     pub(crate) fn spec(&self) -> (&str, &[usize]) {
-        (&self.typestr, &self.shape)
+        (self.typestr.as_str(), &self.shape)
     }
 
     /// The address of the stored array's first byte (inside the mapping this owner keeps).
@@ -46,7 +52,7 @@ impl ArrayOwner {
         let d = PyDict::new(py);
         let addr = self.store.reader.bytes().as_ptr() as usize + self.offset;
         d.set_item("version", 3)?;
-        d.set_item("typestr", &self.typestr)?;
+        d.set_item("typestr", self.typestr.as_str())?;
         d.set_item("shape", PyTuple::new(py, &self.shape)?)?;
         // (address, read_only=True): numpy marks the array non-writeable, and the pages
         // are mapped PROT_READ anyway.
@@ -70,7 +76,7 @@ impl ArrayOwner {
     ) -> PyResult<()> {
         let me = slf.get();
         let bytes = me.store.reader.bytes();
-        let len = crate::archive::value::typestr_itemsize(&me.typestr)
+        let len = crate::archive::value::typestr_itemsize(me.typestr.as_str())
             .and_then(|size| me.shape.iter().try_fold(size, |n, &d| n.checked_mul(d)))
             .filter(|&n| {
                 me.offset
@@ -103,7 +109,7 @@ impl ArrayOwner {
     fn __repr__(&self) -> String {
         format!(
             "<shmstore.ArrayOwner {} of {}>",
-            self.typestr,
+            self.typestr.as_str(),
             self.store.describe()
         )
     }

@@ -105,10 +105,22 @@ pub(super) fn make(owner: Bound<'_, ArrayOwner>) -> Option<PyResult<Bound<'_, Py
     let py = owner.py();
     let api = API.get_or_init(py, || load(py)).as_ref()?;
     let (typestr, shape) = owner.get().spec();
-    let dims: Vec<ffi::Py_intptr_t> = shape
-        .iter()
-        .map(|&n| ffi::Py_intptr_t::try_from(n).ok())
-        .collect::<Option<_>>()?;
+    // The sizes as numpy takes them: on the stack for the usual few dimensions (no
+    // allocation per array read), else in a vector.
+    let mut few = [0 as ffi::Py_intptr_t; 8];
+    let many: Vec<ffi::Py_intptr_t>;
+    let dims: &[ffi::Py_intptr_t] = if shape.len() <= few.len() {
+        for (d, &n) in few.iter_mut().zip(shape) {
+            *d = ffi::Py_intptr_t::try_from(n).ok()?;
+        }
+        &few[..shape.len()]
+    } else {
+        many = shape
+            .iter()
+            .map(|&n| ffi::Py_intptr_t::try_from(n).ok())
+            .collect::<Option<_>>()?;
+        &many
+    };
     let nd = c_int::try_from(dims.len()).ok()?;
     let descr = match dtype(py, typestr) {
         Ok(d) => d,

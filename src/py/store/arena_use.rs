@@ -214,7 +214,7 @@ pub(crate) fn own_chunk(
 /// process's use of the arena), without opening the archive. Fields drop in order, as a
 /// `Store`'s: the lease before the use of the arena.
 pub(crate) struct HeldChunk {
-    pub(crate) path: PathBuf,
+    pub(crate) path: Arc<Path>,
     pub(crate) chunk: Chunk,
     _lease: crate::arena::Lease,
     _arena: Arc<ArenaUse>,
@@ -223,7 +223,7 @@ pub(crate) struct HeldChunk {
 /// Hold the chunk this process just wrote into its own arena (an archive of `len` bytes),
 /// without Python, as [`own_chunk`] does but without opening it.
 pub(crate) fn hold_own_chunk(
-    path: PathBuf,
+    path: Arc<Path>,
     chunk: Chunk,
     arena: Arc<ArenaUse>,
     len: u64,
@@ -245,7 +245,8 @@ fn chunk_store(
     arena: Arc<ArenaUse>,
     source: Source,
 ) -> Store {
-    let registration = Registration::none(source.path().to_owned());
+    // A chunk's registration is its arena's (`arena`): the store's own names nothing.
+    let registration = Registration::none(PathBuf::new());
     Store {
         reader,
         ident: arena.file.ident(),
