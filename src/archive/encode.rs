@@ -37,7 +37,6 @@ struct Pending<'v> {
     job: Job<'v>,
 }
 
-#[derive(Default)]
 pub struct Encoder {
     symbols: AHashMap<Box<str>, u32>,
     symbol_list: Vec<Box<str>>,
@@ -46,6 +45,20 @@ pub struct Encoder {
     out: Vec<u8>,
     keys: Vec<u32>,
     encs: Vec<Enc>,
+}
+
+impl Default for Encoder {
+    fn default() -> Self {
+        Encoder {
+            symbols: AHashMap::with_hasher(super::map_hasher()),
+            symbol_list: Vec::new(),
+            shapes: Vec::new(),
+            current: AHashMap::with_hasher(super::map_hasher()),
+            out: Vec::new(),
+            keys: Vec::new(),
+            encs: Vec::new(),
+        }
+    }
 }
 
 /// Symbol `id` of `list` (`Invalid` for an id the encoder never gave out).

@@ -56,6 +56,14 @@ pub enum ArchiveError {
     Io(#[from] std::io::Error),
 }
 
+/// The hasher state of the maps an encoder keeps while it writes (dict keys, shapes, key
+/// objects): one random state per process, copied into each (making a new one per encoder,
+/// that is per small object put, was a hundred instructions a map).
+pub(crate) fn map_hasher() -> ahash::RandomState {
+    static STATE: std::sync::OnceLock<ahash::RandomState> = std::sync::OnceLock::new();
+    STATE.get_or_init(ahash::RandomState::new).clone()
+}
+
 /// The little-endian u64 at `bytes[at..at + 8]` (panics out of bounds: callers check first).
 pub(crate) fn u64_at(bytes: &[u8], at: usize) -> u64 {
     u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap())

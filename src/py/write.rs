@@ -68,7 +68,7 @@ impl<'b, 'py, W: Sink + Send> Encoder<'b, 'py, W> {
             root,
             path: Vec::new(),
             active: Vec::new(),
-            key_ids: Default::default(),
+            key_ids: ahash::AHashMap::with_hasher(crate::archive::map_hasher()),
         }
     }
 
