@@ -340,7 +340,9 @@ ATTACH_CHUNK = r"""
 import pickle, sys
 import shmstore
 team, name, channel = sys.argv[1], sys.argv[2], bytes.fromhex(sys.argv[3])
+ref = bytes.fromhex(sys.argv[4])
 for what, attach in (
+    ("pickle", lambda: pickle.loads(ref).get()),
     ("name", lambda: shmstore.Ref.attach(name, dir=team).get()),
     ("channel", lambda: pickle.loads(channel).get(timeout=60)),
 ):
@@ -353,8 +355,8 @@ for what, attach in (
 
 @pytest.mark.parametrize("mode", [0o770, 0o1770])
 def test_a_chunk_in_a_shared_directory_is_not_attached_by_name(tmp_path, mode):
-    """The arena layer too: a chunk attached by its name string (``Ref.attach("<arena>@...")``)
-    or named by a ``Channel`` cell opens its arena by path, and in a directory others may
+    """The arena layer too: a chunk attached by its name string (``Ref.attach("<arena>@...")``),
+    unpickled, or named by a ``Channel`` cell opens its arena by path, and in a directory others may
     rename files in, two of our arenas swapped there gave the other one's object. Refused
     as for a segment (no second user needed: the directory's mode decides); in a sticky
     directory it works."""
@@ -368,13 +370,15 @@ def test_a_chunk_in_a_shared_directory_is_not_attached_by_name(tmp_path, mode):
     try:
         ch.put(b"y" * 100)
         assert "@" in chunk.name
-        args = [str(team), chunk.name, pickle.dumps(ch).hex()]
+        args = [str(team), chunk.name, pickle.dumps(ch).hex(), pickle.dumps(chunk).hex()]
         out = run_checked([sys.executable, "-c", ATTACH_CHUNK, *args]).stdout
         if mode & 0o1000:
+            assert "pickle data b'xxx" in out, out
             assert "name data b'xxx" in out and "channel data b'yyy" in out, out
         else:
             lines = out.splitlines()
             assert [line.split()[:2] for line in lines] == [
+                ["pickle", "refused"],
                 ["name", "refused"],
                 ["channel", "refused"],
             ], out

@@ -130,10 +130,11 @@ pub(crate) fn _rebuild_chunk<'py>(
     let offset = int_arg(F, "the chunk offset", offset, u64::MAX)?;
     let size = int_arg(F, "the chunk size", size, u64::MAX)?;
     let generation = int_arg(F, "the chunk generation", generation, u64::MAX)?;
-    // As for a segment attached by name: in a directory where someone else can rename our
-    // files, the arena under this name may be another one (docs/security.md).
-    let name = path.file_name().unwrap_or_default().to_string_lossy();
-    crate::segment::check_dir_of(&path, &name).map_err(Error::from)?;
+    // As for a segment attached by name, an arena in a directory where someone else can
+    // rename our files is refused (docs/security.md): checked where the arena is opened for
+    // the first time in this process (`open_chunk`); one it maps already (its own, or
+    // checked then) is not looked at again, and a stat of its directory per unpickled
+    // object was a third of the unpickling.
     let chunk = crate::arena::Chunk {
         offset,
         size,
