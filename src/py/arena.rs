@@ -162,33 +162,30 @@ pub(crate) fn encode_small(
     }
 }
 
+/// A chunk of an arena of this process just committed: the arena's path, the chunk, this
+/// process's use of the arena, and the archive's length and the mapping it was written
+/// through.
+pub(crate) struct Committed<'a> {
+    path: &'a Arc<Path>,
+    chunk: Chunk,
+    arena: Arc<ArenaUse>,
+    len: u64,
+    written: &'a Arc<memmap2::MmapRaw>,
+}
+
 /// What a put keeps of the object it wrote: a store, mapped and opened, for a handle
 /// (`Arc<Store>`: `shmstore.put`), or a [`Put`] (a channel's objects, read only by their
 /// getters).
 pub(crate) trait Keep: Sized + Send {
-    /// Kept of the chunk of the arena at `path` of this process just committed, holding an
-    /// archive of `len` bytes written through `written`; made without Python (the GIL is
-    /// not held).
-    fn chunk(
-        path: &Arc<Path>,
-        chunk: Chunk,
-        arena: Arc<ArenaUse>,
-        len: u64,
-        written: &Arc<memmap2::MmapRaw>,
-    ) -> Result<Self, Error>;
+    /// Kept of a chunk just committed; made without Python (the GIL is not held).
+    fn chunk(c: Committed<'_>) -> Result<Self, Error>;
     /// Kept of an object that went into a segment of its own.
     fn segment(store: Arc<Store>) -> Self;
 }
 
 impl Keep for Arc<Store> {
-    fn chunk(
-        path: &Arc<Path>,
-        chunk: Chunk,
-        arena: Arc<ArenaUse>,
-        len: u64,
-        written: &Arc<memmap2::MmapRaw>,
-    ) -> Result<Self, Error> {
-        store::own_chunk(path.to_path_buf(), chunk, arena, len, written).map(Arc::new)
+    fn chunk(c: Committed<'_>) -> Result<Self, Error> {
+        store::own_chunk(c.path.to_path_buf(), c.chunk, c.arena, c.len, c.written).map(Arc::new)
     }
 
     fn segment(store: Arc<Store>) -> Self {
@@ -205,19 +202,9 @@ pub(crate) enum Put {
 }
 
 impl Keep for Put {
-    fn chunk(
-        path: &Arc<Path>,
-        chunk: Chunk,
-        arena: Arc<ArenaUse>,
-        len: u64,
-        _written: &Arc<memmap2::MmapRaw>,
-    ) -> Result<Self, Error> {
-        Ok(Put::Held(store::hold_own_chunk(
-            path.clone(),
-            chunk,
-            arena,
-            len,
-        )))
+    fn chunk(c: Committed<'_>) -> Result<Self, Error> {
+        let held = store::hold_own_chunk(c.path.clone(), c.chunk, c.arena, c.len);
+        Ok(Put::Held(held))
     }
 
     fn segment(store: Arc<Store>) -> Self {
@@ -425,7 +412,13 @@ fn give_out<K: Keep>(
             Some(Err(e)) => return Err(in_arena(e)),
             Some(Ok(chunk)) => chunk,
         };
-        let opened = K::chunk(&path, chunk, arena, len, r.map());
+        let opened = K::chunk(Committed {
+            path: &path,
+            chunk,
+            arena,
+            len,
+            written: r.map(),
+        });
         // Held by its handle now (or failed): the chunk is an ordinary one from here on; if
         // the handle was not made, this process holds no lease on it, so it is a reuse
         // candidate.
