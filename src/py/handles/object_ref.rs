@@ -45,20 +45,8 @@ pub(crate) fn put<'py>(
     dir: Option<PathBuf>,
     arena: bool,
 ) -> PyResult<Bound<'py, Ref>> {
-    let store = put_store(py, obj, name, dir, arena)?;
+    let store: Arc<Store> = put_object(py, obj, name, dir.as_deref(), arena)?;
     new_handle(py, store, true, Ref)
-}
-
-/// What `put` does before it makes the `Ref`: the object's archive written into a chunk of
-/// an arena (small objects, unless `arena` is false or it is named) or a segment, mapped.
-fn put_store(
-    py: Python<'_>,
-    obj: &Bound<'_, PyAny>,
-    name: Option<&str>,
-    dir: Option<PathBuf>,
-    arena: bool,
-) -> PyResult<Arc<Store>> {
-    put_object(py, obj, name, dir.as_deref(), arena)
 }
 
 /// Put `obj` into a chunk of an arena of this process (a small object, unless `arena` is
