@@ -676,6 +676,49 @@ def test_unpickled_handle_reads_the_same_store(records):
         assert (segment_dir() / s.name).exists()  # an unpickled handle does not own the name
 
 
+def test_pickles_name_their_function_in_the_package(records):
+    """Handles, chunks, views and channels pickle as a call of `shmstore.<function>` (one
+    top-level module to import), whatever the protocol and through `copy` too; a pickle
+    naming the same function in `shmstore._native` (as older versions wrote) still loads."""
+    import copy
+    import pickletools
+
+    def global_of(data: bytes) -> tuple[str, str]:
+        """The first global a pickle names (GLOBAL's text, or STACK_GLOBAL's two strings)."""
+        strings: list[str] = []
+        for op, arg, _ in pickletools.genops(data):
+            if op.name == "GLOBAL":
+                module, name = arg.split(" ")
+                return module, name
+            if op.name == "STACK_GLOBAL":
+                return strings[-2], strings[-1]
+            if isinstance(arg, str):
+                strings.append(arg)
+        raise AssertionError("no global")
+
+    ch = shmstore.Channel(4)
+    with shmstore.SharedList(records) as s:
+        ref = shmstore.put(np.arange(5))
+        cases = [(s, "_rebuild"), (ref, "_rebuild_chunk"), (s[0], "_rebuild_view")]
+        cases += [(ch, "_rebuild_channel")]
+        for obj, name in cases:
+            fn = getattr(shmstore, name)
+            assert fn is getattr(shmstore._native, name) and fn.__module__ == "shmstore"
+            for proto in range(pickle.HIGHEST_PROTOCOL + 1):
+                data = pickle.dumps(obj, protocol=proto)
+                assert global_of(data) == ("shmstore", name), (proto, name)
+                assert type(pickle.loads(data)) is type(obj)
+            if obj is not ch:
+                assert obj.__reduce_ex__(2) == obj.__reduce__()
+        assert copy.copy(ref).get().tolist() == [0, 1, 2, 3, 4]
+        assert copy.deepcopy(s[0]) == s[0]
+        old = pickle.dumps(ref, protocol=2).replace(b"cshmstore\n", b"cshmstore._native\n")
+        assert global_of(old) == ("shmstore._native", "_rebuild_chunk")
+        assert pickle.loads(old).get().tolist() == [0, 1, 2, 3, 4]
+        ref.close()
+    ch.close()
+
+
 def test_verify_accepts_a_fresh_store(records):
     with shmstore.SharedList(records) as s, shmstore.SharedDict(enumerate(records)) as d:
         s.verify()

@@ -46,6 +46,17 @@ _abc.Mapping.register(DictView)
 _abc.Sequence.register(SharedList)
 _abc.Mapping.register(SharedDict)
 
+# The functions pickles of handles, views and channels name, exported here under the
+# package's own name: unpickling (and the pickler's check) then imports one top-level module
+# instead of a package and its submodule. Pickles naming shmstore._native.<name> still load.
+_rebuild = _native._rebuild
+_rebuild_chunk = _native._rebuild_chunk
+_rebuild_view = _native._rebuild_view
+_rebuild_channel = _native._rebuild_channel
+for _f in (_rebuild, _rebuild_chunk, _rebuild_view, _rebuild_channel):
+    _f.__module__ = __name__
+del _f
+
 # Names this process created and still owns are removed when the interpreter exits.
 atexit.register(_native._cleanup_at_exit)
 

@@ -476,7 +476,7 @@ impl Channel {
     }
 
     fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        let f = py.import("shmstore._native")?.getattr("_rebuild_channel")?;
+        let f = super::store::Rebuild::Channel.function(py)?;
         (f, (self.file().display().to_string(),)).into_pyobject(py)
     }
 

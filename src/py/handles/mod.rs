@@ -17,14 +17,13 @@ use std::sync::Arc;
 
 use pyo3::impl_::pyclass::PyClassBaseType;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyTuple, PyType};
 use pyo3::PyClass;
 use pyo3::PyClassInitializer;
 
 use super::errors::Error;
 use super::read::{new_untracked, ArrayOwner, StoreRef};
-use super::store::{self, Source, Store};
+use super::store::{self, Rebuild, Source, Store};
 use crate::archive::value::TypeStr;
 use crate::archive::Kind;
 use slot::Slot;
@@ -402,27 +401,21 @@ impl StoreHandle {
             (&store.source, store.source.path().to_str())
         {
             let args = (path, chunk.offset, chunk.size, chunk.generation);
-            return (rebuild_fn(py, &REBUILD_CHUNK, "_rebuild_chunk")?, args).into_pyobject(py);
+            return (Rebuild::Chunk.function(py)?, args).into_pyobject(py);
         }
         let (path, flag, _, _) = store.pickle_args(0, 0)?;
         let cls: String = slf.get_type().name()?.to_string();
-        (rebuild_fn(py, &REBUILD, "_rebuild")?, (cls, path, flag)).into_pyobject(py)
+        (Rebuild::Handle.function(py)?, (cls, path, flag)).into_pyobject(py)
     }
-}
 
-static REBUILD: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-static REBUILD_CHUNK: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-
-/// `shmstore._native.<name>`, looked up once per process (pickling a handle needs it).
-fn rebuild_fn<'py>(
-    py: Python<'py>,
-    cell: &'static PyOnceLock<Py<PyAny>>,
-    name: &str,
-) -> PyResult<Bound<'py, PyAny>> {
-    let f = cell.get_or_try_init(py, || {
-        Ok::<_, PyErr>(py.import("shmstore._native")?.getattr(name)?.unbind())
-    })?;
-    Ok(f.bind(py).clone())
+    /// `__reduce__`, whatever the protocol: pickling calls this directly instead of
+    /// `object.__reduce_ex__`, which looks `__reduce__` up again on the object and its type.
+    fn __reduce_ex__<'py>(
+        slf: &Bound<'py, Self>,
+        _protocol: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        Self::__reduce__(slf)
+    }
 }
 
 /// A handle of the class that fits `store`'s kind (unpickling).

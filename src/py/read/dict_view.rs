@@ -222,4 +222,13 @@ impl DictView {
     fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyAny>, ViewPickleArgs)> {
         reduce_view(py, &self.store, self.node)
     }
+
+    /// `__reduce__`, whatever the protocol (skips `object.__reduce_ex__`'s lookups).
+    fn __reduce_ex__<'py>(
+        &self,
+        py: Python<'py>,
+        _protocol: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyAny>, ViewPickleArgs)> {
+        reduce_view(py, &self.store, self.node)
+    }
 }

@@ -485,7 +485,7 @@ fn reduce_view<'py>(
     store: &Store,
     node: Node,
 ) -> PyResult<(Bound<'py, PyAny>, ViewPickleArgs)> {
-    let rebuild = py.import("shmstore._native")?.getattr("_rebuild_view")?;
+    let rebuild = super::store::Rebuild::View.function(py)?;
     let (path, flag, rec, pos) = store.pickle_args(node.record() as u64, node.pos())?;
     let (form, aux) = node.form_code();
     Ok((rebuild, (path, flag, rec, pos, form, aux)))

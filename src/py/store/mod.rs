@@ -9,6 +9,7 @@
 mod arena_use;
 mod build;
 mod foreign;
+mod pickled;
 mod registration;
 
 use std::collections::HashMap;
@@ -75,6 +76,7 @@ pub(crate) struct PyField {
 pub(crate) use arena_use::*;
 pub(crate) use build::*;
 pub(crate) use foreign::*;
+pub(crate) use pickled::*;
 pub(crate) use registration::*;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
