@@ -17,7 +17,7 @@
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, TryLockError};
 use std::time::{Duration, Instant};
 
 use super::file::ArenaFile;
@@ -185,6 +185,16 @@ impl<U: ArenaUser> Arenas<U> {
         self.list.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The list, locked, with the fork hooks registered, if no one holds the lock now.
+    fn try_lock(&self) -> Option<ArenasGuard<'_, U>> {
+        (self.fork_hooks)();
+        match self.list.try_lock() {
+            Ok(guard) => Some(guard),
+            Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(TryLockError::WouldBlock) => None,
+        }
+    }
+
     /// The largest arena's capacity: `SHMSTORE_ARENA_SIZE`, read once (at the first small
     /// `put`), or [`DEFAULT_CAPACITY`].
     pub fn capacity(&self) -> u64 {
@@ -229,10 +239,9 @@ impl<U: ArenaUser> Arenas<U> {
     /// small `put`: every [`IDLE_SWEEP_EVERY`]th also lets go of idle arenas
     /// ([`Self::take_idle`]). Takes the lock: call without the GIL.
     pub fn place(&self, dir: &Path, max_len: u64) -> Result<Result<Placed<U>, usize>, InArena> {
-        let sweep =
-            self.puts.fetch_add(1, Ordering::Relaxed) % IDLE_SWEEP_EVERY == IDLE_SWEEP_EVERY - 1;
+        let sweep = self.count_put();
         let mut arenas = self.lock();
-        let placed = place_in(&mut arenas, dir, max_len);
+        let placed = place_in(&mut arenas, dir, max_len, Reclaim::All);
         let idle = if sweep {
             self.take_idle(&mut arenas, Instant::now())
         } else {
@@ -242,7 +251,42 @@ impl<U: ArenaUser> Arenas<U> {
         let made = arenas.iter().filter(|a| a.writer.is_ours()).count();
         drop(arenas);
         let_go(idle);
-        Ok(placed?.ok_or(made))
+        match placed? {
+            PlaceIn::Placed(p) => Ok(Ok(p)),
+            PlaceIn::NoRoom | PlaceIn::Later => Ok(Err(made)),
+        }
+    }
+
+    /// [`Self::place`] when it can be done at once, for a caller that holds the
+    /// interpreter: only if the lock is free now (never waited for), and only where an
+    /// arena in `dir` has room without trying again every chunk other processes held (a
+    /// reclaim whose cost grows with what they hold) and without a new arena. `None`
+    /// otherwise: then call [`Self::place`], which does the same and the rest. Arenas the
+    /// sweep found idle come back with the chunk: hand them to [`let_go`] without the
+    /// interpreter (dropping an arena unmaps it).
+    #[allow(clippy::type_complexity)]
+    pub fn try_place(
+        &self,
+        dir: &Path,
+        max_len: u64,
+    ) -> Option<(Result<Placed<U>, InArena>, Vec<Owned<U>>)> {
+        let mut arenas = self.try_lock()?;
+        let placed = match place_in(&mut arenas, dir, max_len, Reclaim::Bounded) {
+            Ok(PlaceIn::Placed(p)) => Ok(p),
+            Ok(PlaceIn::NoRoom | PlaceIn::Later) => return None,
+            Err(e) => Err(e),
+        };
+        let idle = if self.count_put() {
+            self.take_idle(&mut arenas, Instant::now())
+        } else {
+            Vec::new()
+        };
+        Some((placed, idle))
+    }
+
+    /// Count a small `put`; whether it is the one that sweeps for idle arenas.
+    fn count_put(&self) -> bool {
+        self.puts.fetch_add(1, Ordering::Relaxed) % IDLE_SWEEP_EVERY == IDLE_SWEEP_EVERY - 1
     }
 
     /// Add `new`, an arena made after [`Self::place`] found no room, and place the chunk in
@@ -261,10 +305,13 @@ impl<U: ArenaUser> Arenas<U> {
         *arenas = ours;
         arenas.push(new);
         let n = arenas.len();
-        let placed = place_in(&mut arenas[n - 1..], dir, max_len);
+        let placed = place_in(&mut arenas[n - 1..], dir, max_len, Reclaim::All);
         drop(arenas);
         drop::<Vec<Owned<U>>>(inherited);
-        placed
+        Ok(match placed? {
+            PlaceIn::Placed(p) => Some(p),
+            PlaceIn::NoRoom | PlaceIn::Later => None,
+        })
     }
 
     /// This process's arenas that no object has used for [`Self::idle_limit`] (every chunk
@@ -314,6 +361,20 @@ impl<U: ArenaUser> Arenas<U> {
             .map(f)
     }
 
+    /// [`Self::with_owned`] if no one holds the lock now (never waits: for a caller that
+    /// holds the interpreter); `Err(())` when someone does.
+    fn try_with_owned<R>(
+        &self,
+        path: &Path,
+        f: impl FnOnce(&mut Owned<U>) -> R,
+    ) -> Result<Option<R>, ()> {
+        let mut arenas = self.try_lock().ok_or(())?;
+        Ok(arenas
+            .iter_mut()
+            .find(|a| a.writer.path().as_os_str() == path.as_os_str())
+            .map(f))
+    }
+
     /// Give a reserved chunk of the arena at `path` back (nothing was given out from it).
     pub fn cancel(&self, path: &Path, r: &Reservation) {
         self.with_owned(path, |a| a.writer.cancel(r));
@@ -331,16 +392,35 @@ impl<U: ArenaUser> Arenas<U> {
         })
     }
 
+    /// [`Self::commit`] if the lock is free now; `Err(())` when it is taken (then call
+    /// [`Self::commit`] without the interpreter). A commit is one `fcntl` that never waits.
+    #[allow(clippy::type_complexity)]
+    pub fn try_commit(
+        &self,
+        path: &Path,
+        r: &Reservation,
+        len: u64,
+    ) -> Result<Option<Result<Chunk, InArena>>, ()> {
+        self.try_with_owned(path, |a| {
+            a.writer.commit(r, len).map_err(|err| InArena {
+                path: path.to_owned(),
+                err,
+            })
+        })
+    }
+
     /// The chunk at `offset` of the arena at `path` is held by its handle now (`held`), or
     /// its handle was not made: an ordinary chunk from here on, and without a handle, one
     /// this process holds no lease on, so a reuse candidate.
     pub fn settled(&self, path: &Path, offset: u64, held: bool) {
-        self.with_owned(path, |a| {
-            a.writer.settled(offset);
-            if !held {
-                a.pending.insert(offset);
-            }
-        });
+        self.with_owned(path, |a| settle(a, offset, held));
+    }
+
+    /// [`Self::settled`] if the lock is free now; `false` when it is taken (then call
+    /// [`Self::settled`] without the interpreter).
+    pub fn try_settled(&self, path: &Path, offset: u64, held: bool) -> bool {
+        self.try_with_owned(path, |a| settle(a, offset, held))
+            .is_ok()
     }
 
     /// Bytes in use and capacity of this process's arenas: [(path, used, capacity)].
@@ -362,13 +442,42 @@ impl<U: ArenaUser> Arenas<U> {
     }
 }
 
+/// See [`Arenas::settled`].
+fn settle<U>(a: &mut Owned<U>, offset: u64, held: bool) {
+    a.writer.settled(offset);
+    if !held {
+        a.pending.insert(offset);
+    }
+}
+
+/// How much reclaiming [`place_in`] may do.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Reclaim {
+    /// Whatever finding room takes: an arena with no room tries again every chunk other
+    /// processes held at their last try.
+    All,
+    /// Only what was released since the last reclaim (amortised over the releases) and
+    /// [`RETRIES_PER_BATCH`] retries: an arena that needs more stops the search.
+    Bounded,
+}
+
+/// What [`place_in`] found.
+enum PlaceIn<U> {
+    Placed(Placed<U>),
+    /// No arena in the directory has room: a new one is needed.
+    NoRoom,
+    /// The newest arena with a chance of room needs more reclaiming than allowed.
+    Later,
+}
+
 /// A chunk for an archive of up to `max_len` bytes in one of `arenas` in `dir` (the newest
-/// first, only this process's own); `None` when none has room.
+/// first, only this process's own), reclaiming as `reclaim` allows.
 fn place_in<U: ArenaUser>(
     arenas: &mut [Owned<U>],
     dir: &Path,
     max_len: u64,
-) -> Result<Option<Placed<U>>, InArena> {
+    reclaim: Reclaim,
+) -> Result<PlaceIn<U>, InArena> {
     for a in arenas
         .iter_mut()
         .rev()
@@ -390,20 +499,23 @@ fn place_in<U: ArenaUser>(
             // No room: every chunk released here and every one held elsewhere at its last
             // try is tried before the next arena is made (once per time this arena fills
             // up).
+            if reclaim == Reclaim::Bounded {
+                return Ok(PlaceIn::Later);
+            }
             a.writer.reclaim(&mut a.pending).map_err(in_arena)?;
             reserved = a.writer.reserve(max_len).map_err(in_arena)?;
         }
         if let Some(r) = reserved {
             a.idle_since = None;
-            return Ok(Some((path, r, a.arena.clone())));
+            return Ok(PlaceIn::Placed((path, r, a.arena.clone())));
         }
     }
-    Ok(None)
+    Ok(PlaceIn::NoRoom)
 }
 
 /// Let go of `idle` arenas ([`Arenas::take_idle`]), telling the user first (call without
 /// the arenas' lock: dropping a use may take locks ordered after it).
-fn let_go<U: ArenaUser>(idle: Vec<Owned<U>>) {
+pub fn let_go<U: ArenaUser>(idle: Vec<Owned<U>>) {
     if idle.is_empty() {
         return;
     }

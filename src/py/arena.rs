@@ -353,6 +353,29 @@ fn in_arena(e: InArena) -> Error {
     arena_error(&e.path, e.err)
 }
 
+/// The steps of a small `put` done the slow way, without the GIL (the arenas' lock taken
+/// by someone else at that moment, a new arena, a full reclaim), counted per process:
+/// placing, committing, settling ([`_arena_gil_handbacks`]). A test checks that
+/// uncontended puts take none.
+static HANDBACKS: [AtomicU64; 3] = [const { AtomicU64::new(0) }; 3];
+const PLACE: usize = 0;
+const COMMIT: usize = 1;
+const SETTLE: usize = 2;
+
+fn handed_back(step: usize) {
+    HANDBACKS[step].fetch_add(1, Ordering::Relaxed);
+}
+
+/// How many times this process's small `put`s gave the GIL back for a step of the arena
+/// work: {"place": n, "commit": n, "settle": n} (see [`HANDBACKS`]).
+#[pyfunction]
+pub(crate) fn _arena_gil_handbacks() -> std::collections::HashMap<&'static str, u64> {
+    [("place", PLACE), ("commit", COMMIT), ("settle", SETTLE)]
+        .into_iter()
+        .map(|(name, i)| (name, HANDBACKS[i].load(Ordering::Relaxed)))
+        .collect()
+}
+
 /// Whether an archive of up to `max_len` bytes may go into an arena at all.
 fn fits(max_len: u64) -> bool {
     max_len <= MAX_OBJECT as u64 && ARENAS.room_for(max_len)
@@ -365,16 +388,30 @@ fn reserve(py: Python<'_>, max_len: u64, dir: Option<&Path>) -> PyResult<Option<
     if !fits(max_len) {
         return Ok(None);
     }
-    // Arena work needs no Python: done without the GIL (never wait for the lock with it).
     // A directory already absolute (a channel's, every put) is taken as it is, not copied.
     let dir = match dir {
         Some(d) if segment::is_plain_absolute(d) => Cow::Borrowed(d),
         Some(d) => Cow::Owned(store::absolute_path(d.to_owned())?),
         None => Cow::Owned(segment::default_dir()),
     };
-    let placed = py
-        .detach(|| ARENAS.place(&dir, max_len))
-        .map_err(in_arena)?;
+    // Arena work needs no Python. Done with the GIL when it can be done at once (the lock
+    // free now, room without a full reclaim or a new arena: a few microseconds): handing
+    // the GIL back and taking it again costs more than that, and, while another thread
+    // runs Python, takes up to the interpreter's switch interval (5 ms) each time. Else
+    // without the GIL: the lock is never waited for with it.
+    let placed = match ARENAS.try_place(&dir, max_len) {
+        Some((placed, idle)) => {
+            if !idle.is_empty() {
+                py.detach(|| owned::let_go(idle));
+            }
+            placed.map(Ok)
+        }
+        None => {
+            handed_back(PLACE);
+            py.detach(|| ARENAS.place(&dir, max_len))
+        }
+    }
+    .map_err(in_arena)?;
     match placed {
         Ok(p) => Ok(Some(p)),
         Err(made) => {
@@ -393,12 +430,13 @@ fn cancel(py: Python<'_>, path: &Path, r: &Reservation) {
 }
 
 /// Give out the chunk of `r`, holding an archive of `len` bytes, and keep it (`K`: a store
-/// for this process's handle, or the chunk only held); `None` if this process let go of the arena
-/// meanwhile
-/// (`_arena_release`, by another thread or by code the encoding ran): the chunk was never
-/// given out, the object goes elsewhere. One stretch without the GIL: committing the chunk,
-/// making its store and settling it need no Python (a GIL handed back and taken again
-/// between them cost more than the three together for a small object).
+/// for this process's handle, or the chunk only held); `None` if this process let go of the
+/// arena meanwhile (`_arena_release`, by another thread or by code the encoding ran): the
+/// chunk was never given out, the object goes elsewhere. Done with the GIL, as placing it
+/// ([`reserve`]): committing the chunk (one `fcntl` that never waits) and settling it are
+/// short, and so is making its store (a lease taken without waiting, the archive's tables
+/// parsed: at most as much work as writing them, which this call just did with the GIL);
+/// only a lock someone holds now is waited for without the GIL.
 fn give_out<K: Keep>(
     py: Python<'_>,
     path: Arc<Path>,
@@ -406,35 +444,39 @@ fn give_out<K: Keep>(
     len: u64,
     arena: Arc<ArenaUse>,
 ) -> PyResult<Option<K>> {
-    let done = py.detach(|| {
-        let chunk = match ARENAS.commit(&path, &r, len) {
-            None => return Ok(None),
-            Some(Err(e)) => return Err(in_arena(e)),
-            Some(Ok(chunk)) => chunk,
-        };
-        let opened = K::chunk(Committed {
-            path: &path,
-            chunk,
-            arena,
-            len,
-            written: r.map(),
-        });
-        // Held by its handle now (or failed): the chunk is an ordinary one from here on; if
-        // the handle was not made, this process holds no lease on it, so it is a reuse
-        // candidate.
-        ARENAS.settled(&path, chunk.offset, opened.is_ok());
-        opened.map(Some)
-    });
-    match done? {
-        Some(put) => Ok(Some(put)),
+    let committed = match ARENAS.try_commit(&path, &r, len) {
+        Ok(done) => done,
+        Err(()) => {
+            handed_back(COMMIT);
+            py.detach(|| ARENAS.commit(&path, &r, len))
+        }
+    };
+    let chunk = match committed {
+        Some(Ok(chunk)) => chunk,
+        Some(Err(e)) => return Err(in_arena(e).into()),
         None => {
             log::debug!(
                 "arena {} let go of while an object was written into it",
                 path.display()
             );
-            Ok(None)
+            return Ok(None);
         }
+    };
+    let opened = K::chunk(Committed {
+        path: &path,
+        chunk,
+        arena,
+        len,
+        written: r.map(),
+    });
+    // Held by its handle now (or failed): the chunk is an ordinary one from here on; if the
+    // handle was not made, this process holds no lease on it, so it is a reuse candidate.
+    let held = opened.is_ok();
+    if !ARENAS.try_settled(&path, chunk.offset, held) {
+        handed_back(SETTLE);
+        py.detach(|| ARENAS.settled(&path, chunk.offset, held));
     }
+    Ok(Some(opened?))
 }
 
 thread_local! {

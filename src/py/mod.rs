@@ -55,7 +55,9 @@ mod _native {
     #[pymodule_export]
     use super::admin::{_crafted_archive, _crafted_names, _fuzz_case};
     #[pymodule_export]
-    use super::arena::{_arena_info, _arena_release, _arena_simulate, _arena_usage};
+    use super::arena::{
+        _arena_gil_handbacks, _arena_info, _arena_release, _arena_simulate, _arena_usage,
+    };
     #[pymodule_export]
     use super::channel::{_rebuild_channel, Channel};
     #[pymodule_export]

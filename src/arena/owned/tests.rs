@@ -249,6 +249,52 @@ fn a_chunk_leased_elsewhere_is_retried_at_later_reclaims() {
     assert_eq!(capacities(&arenas).len(), 1);
 }
 
+/// The calls made while holding the interpreter (`try_place`, `try_commit`,
+/// `try_settled`) never wait for the lock and never do what may take long: with the lock
+/// held elsewhere, with no arena yet, and with an arena full until every chunk leased
+/// elsewhere is tried again, they decline, and the waiting calls do it.
+#[test]
+fn the_calls_that_never_wait_decline_what_may_take_long() {
+    let dir = tempfile::tempdir().unwrap();
+    let arenas = Arenas::<Use>::with_limits(64 * KIB, DEFAULT_IDLE);
+    assert!(arenas.try_place(dir.path(), 4000).is_none(), "no arena yet");
+    let mut held = vec![put(&arenas, dir.path(), 4000)];
+    let (placed, idle) = arenas.try_place(dir.path(), 4000).unwrap();
+    let (path, mut r, _) = placed.unwrap();
+    assert!(idle.is_empty());
+    r.write_at(0, &[5u8; 4000]).unwrap();
+    {
+        let _held_elsewhere = arenas.lock_for_fork();
+        assert!(arenas.try_place(dir.path(), 4000).is_none());
+        assert!(arenas.try_commit(&path, &r, 4000).is_err());
+    }
+    let chunk = arenas
+        .try_commit(&path, &r, 4000)
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    {
+        let _held_elsewhere = arenas.lock_for_fork();
+        assert!(!arenas.try_settled(&path, chunk.offset, false));
+    }
+    assert!(arenas.try_settled(&path, chunk.offset, false));
+    // Fill the arena; three neighbours released here and leased elsewhere stay refused.
+    while let Ok((path, r, _)) = arenas.place(dir.path(), 4000).unwrap() {
+        arenas.cancel(&path, &r);
+        held.push(put(&arenas, dir.path(), 4000));
+    }
+    // (held[1..4]: adjacent; the chunk given out unheld above was reused at the end.)
+    let elsewhere: Vec<Elsewhere> = held[1..4].iter().map(lease_elsewhere).collect();
+    drop(held.drain(1..4).collect::<Vec<Held>>());
+    assert!(matches!(arenas.place(dir.path(), 4000).unwrap(), Err(1)));
+    drop(elsewhere);
+    // Room only once the refused chunks are tried again: the waiting call's work.
+    assert!(arenas.try_place(dir.path(), 3 * 4096 - 64).is_none());
+    let (path, r, _) = arenas.place(dir.path(), 3 * 4096 - 64).unwrap().unwrap();
+    arenas.cancel(&path, &r);
+    assert_eq!(capacities(&arenas).len(), 1);
+}
+
 #[test]
 fn a_full_arena_retries_every_chunk_leased_elsewhere_before_a_new_one_is_made() {
     let dir = tempfile::tempdir().unwrap();
