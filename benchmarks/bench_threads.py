@@ -1,6 +1,7 @@
 """Threads reading one store: how reads scale with threads in one process.
 
     python benchmarks/bench_threads.py [--n 50000] [--threads 1 2 4] [--rounds 5] [--out FILE]
+    python benchmarks/bench_threads.py --beside-busy [--sizes 1 64 256 1024] [--out FILE]
 
 Each of T threads touches the fields of its own 1/T of the COCO-like records in order (the
 touch loop of bench_format: every annotation's bbox[0], category_id and area, and the image's
@@ -10,6 +11,13 @@ the threads read side by side. On an interpreter with a GIL the threads take tur
 time stays that of one thread; on a free-threaded one (3.14t) they run in parallel, up to
 the cores. Prints a markdown table and, with `--out`, writes it with the machine's facts.
 Changes nothing on the machine.
+
+`--beside-busy`: small objects put, sent and got by one thread while another thread of the
+process runs a Python loop (as a progress bar, a prefetching or a logging thread may): each
+time a call gives the GIL back, the busy thread may keep it for the interpreter's switch
+interval (5 ms). Per call, the median of `--rounds` rounds of `--ops` calls, alone and
+beside the busy thread: `put` then `close`, a `Channel`'s put then get, and unpickling a
+`Ref` then its get (a fresh handle each time, as a receiving process opens one).
 """
 
 from __future__ import annotations
@@ -62,13 +70,88 @@ def timed(records: Sequence[Any], threads: int) -> float:
     return time.perf_counter() - t0
 
 
+def per_call(step: Any, ops: int, rounds: int) -> float:
+    """Seconds per call of `step`, median of `rounds` rounds of `ops` calls."""
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(ops):
+            step()
+        times.append((time.perf_counter() - t0) / ops)
+    return statistics.median(times)
+
+
+def beside_busy(sizes_kib: list[int], ops: int, rounds: int) -> str:
+    """The `--beside-busy` table (see the module's text)."""
+    import pickle
+
+    import numpy as np
+
+    ch = shmstore.Channel(64)
+    steps: dict[str, Any] = {}
+    for kib in sizes_kib:
+        a = np.full(kib << 10, 7, dtype=np.uint8)
+        ref = shmstore.put(a)
+        data = pickle.dumps(ref)
+        steps[f"put + close, {kib} KiB"] = lambda a=a: shmstore.put(a).close()
+        steps[f"Channel put + get, {kib} KiB"] = lambda a=a: (ch.put(a), ch.get())
+        steps[f"unpickle a Ref + get, {kib} KiB"] = lambda d=data: pickle.loads(d).get()
+        steps[f"(keep {kib})"] = ref  # the unpickled handles' chunk stays given out
+    rows = []
+    stop = threading.Event()
+
+    def spin() -> None:
+        x = 0
+        while not stop.is_set():
+            x += 1
+
+    for name, step in steps.items():
+        if not callable(step):
+            continue
+        step()  # an arena made, a chunk opened: once
+        alone = per_call(step, ops, rounds)
+        busy = threading.Thread(target=spin)
+        busy.start()
+        try:
+            beside = per_call(step, ops, rounds)
+        finally:
+            stop.set()
+            busy.join()
+            stop.clear()
+        rows.append(
+            [name, f"{alone * 1e6:.1f} µs", f"{beside * 1e6:.1f} µs", f"{beside / alone:.1f}x"]
+        )
+    for step in steps.values():
+        if not callable(step):
+            step.close()
+    ch.close()
+    head = (
+        f"One thread's calls alone and beside a thread running a Python loop; per call, "
+        f"median of {rounds} rounds of {ops}. CPython {sys.version.split()[0]}, switch "
+        f"interval {sys.getswitchinterval() * 1e3:g} ms; {os.cpu_count()} cores; load before "
+        f"{os.getloadavg()[0]:.2f}.\n\n"
+    )
+    return head + md_table(["call", "alone", "beside a busy thread", "ratio"], rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--n", type=int, default=50_000, help="records")
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--beside-busy", action="store_true", help="small objects beside a busy thread")
+    ap.add_argument("--sizes", type=int, nargs="+", default=[1, 64, 256, 1024], help="KiB")
+    ap.add_argument("--ops", type=int, default=200, help="calls per round (--beside-busy)")
     args = ap.parse_args()
+    if args.beside_busy:
+        text = beside_busy(args.sizes, args.ops, args.rounds)
+        print(text)
+        if args.out:
+            args.out.write_text(
+                "# Small objects beside a busy thread\n\n" + machine_md() + "\n\n" + text + "\n"
+            )
+        return
 
     records = coco.make_records(args.n)
     shared = shmstore.SharedList(records)

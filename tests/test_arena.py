@@ -209,26 +209,35 @@ def test_threads_putting_and_reading_at_once() -> None:
     assert not errors, errors
 
 
-def test_small_puts_keep_the_gil() -> None:
-    """A small put's arena work is done with the GIL when no other thread holds the arenas'
-    lock: giving it back would let a thread running Python keep it for up to the switch
-    interval (5 ms) per step. Counted per process (`_arena_gil_handbacks`): none for puts
-    kept and let go of (reclaims and sweeps for idle arenas among them), nor for a channel's
-    puts and gets; only the first put, which makes the arena, gives it back."""
+def test_small_objects_keep_the_gil() -> None:
+    """A small object's arena work is done with the GIL when no other thread holds the
+    arenas' lock: giving it back would let a thread running Python keep it for up to the
+    switch interval (5 ms) per step. Counted per process (`_arena_gil_handbacks`): none for
+    puts kept and let go of (reclaims and sweeps for idle arenas among them), a channel's
+    puts and gets, or unpickled handles of arrays of any size (their metadata is small);
+    only the first put, which makes the arena, and opening a chunk whose archive has large
+    metadata (a dict of 8,000 keys) give it back."""
     a = np.arange(256, dtype=np.uint32)
+    big = np.zeros(300_000, dtype=np.uint8)
     shmstore.put(a).close()  # the arena is made (without the GIL)
     before = _native._arena_gil_handbacks()
-    assert set(before) == {"place", "commit", "settle"}
+    assert set(before) == {"place", "commit", "settle", "open"}
     kept = [shmstore.put(a) for _ in range(100)]
     for i in range(300):  # over 64 puts: a sweep; over 16 released: a reclaim
         shmstore.put(a).close()
         if i % 3 == 0 and kept:
             kept.pop().close()
     ch = shmstore.Channel(8)
-    for _ in range(200):
-        ch.put(a)
-        assert ch.get()[-1] == 255
+    for x in [a] * 100 + [big] * 5:
+        ch.put(x)
+        assert ch.get()[-1] == x[-1]
+    for x in (a, big):
+        with shmstore.put(x) as ref:
+            assert pickle.loads(pickle.dumps(ref)).get()[-1] == x[-1]
     assert _native._arena_gil_handbacks() == before
+    with shmstore.put({f"k{i}": i for i in range(8000)}) as ref:
+        assert pickle.loads(pickle.dumps(ref)).get()["k7"] == 7
+    assert _native._arena_gil_handbacks() == dict(before, open=before["open"] + 1)
     ch.close()
 
 

@@ -108,6 +108,19 @@ impl Header {
         self.total_len - self.table_off
     }
 
+    /// The bytes of metadata (`[index_off, total_len)`) the header of `bytes` claims, read
+    /// without any check: what [`Header::parse`] hashes and `Reader::open` parses, so a
+    /// caller can tell short work from long before opening (0 when `bytes` is shorter than
+    /// a header). A forged value only changes that choice: `parse` checks the same fields.
+    pub fn metadata_len_unchecked(bytes: &[u8]) -> u64 {
+        let field = |i: usize| {
+            bytes
+                .get(16 + 8 * i..24 + 8 * i)
+                .map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or_default()))
+        };
+        field(0).saturating_sub(field(2))
+    }
+
     /// Parse and check the header against the archive bytes: magic, version, sizes,
     /// region bounds and the metadata checksum. O(metadata size), not O(archive size).
     pub fn parse(bytes: &[u8]) -> Result<Header, ArchiveError> {

@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::errors::Error;
-use super::store::{self, ArenaUse, Registration, Store};
+use super::store::{self, ArenaUse, Handback, Registration, Store};
 use super::write::Encoder;
 use crate::archive::builder::Sink;
 use crate::archive::{Builder, Kind};
@@ -353,27 +353,12 @@ fn in_arena(e: InArena) -> Error {
     arena_error(&e.path, e.err)
 }
 
-/// The steps of a small `put` done the slow way, without the GIL (the arenas' lock taken
-/// by someone else at that moment, a new arena, a full reclaim), counted per process:
-/// placing, committing, settling ([`_arena_gil_handbacks`]). A test checks that
-/// uncontended puts take none.
-static HANDBACKS: [AtomicU64; 3] = [const { AtomicU64::new(0) }; 3];
-const PLACE: usize = 0;
-const COMMIT: usize = 1;
-const SETTLE: usize = 2;
-
-fn handed_back(step: usize) {
-    HANDBACKS[step].fetch_add(1, Ordering::Relaxed);
-}
-
-/// How many times this process's small `put`s gave the GIL back for a step of the arena
-/// work: {"place": n, "commit": n, "settle": n} (see [`HANDBACKS`]).
+/// How many times this process gave the GIL back for a step of a small object's arena
+/// work: {"place": n, "commit": n, "settle": n, "open": n} (`store::Handback`). A test
+/// checks that uncontended puts and gets of small objects give it back for none.
 #[pyfunction]
 pub(crate) fn _arena_gil_handbacks() -> std::collections::HashMap<&'static str, u64> {
-    [("place", PLACE), ("commit", COMMIT), ("settle", SETTLE)]
-        .into_iter()
-        .map(|(name, i)| (name, HANDBACKS[i].load(Ordering::Relaxed)))
-        .collect()
+    store::handbacks().into_iter().collect()
 }
 
 /// Whether an archive of up to `max_len` bytes may go into an arena at all.
@@ -407,7 +392,7 @@ fn reserve(py: Python<'_>, max_len: u64, dir: Option<&Path>) -> PyResult<Option<
             placed.map(Ok)
         }
         None => {
-            handed_back(PLACE);
+            store::handed_back(Handback::Place);
             py.detach(|| ARENAS.place(&dir, max_len))
         }
     }
@@ -447,7 +432,7 @@ fn give_out<K: Keep>(
     let committed = match ARENAS.try_commit(&path, &r, len) {
         Ok(done) => done,
         Err(()) => {
-            handed_back(COMMIT);
+            store::handed_back(Handback::Commit);
             py.detach(|| ARENAS.commit(&path, &r, len))
         }
     };
@@ -473,7 +458,7 @@ fn give_out<K: Keep>(
     // handle was not made, this process holds no lease on it, so it is a reuse candidate.
     let held = opened.is_ok();
     if !ARENAS.try_settled(&path, chunk.offset, held) {
-        handed_back(SETTLE);
+        store::handed_back(Handback::Settle);
         py.detach(|| ARENAS.settled(&path, chunk.offset, held));
     }
     Ok(Some(opened?))

@@ -2,6 +2,8 @@
 //! read from last), their fork hooks, and opening a chunk.
 
 use super::*;
+use crate::archive::header::Header;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// This process's use of one arena: the file opened and mapped once, registered with the
 /// supervisor once (or, without one, held with a shared `flock`), for as long as any chunk
@@ -165,7 +167,40 @@ pub(super) fn arena_use(py: Python<'_>, path: &Path) -> Result<Arc<ArenaUse>, St
     Ok(u)
 }
 
-/// Largest chunk opened without giving the GIL back (`open_chunk`).
+/// A step of a small object's arena work that was done the slow way, without the GIL (the
+/// arenas' lock held by someone else at that moment, a new arena, a full reclaim, a chunk
+/// whose archive has large metadata): counted per process ([`handbacks`]).
+#[derive(Clone, Copy)]
+pub(crate) enum Handback {
+    /// Placing a `put`'s object in an arena.
+    Place,
+    /// Giving its chunk out.
+    Commit,
+    /// Settling it once its handle holds it.
+    Settle,
+    /// Opening a chunk another handle names (`open_chunk`).
+    Open,
+}
+
+static HANDBACKS: [AtomicU64; 4] = [const { AtomicU64::new(0) }; 4];
+
+pub(crate) fn handed_back(step: Handback) {
+    HANDBACKS[step as usize].fetch_add(1, Ordering::Relaxed);
+}
+
+/// How many times each [`Handback`] happened in this process.
+pub(crate) fn handbacks() -> [(&'static str, u64); 4] {
+    let n = |s: Handback| HANDBACKS[s as usize].load(Ordering::Relaxed);
+    [
+        ("place", n(Handback::Place)),
+        ("commit", n(Handback::Commit)),
+        ("settle", n(Handback::Settle)),
+        ("open", n(Handback::Open)),
+    ]
+}
+
+/// Most metadata (the archive's part the reader hashes and parses at open: indexes,
+/// symbols, shapes, tables) of a chunk opened without giving the GIL back (`open_chunk`).
 const OPEN_WITH_GIL: u64 = 64 * 1024;
 
 /// Open a chunk of an arena another handle names: find or open this process's use of the
@@ -176,23 +211,30 @@ pub(crate) fn open_chunk(py: Python<'_>, path: PathBuf, chunk: Chunk) -> PyResul
     let source = Source::Arena { path, chunk };
     let failed = |e: StoreErr| e.into_error(&format!("store {:?}", source.name()));
     let arena = arena_use(py, source.path()).map_err(failed)?;
-    let open = || {
-        let (lease, at, len) = arena.file.lease(chunk).map_err(StoreErr::Arena)?;
-        let mapping =
-            Mapping::window(arena.file.map(), source.path(), at, len).map_err(StoreErr::Segment)?;
-        let reader = Reader::open(mapping).map_err(StoreErr::Archive)?;
-        Ok::<_, StoreErr>((reader, lease))
-    };
-    // A small chunk's lease (a lock of its range that never waits, `F_OFD_SETLK`, and a
-    // count under a lock no Python runs under), window and archive header are short work
-    // that never waits: done with the GIL (giving it back and taking it again cost some 400
-    // instructions on CPython 3.11, 8% of a channel's get of a 1 KiB array). A
-    // larger archive's tables are parsed without it.
-    let opened = if chunk.size <= OPEN_WITH_GIL {
-        open()
-    } else {
-        py.detach(open)
-    };
+    // The lease (a lock of the chunk's range that never waits, `F_OFD_SETLK`, and a count
+    // under a lock no Python runs under) and the window are short work that never waits:
+    // done with the GIL, whatever the chunk's size. So is opening an archive whose metadata
+    // is small, however large its payload (an array's is never read here): giving the GIL
+    // back and taking it again costs some 400 instructions on CPython 3.11 (8% of a
+    // channel's get of a 1 KiB array), and up to the interpreter's switch interval (5 ms)
+    // while another thread runs Python. Larger metadata is parsed without it.
+    let opened = arena
+        .file
+        .lease(chunk)
+        .map_err(StoreErr::Arena)
+        .and_then(|(lease, at, len)| {
+            let mapping = Mapping::window(arena.file.map(), source.path(), at, len)
+                .map_err(StoreErr::Segment)?;
+            let metadata = Header::metadata_len_unchecked(mapping.as_ref());
+            let open = || Reader::open(mapping).map_err(StoreErr::Archive);
+            let reader = if metadata <= OPEN_WITH_GIL {
+                open()
+            } else {
+                handed_back(Handback::Open);
+                py.detach(open)
+            }?;
+            Ok((reader, lease))
+        });
     let (reader, lease) = opened.map_err(failed)?;
     Ok(Arc::new(chunk_store(reader, lease, arena, source)))
 }
