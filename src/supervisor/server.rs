@@ -56,6 +56,12 @@ const OUT_HIGH: usize = 256 << 10;
 const LINE_MAX: usize = 4 << 20;
 /// How often a segment kept because a reader holds a lock on it is looked at again.
 const LOCKED_RETRY: Duration = Duration::from_secs(1);
+/// How long segments whose users changed wait for the scan that settles them (one /proc
+/// scan for all, [`State::flush`]), from the first change: requests that arrive meanwhile
+/// are answered at once. Settling at every change made the next request wait for the scan
+/// (~1 ms on a quiet 2-core VM, more with more processes): a process that puts and closes
+/// segments in a loop waited that long for each `NEW`.
+const SETTLE_DELAY: Duration = Duration::from_millis(20);
 /// Longest supervisor name: `/proc/self/fd/NNNN/<name>.sock` must fit a socket address.
 pub const NAME_MAX: usize = 80;
 
@@ -366,6 +372,9 @@ struct State {
     /// [`LOCKED_RETRY`].
     locked: HashSet<PathBuf>,
     locked_checked: Instant,
+    /// Since when something waits to be settled (`pending`, `sweep_needed`): the scan runs
+    /// [`SETTLE_DELAY`] after it.
+    unsettled_since: Option<Instant>,
 }
 
 /// Serve on an already bound listener.
@@ -387,6 +396,7 @@ pub fn serve(bound: Bound, cfg: ServerConfig) -> io::Result<()> {
         accept_paused: false,
         locked: HashSet::new(),
         locked_checked: Instant::now(),
+        unsettled_since: None,
     };
     st.note(
         Kind::Other,
@@ -422,6 +432,10 @@ pub fn serve(bound: Bound, cfg: ServerConfig) -> io::Result<()> {
         let mut wait = idle_since.map(|s| st.cfg.grace.saturating_sub(s.elapsed()));
         if !st.locked.is_empty() {
             let left = LOCKED_RETRY.saturating_sub(st.locked_checked.elapsed());
+            wait = Some(wait.map_or(left, |w| w.min(left)));
+        }
+        if let Some(since) = st.unsettled_since {
+            let left = SETTLE_DELAY.saturating_sub(since.elapsed());
             wait = Some(wait.map_or(left, |w| w.min(left)));
         }
         let timeout = wait.map(|left| Timespec {
@@ -496,7 +510,17 @@ pub fn serve(bound: Bound, cfg: ServerConfig) -> io::Result<()> {
                 st.pending.insert(p);
             }
         }
-        st.flush();
+        if st.pending.is_empty() && !st.sweep_needed {
+            st.unsettled_since = None;
+        } else if st
+            .unsettled_since
+            .get_or_insert_with(Instant::now)
+            .elapsed()
+            >= SETTLE_DELAY
+        {
+            st.flush();
+            st.unsettled_since = None;
+        }
     }
 }
 
@@ -670,6 +694,9 @@ impl State {
                 }
             },
             Some(Request::List) => {
+                // A question about the state: answered from the settled state (the scan
+                // that may wait for [`SETTLE_DELAY`] runs now).
+                self.flush();
                 let mut out = String::new();
                 let mut paths: Vec<&PathBuf> = self.segments.keys().collect();
                 paths.sort();
