@@ -56,11 +56,13 @@ const OUT_HIGH: usize = 256 << 10;
 const LINE_MAX: usize = 4 << 20;
 /// How often a segment kept because a reader holds a lock on it is looked at again.
 const LOCKED_RETRY: Duration = Duration::from_secs(1);
-/// How long segments whose users changed wait for the scan that settles them (one /proc
-/// scan for all, [`State::flush`]), from the first change: requests that arrive meanwhile
-/// are answered at once. Settling at every change made the next request wait for the scan
-/// (~1 ms on a quiet 2-core VM, more with more processes): a process that puts and closes
-/// segments in a loop waited that long for each `NEW`.
+/// Segments whose users changed are settled (one /proc scan for all, [`State::flush`])
+/// once no client has said anything for [`SETTLE_QUIET`], or [`SETTLE_DELAY`] after the
+/// first change at the latest: requests that arrive meanwhile are answered at once.
+/// Settling at every change made the next request wait for the scan (~1 ms on a quiet
+/// 2-core VM, more with more processes): a process that puts and closes segments in a loop
+/// waited that long for each `NEW`. A client that dies is settled after the quiet time.
+const SETTLE_QUIET: Duration = Duration::from_millis(1);
 const SETTLE_DELAY: Duration = Duration::from_millis(20);
 /// Longest supervisor name: `/proc/self/fd/NNNN/<name>.sock` must fit a socket address.
 pub const NAME_MAX: usize = 80;
@@ -373,8 +375,10 @@ struct State {
     locked: HashSet<PathBuf>,
     locked_checked: Instant,
     /// Since when something waits to be settled (`pending`, `sweep_needed`): the scan runs
-    /// [`SETTLE_DELAY`] after it.
+    /// [`SETTLE_DELAY`] after it at the latest.
     unsettled_since: Option<Instant>,
+    /// When a client last connected or was read from (see [`SETTLE_QUIET`]).
+    heard_at: Instant,
 }
 
 /// Serve on an already bound listener.
@@ -397,6 +401,7 @@ pub fn serve(bound: Bound, cfg: ServerConfig) -> io::Result<()> {
         locked: HashSet::new(),
         locked_checked: Instant::now(),
         unsettled_since: None,
+        heard_at: Instant::now(),
     };
     st.note(
         Kind::Other,
@@ -435,7 +440,9 @@ pub fn serve(bound: Bound, cfg: ServerConfig) -> io::Result<()> {
             wait = Some(wait.map_or(left, |w| w.min(left)));
         }
         if let Some(since) = st.unsettled_since {
-            let left = SETTLE_DELAY.saturating_sub(since.elapsed());
+            let left = SETTLE_DELAY
+                .saturating_sub(since.elapsed())
+                .min(SETTLE_QUIET.saturating_sub(st.heard_at.elapsed()));
             wait = Some(wait.map_or(left, |w| w.min(left)));
         }
         let timeout = wait.map(|left| Timespec {
@@ -490,6 +497,9 @@ pub fn serve(bound: Bound, cfg: ServerConfig) -> io::Result<()> {
                 .collect();
             (!fds[0].revents().is_empty(), rc, rp)
         };
+        if ready_listener || !ready_clients.is_empty() {
+            st.heard_at = Instant::now();
+        }
         if ready_listener {
             st.accept(&listener);
         }
@@ -512,11 +522,12 @@ pub fn serve(bound: Bound, cfg: ServerConfig) -> io::Result<()> {
         }
         if st.pending.is_empty() && !st.sweep_needed {
             st.unsettled_since = None;
-        } else if st
-            .unsettled_since
-            .get_or_insert_with(Instant::now)
-            .elapsed()
-            >= SETTLE_DELAY
+        } else if st.heard_at.elapsed() >= SETTLE_QUIET
+            || st
+                .unsettled_since
+                .get_or_insert_with(Instant::now)
+                .elapsed()
+                >= SETTLE_DELAY
         {
             st.flush();
             st.unsettled_since = None;
