@@ -130,6 +130,17 @@ def md_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], left: int = 
     return "\n".join([line(cells[0]), "|" + sep + "|", *(line(r) for r in cells[1:])])
 
 
+def per_call(step: Callable[[], Any], ops: int, rounds: int) -> float:
+    """Seconds per call of `step`, the median of `rounds` rounds of `ops` calls."""
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(ops):
+            step()
+        times.append((time.perf_counter() - t0) / ops)
+    return statistics.median(times)
+
+
 def mib(nbytes: float) -> str:
     return f"{nbytes / MiB:,.1f}"
 

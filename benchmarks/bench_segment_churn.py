@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,18 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np
 import shmstore
-from _common import machine_md, md_table
-
-
-def per_call(step: Callable[[], Any], ops: int, rounds: int) -> float:
-    step()  # the supervisor started, the first segment made: once
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(ops):
-            step()
-        times.append((time.perf_counter() - t0) / ops)
-    return statistics.median(times)
+from _common import machine_md, md_table, per_call
 
 
 def main() -> None:

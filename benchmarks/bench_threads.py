@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import coco
 import shmstore
-from _common import machine_md, md_table
+from _common import machine_md, md_table, per_call
 
 
 def touch(records: Sequence[Any], lo: int, hi: int) -> float:
@@ -68,17 +68,6 @@ def timed(records: Sequence[Any], threads: int) -> float:
     for t in ts:
         t.join()
     return time.perf_counter() - t0
-
-
-def per_call(step: Any, ops: int, rounds: int) -> float:
-    """Seconds per call of `step`, median of `rounds` rounds of `ops` calls."""
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(ops):
-            step()
-        times.append((time.perf_counter() - t0) / ops)
-    return statistics.median(times)
 
 
 def beside_busy(sizes_kib: list[int], ops: int, rounds: int) -> str:
