@@ -78,6 +78,7 @@ def beside_busy(sizes_kib: list[int], ops: int, rounds: int) -> str:
 
     ch = shmstore.Channel(64)
     steps: dict[str, Any] = {}
+    refs = []  # the unpickled handles' chunks stay given out while they are measured
     for kib in sizes_kib:
         a = np.full(kib << 10, 7, dtype=np.uint8)
         ref = shmstore.put(a)
@@ -85,7 +86,7 @@ def beside_busy(sizes_kib: list[int], ops: int, rounds: int) -> str:
         steps[f"put + close, {kib} KiB"] = lambda a=a: shmstore.put(a).close()
         steps[f"Channel put + get, {kib} KiB"] = lambda a=a: (ch.put(a), ch.get())
         steps[f"unpickle a Ref + get, {kib} KiB"] = lambda d=data: pickle.loads(d).get()
-        steps[f"(keep {kib})"] = ref  # the unpickled handles' chunk stays given out
+        refs.append(ref)
     rows = []
     stop = threading.Event()
 
@@ -95,8 +96,6 @@ def beside_busy(sizes_kib: list[int], ops: int, rounds: int) -> str:
             x += 1
 
     for name, step in steps.items():
-        if not callable(step):
-            continue
         step()  # an arena made, a chunk opened: once
         alone = per_call(step, ops, rounds)
         busy = threading.Thread(target=spin)
@@ -110,9 +109,8 @@ def beside_busy(sizes_kib: list[int], ops: int, rounds: int) -> str:
         rows.append(
             [name, f"{alone * 1e6:.1f} µs", f"{beside * 1e6:.1f} µs", f"{beside / alone:.1f}x"]
         )
-    for step in steps.values():
-        if not callable(step):
-            step.close()
+    for ref in refs:
+        ref.close()
     ch.close()
     head = (
         f"One thread's calls alone and beside a thread running a Python loop; per call, "

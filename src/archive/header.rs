@@ -49,6 +49,15 @@ impl Kind {
     }
 }
 
+/// The header's `i`th 8-byte field (after magic, version, kind and length), as stored; 0
+/// when `bytes` is too short to hold it.
+fn field(bytes: &[u8], i: usize) -> u64 {
+    bytes
+        .get(16 + 8 * i..24 + 8 * i)
+        .and_then(|b| b.try_into().ok())
+        .map_or(0, u64::from_le_bytes)
+}
+
 /// The parsed header. All offsets are absolute byte positions in the archive. The regions
 /// follow one another in this order: records | index | blocks | symbols | shapes | keys |
 /// table, the last ending at `total_len`; each region's length is the distance to the next.
@@ -113,12 +122,7 @@ impl Header {
     /// caller can tell short work from long before opening (0 when `bytes` is shorter than
     /// a header). A forged value only changes that choice: `parse` checks the same fields.
     pub fn metadata_len_unchecked(bytes: &[u8]) -> u64 {
-        let field = |i: usize| {
-            bytes
-                .get(16 + 8 * i..24 + 8 * i)
-                .map_or(0, |b| u64::from_le_bytes(b.try_into().unwrap_or_default()))
-        };
-        field(0).saturating_sub(field(2))
+        field(bytes, 0).saturating_sub(field(bytes, 2))
     }
 
     /// Parse and check the header against the archive bytes: magic, version, sizes,
@@ -147,7 +151,7 @@ impl Header {
         if hl != HEADER_LEN {
             return corrupt(format!("bad header length {hl}"));
         }
-        let f = |i: usize| u64::from_le_bytes(bytes[16 + 8 * i..24 + 8 * i].try_into().unwrap());
+        let f = |i: usize| field(bytes, i);
         let h = Header {
             kind,
             total_len: f(0),

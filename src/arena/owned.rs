@@ -354,11 +354,7 @@ impl<U: ArenaUser> Arenas<U> {
     /// Run `f` on this process's arena at `path` under the lock; `None` if the process let
     /// go of it.
     fn with_owned<R>(&self, path: &Path, f: impl FnOnce(&mut Owned<U>) -> R) -> Option<R> {
-        let mut arenas = self.lock();
-        arenas
-            .iter_mut()
-            .find(|a| a.writer.path().as_os_str() == path.as_os_str())
-            .map(f)
+        owned_at(&mut self.lock(), path).map(f)
     }
 
     /// [`Self::with_owned`] if no one holds the lock now (never waits: for a caller that
@@ -368,11 +364,7 @@ impl<U: ArenaUser> Arenas<U> {
         path: &Path,
         f: impl FnOnce(&mut Owned<U>) -> R,
     ) -> Result<Option<R>, ()> {
-        let mut arenas = self.try_lock().ok_or(())?;
-        Ok(arenas
-            .iter_mut()
-            .find(|a| a.writer.path().as_os_str() == path.as_os_str())
-            .map(f))
+        Ok(owned_at(&mut self.try_lock().ok_or(())?, path).map(f))
     }
 
     /// Give a reserved chunk of the arena at `path` back (nothing was given out from it).
@@ -384,12 +376,7 @@ impl<U: ArenaUser> Arenas<U> {
     /// `None` if this process let go of the arena meanwhile (the chunk was never given out).
     /// Then [`Self::settled`] once its handle holds it (or was not made).
     pub fn commit(&self, path: &Path, r: &Reservation, len: u64) -> Option<Result<Chunk, InArena>> {
-        self.with_owned(path, |a| {
-            a.writer.commit(r, len).map_err(|err| InArena {
-                path: path.to_owned(),
-                err,
-            })
-        })
+        self.with_owned(path, |a| commit_in(a, path, r, len))
     }
 
     /// [`Self::commit`] if the lock is free now; `Err(())` when it is taken (then call
@@ -401,12 +388,7 @@ impl<U: ArenaUser> Arenas<U> {
         r: &Reservation,
         len: u64,
     ) -> Result<Option<Result<Chunk, InArena>>, ()> {
-        self.try_with_owned(path, |a| {
-            a.writer.commit(r, len).map_err(|err| InArena {
-                path: path.to_owned(),
-                err,
-            })
-        })
+        self.try_with_owned(path, |a| commit_in(a, path, r, len))
     }
 
     /// The chunk at `offset` of the arena at `path` is held by its handle now (`held`), or
@@ -440,6 +422,26 @@ impl<U: ArenaUser> Arenas<U> {
     pub fn take_all(&self) -> Vec<Owned<U>> {
         std::mem::take(&mut *self.lock())
     }
+}
+
+/// This process's arena at `path` among `arenas`.
+fn owned_at<'a, U>(arenas: &'a mut [Owned<U>], path: &Path) -> Option<&'a mut Owned<U>> {
+    arenas
+        .iter_mut()
+        .find(|a| a.writer.path().as_os_str() == path.as_os_str())
+}
+
+/// See [`Arenas::commit`].
+fn commit_in<U>(
+    a: &mut Owned<U>,
+    path: &Path,
+    r: &Reservation,
+    len: u64,
+) -> Result<Chunk, InArena> {
+    a.writer.commit(r, len).map_err(|err| InArena {
+        path: path.to_owned(),
+        err,
+    })
 }
 
 /// See [`Arenas::settled`].
