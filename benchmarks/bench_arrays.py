@@ -623,11 +623,12 @@ def bench_small(sizes: list[int], n: int, repeats: int) -> tuple[str, list[str]]
 def bench_fragmentation(ops: int) -> tuple[str, list[str]]:
     sim = shmstore._native._arena_simulate
     rows, raw = [], []
-    for policy in ("best-fit", "first-fit"):
-        r = sim(policy, ops, lo=64, hi=1 << 20, live_target=1000, seed=1)
+    for hi, policy in [(h, p) for h in (1, 8) for p in ("best-fit", "first-fit")]:
+        r = sim(policy, ops, lo=64, hi=hi * MiB, live_target=1000, seed=1)
         ratio = r["peak_end"] / r["peak_live"]
         rows.append(
             [
+                f"{hi} MiB",
                 "best fit + coalescing (the arena)"
                 if policy == "best-fit"
                 else "first fit, no coalescing",
@@ -638,17 +639,26 @@ def bench_fragmentation(ops: int) -> tuple[str, list[str]]:
                 f"{r['seconds']:.2f} s",
             ]
         )
-        raw.append(f"{policy}: {r}")
+        raw.append(f"{policy}, up to {hi} MiB: {r}")
     text = "\n\n## fragmentation: random put/free\n\n"
     text += (
         f"{ops:,} operations on the same seeded sequence for both allocators (the arena's "
         "allocator, src/arena/alloc.rs, in a simulation without I/O): sizes log-uniform "
-        "64 B to 1 MiB; a put is twice as likely as a free below 1000 live objects, a free "
+        "from 64 B to 1 MiB (any object an arena takes) and to 8 MiB (arrays and bytes, "
+        "docs/arena.md); a put is twice as likely as a free below 1000 live objects, a free "
         "twice as likely above; a free takes a random live object. Arena bytes = the "
         "highest end of the region (it only grows), against the peak of the live bytes.\n\n"
     )
     text += md_table(
-        ["allocator", "peak live", "arena bytes", "ratio", "target <= 1.3x", "simulation time"],
+        [
+            "largest object",
+            "allocator",
+            "peak live",
+            "arena bytes",
+            "ratio",
+            "target <= 1.3x",
+            "simulation time",
+        ],
         rows,
     )
     return text, raw

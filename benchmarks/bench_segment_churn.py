@@ -3,13 +3,16 @@ pays per call, supervisor round trips included.
 
     python benchmarks/bench_segment_churn.py [--rounds 5] [--ops 100] [--out FILE]
 
-Per call, the median of `--rounds` rounds of `--ops` calls: `put` of 16 bytes with
+Per call, the median of `--rounds` rounds of `--ops` calls (a quarter as many for the MiB
+arrays): `put` of 16 bytes with
 `arena=False` (a segment of its own) then `close`; a `SharedList` of 100 small records then
-`close`; `put` of a 2 MiB array (over the arena limit: a segment) then `close`. Each
-`close` sends the supervisor a `DROP` (from a background thread) and each new segment a
-`NEW` (a round trip), so the figures include how soon the supervisor answers the next
-request after a `DROP` (docs/lifecycle.md). Changes nothing on the machine; uses the
-user's supervisor unless `SHMSTORE_SUPERVISOR_NAME` names another.
+`close`; `put` of a 2 MiB and of an 8 MiB array with `arena=False` then `close`, and the
+same by default (a chunk of the process's arena, whose pages the next object writes again:
+docs/arena.md, "The threshold"). Each segment's `close` sends the supervisor a `DROP` (from
+a background thread) and each new segment a `NEW` (a round trip), so the figures include
+how soon the supervisor answers the next request after a `DROP` (docs/lifecycle.md).
+Changes nothing on the machine; uses the user's supervisor unless
+`SHMSTORE_SUPERVISOR_NAME` names another.
 """
 
 from __future__ import annotations
@@ -34,17 +37,24 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     records = [{"a": i, "b": [1, 2, 3]} for i in range(100)]
-    small, big = np.zeros(2), np.zeros(2 << 20, dtype=np.uint8)
+    small = np.zeros(2)
     steps: dict[str, Callable[[], Any]] = {
         "put(16 B, arena=False) + close": lambda: shmstore.put(small, arena=False).close(),
         "SharedList(100 records) + close": lambda: shmstore.SharedList(records).close(),
-        "put(2 MiB array) + close": lambda: shmstore.put(big).close(),
     }
-    rows = [
-        [name, f"{per_call(s, args.ops, args.rounds) * 1e6:.0f} µs"] for name, s in steps.items()
-    ]
+    for mib in (2, 8):
+        big = np.zeros(mib << 20, dtype=np.uint8)
+        steps[f"put({mib} MiB array, arena=False) + close"] = lambda big=big: shmstore.put(
+            big, arena=False
+        ).close()
+        steps[f"put({mib} MiB array) + close (arena)"] = lambda big=big: shmstore.put(big).close()
+    rows = []
+    for name, step in steps.items():
+        ops = max(10, args.ops // 4) if "MiB" in name else args.ops  # the large: fewer
+        rows.append([name, f"{per_call(step, ops, args.rounds) * 1e6:.0f} µs"])
     head = (
-        f"Per call, median of {args.rounds} rounds of {args.ops}. CPython "
+        f"Per call, median of {args.rounds} rounds of {args.ops} (of the MiB arrays a "
+        f"quarter as many, at least 10). CPython "
         f"{sys.version.split()[0]}; {os.cpu_count()} cores; load before "
         f"{os.getloadavg()[0]:.2f}.\n\n"
     )

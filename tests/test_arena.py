@@ -102,7 +102,7 @@ def test_views_keep_their_chunk() -> None:
 
 
 def test_large_objects_get_a_segment_of_their_own() -> None:
-    ref = shmstore.put(np.zeros(2 << 20, dtype=np.uint8), arena=True)
+    ref = shmstore.put(np.zeros((8 << 20) + 1, dtype=np.uint8), arena=True)
     assert "@" not in ref.name
     ref.close()
     named = shmstore.put(1, arena=True, name="shmstore-arena-test-named")
@@ -125,10 +125,13 @@ def test_by_default_small_objects_go_to_the_arena_and_large_ones_to_a_segment() 
     small = [shmstore.put(b"x" * 1000), shmstore.put(np.arange(10)), shmstore.put({"a": 1})]
     assert all("@" in r.name for r in small)
     assert len({chunk_of(r)[0] for r in small}) == 1, "one arena for all of them"
-    limit = 1 << 20  # docs/arena.md: payloads of at most 1 MiB, that size included
+    # docs/arena.md: payloads of a known size (arrays, bytes) of at most an eighth of the
+    # largest arena (8 MiB by default), that size included; other objects up to 1 MiB.
+    limit = 8 << 20
     at_limit = [shmstore.put(np.zeros(limit, dtype=np.uint8)), shmstore.put(b"z" * limit)]
-    assert all("@" in r.name for r in at_limit), "1 MiB exactly is an arena object"
+    assert all("@" in r.name for r in at_limit), "8 MiB exactly is an arena object"
     assert at_limit[1].get() == b"z" * limit
+    assert at_limit[0].get().nbytes == limit
     for r in at_limit:
         r.close()
     large = shmstore.put(np.zeros(limit + 1, dtype=np.uint8))
@@ -141,6 +144,50 @@ def test_by_default_small_objects_go_to_the_arena_and_large_ones_to_a_segment() 
     assert named.name == "shmstore-default-named"
     for r in (*small, large, unknown_size, forced, named):
         r.close()
+
+
+ARENA_LIMITS = """
+import sys, numpy as np, shmstore
+from shmstore import _native
+
+limit = int(sys.argv[1])
+at = [shmstore.put(np.ones(limit, dtype=np.uint8)), shmstore.put(b"y" * limit)]
+over = [shmstore.put(np.ones(limit + 1, dtype=np.uint8)), shmstore.put(b"y" * (limit + 1))]
+assert all("@" in r.name for r in at), [r.name for r in at]
+assert all("@" not in r.name for r in over), [r.name for r in over]
+assert int(at[0].get().sum()) == limit and at[1].get() == b"y" * limit
+# The arena made for the first of them holds three like it (whole MiB; docs/arena.md).
+caps = [cap for _, _, cap in _native._arena_usage()]
+print(caps[0])
+"""
+
+
+@pytest.mark.parametrize(
+    ("arena_size", "limit", "first_arena"),
+    [
+        (str(64 << 20), 8 << 20, 25 << 20),  # the default: an eighth
+        (str(32 << 20), 4 << 20, 13 << 20),
+        (str(4 << 20), 1 << 20, 4 << 20),  # never less than 1 MiB
+    ],
+)
+def test_the_largest_arena_sets_the_limit_of_known_size_objects(
+    arena_size: str, limit: int, first_arena: int
+) -> None:
+    """An array or bytes object goes into an arena up to an eighth of the largest arena
+    (`SHMSTORE_ARENA_SIZE`, read once per process), 1 MiB at least; the arena made for it
+    has room for three like it."""
+    import os
+
+    env = {**os.environ, "SHMSTORE_ARENA_SIZE": arena_size}
+    out = subprocess.run(
+        [sys.executable, "-c", ARENA_LIMITS, str(limit)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == first_arena
 
 
 @pytest.mark.parametrize(

@@ -304,12 +304,12 @@ class Channel:
     objects are written once into shared memory instead of pickled through a pipe
     (docs/channel.md).
 
-    ``put`` writes an object into a chunk of this process's arena (a segment of its own
-    when larger than 1 MiB) and its handle into a ring that every process using the channel
-    maps; ``get`` maps the object where it is and returns what ``Ref.get()`` would: a
-    read-only numpy array, a read-only view of a list or dict, or a scalar. Any number of
-    processes may put and get. A channel pickles by name: pass it to a
-    ``multiprocessing.Process``, a pool's initializer or a DataLoader worker. An object
+    ``put`` writes an object into a chunk of this process's arena (a segment of its own when
+    larger: an array over 8 MiB, another object over 1 MiB) and its handle into a ring that
+    every process using the channel maps; ``get`` maps the object where it is and returns
+    what ``Ref.get()`` would: a read-only numpy array, a read-only view of a list or dict,
+    or a scalar. Any number of processes may put and get. A channel pickles by name: pass it
+    to a ``multiprocessing.Process``, a pool's initializer or a DataLoader worker. An object
     stays readable until a get takes it, even after the process that put it exits.
 
     >>> import numpy as np
@@ -388,7 +388,8 @@ class Channel:
 def put(obj: Any, *, name: str | None = None, dir: _Path | None = None, arena: bool = True) -> Ref:
     """Share one object (e.g. a numpy array) by name.
 
-    A small object (archive <= 1 MiB) without ``name`` goes into a chunk of this process's
+    A small object (an array or bytes of at most 8 MiB, another object whose archive is at
+    most 1 MiB; docs/arena.md) without ``name`` goes into a chunk of this process's
     arena segment (docs/arena.md); its name is ``<arena>@<offset>:<size>:<generation>``.
     A larger one, a named one, or any with ``arena=False`` gets a segment of its own.
 
@@ -396,7 +397,7 @@ def put(obj: Any, *, name: str | None = None, dir: _Path | None = None, arena: b
     >>> with put(np.arange(3)) as small:
     ...     small.get().tolist(), "@" in small.name
     ([0, 1, 2], True)
-    >>> with put(np.zeros(1 << 20)) as large:   # 8 MiB: a segment of its own
+    >>> with put(np.zeros(2 << 20)) as large:   # 16 MiB: a segment of its own
     ...     "@" in large.name
     False
     >>> with put({"a": 1}, arena=False) as own:

@@ -264,7 +264,8 @@ def _is_arena_chunk(handle: Any) -> bool:
 def _shareable(handle: Any) -> Any:
     """``handle`` itself, or for a chunk of this process's arena (a small ``put``) a segment
     of its own holding the same value: other machines cannot name a chunk. The value is small
-    (an arena takes objects up to 1 MiB), so the copy is cheap."""
+    (an arena takes arrays up to 8 MiB, other objects up to 1 MiB), so the copy is cheap
+    next to sending it to another machine."""
     if _is_arena_chunk(handle):
         return shmstore.put(handle.get(), arena=False)
     return handle

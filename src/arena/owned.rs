@@ -31,6 +31,11 @@ pub const DEFAULT_CAPACITY: u64 = 64 << 20;
 /// Bytes of chunks of a process's first arena; each next one is twice the last, up to
 /// [`Arenas::capacity`]: a process that puts a few small objects reserves 4 MiB, not 64.
 pub const FIRST_CAPACITY: u64 = 4 << 20;
+/// An arena made for a large chunk (up to an eighth of the largest arena: a payload of
+/// known size, docs/arena.md) has room for this many like it, so that a stream of such
+/// objects with a few in flight stays in one arena instead of making one per object (1 MiB
+/// objects: the first arena's 4 MiB, as before).
+pub const ROOM_FOR_LARGE: u64 = 3;
 /// Every this many small `put`s, the process looks for older arenas of its own that no
 /// object has used for [`Arenas::idle_limit`] and hands them back ([`Arenas::take_idle`]).
 pub const IDLE_SWEEP_EVERY: u64 = 64;
@@ -224,13 +229,22 @@ impl<U: ArenaUser> Arenas<U> {
         max_len.saturating_add(64) <= self.capacity()
     }
 
-    /// The size of this process's next arena when it has `made` arenas already.
-    pub fn next_capacity(&self, made: usize) -> u64 {
+    /// The size of this process's next arena when it has `made` arenas already, made for
+    /// an archive of up to `max_len` bytes: twice the last (from [`FIRST_CAPACITY`]), and at
+    /// least room for [`ROOM_FOR_LARGE`] chunks like this one (whole MiB), up to the largest
+    /// arena.
+    pub fn next_capacity(&self, made: usize, max_len: u64) -> u64 {
         let max = self.capacity();
         let grown = FIRST_CAPACITY
             .checked_shl(made.min(16) as u32)
             .unwrap_or(max);
-        grown.min(max)
+        const MIB: u64 = 1 << 20;
+        let wanted = max_len
+            .saturating_add(super::format::CHUNK_HEADER)
+            .saturating_mul(ROOM_FOR_LARGE)
+            .div_ceil(MIB)
+            .saturating_mul(MIB);
+        grown.max(wanted).min(max)
     }
 
     /// A chunk for an archive of up to `max_len` bytes in one of this process's arenas in

@@ -20,13 +20,29 @@ use crate::arena::{alloc, Chunk, PartState, Reservation};
 use crate::process::{self, ForkHooks, ForkLock};
 use crate::segment;
 
-/// Largest payload of a known size (an array's data, bytes) that goes into an arena: up to
-/// and including 1 MiB (bigger ones get a segment of their own).
-pub(crate) const MAX_PAYLOAD: usize = 1 << 20;
-/// Largest object archive that goes into an arena: a payload of [`MAX_PAYLOAD`] with its
-/// archive's own bytes ([`ARCHIVE_ROOM`]), so that a 1 MiB array or bytes object is an
-/// arena object, as documented ("<= 1 MiB"), and not a segment of its own.
-pub(crate) const MAX_OBJECT: usize = MAX_PAYLOAD + ARCHIVE_ROOM;
+/// Largest payload of a known size (an array's data, bytes) that goes into an arena: an
+/// eighth of the largest arena ([`Arenas::capacity`]: 8 MiB by default), and never less than
+/// [`MIN_PAYLOAD`]; bigger ones get a segment of their own. Such a payload is encoded
+/// straight into its chunk (no copy through memory), and an arena's pages, once written,
+/// are written again by the next objects instead of a new segment's being faulted in, which
+/// is most of a multi-megabyte segment's cost (docs/arena.md, "The threshold"). An eighth:
+/// the arena made for such an object has room for three like it ([`Arenas::next_capacity`])
+/// and stays within the largest, so a stream of them with a few in flight stays in one
+/// arena.
+pub(crate) fn max_payload() -> u64 {
+    (ARENAS.capacity() / PAYLOAD_SHARE).max(MIN_PAYLOAD)
+}
+
+/// [`max_payload`] is this share of the largest arena ...
+const PAYLOAD_SHARE: u64 = 8;
+/// ... and at least this: a 1 MiB array or bytes object is an arena object whatever
+/// `SHMSTORE_ARENA_SIZE` says, as long as it fits in an arena.
+const MIN_PAYLOAD: u64 = 1 << 20;
+
+/// Largest archive of an object of unknown size (a dict, a list) that goes into an arena:
+/// it is built in memory first ([`encode_small`]), so its size is found out by encoding,
+/// at most this much buffered: 1 MiB and the archive's own bytes ([`ARCHIVE_ROOM`]).
+pub(crate) const MAX_BUFFERED: u64 = MIN_PAYLOAD + ARCHIVE_ROOM as u64;
 
 /// A chunk reserved in an arena of this process: the arena's path, the reservation, and
 /// this process's use of the arena.
@@ -52,8 +68,13 @@ impl ArenaUser for ArenaUse {
 /// objects get segments of their own instead.
 /// Also `None` when the segment directory has no room for a whole arena: a small object
 /// that fits gets a segment of its own there (an arena is only a way to make puts cheaper).
-fn new_arena(py: Python<'_>, dir: PathBuf, made: usize) -> PyResult<Option<Owned<ArenaUse>>> {
-    let cap = ARENAS.next_capacity(made);
+fn new_arena(
+    py: Python<'_>,
+    dir: PathBuf,
+    made: usize,
+    max_len: u64,
+) -> PyResult<Option<Owned<ArenaUse>>> {
+    let cap = ARENAS.next_capacity(made, max_len);
     if py.detach(|| owned::no_room(&dir, cap)) {
         log::debug!(
             "no room for an arena in {}: a segment per object",
@@ -83,14 +104,14 @@ fn new_arena(py: Python<'_>, dir: PathBuf, made: usize) -> PyResult<Option<Owned
 }
 
 /// Containers with more items than this are not tried in an arena: their archive would
-/// hardly fit in [`MAX_OBJECT`] bytes, and finding out costs an encoding.
+/// hardly fit in [`MAX_BUFFERED`] bytes, and finding out costs an encoding.
 const MAX_ITEMS: usize = 1 << 16;
 
 /// Whether `obj` may have an archive small enough for an arena: its known size
-/// (`size_hint`) is at most [`MAX_PAYLOAD`], or, unknown, it holds at most [`MAX_ITEMS`] items.
+/// (`size_hint`) is at most [`max_payload`], or, unknown, it holds at most [`MAX_ITEMS`] items.
 pub(crate) fn may_fit(obj: &Bound<'_, PyAny>, size_hint: Option<u64>) -> bool {
     match size_hint {
-        Some(n) => n <= MAX_PAYLOAD as u64,
+        Some(n) => n <= max_payload(),
         None => obj.len().map_or(true, |n| n <= MAX_ITEMS),
     }
 }
@@ -99,16 +120,17 @@ pub(crate) fn may_fit(obj: &Bound<'_, PyAny>, size_hint: Option<u64>) -> bool {
 /// payload's alignment), reserved up front by [`encode_small`]; more is grown into.
 const ARCHIVE_ROOM: usize = 4096;
 
-/// An in-memory sink that refuses to grow past [`MAX_OBJECT`] bytes (and says so in `over`).
+/// An in-memory sink that refuses to grow past `limit` bytes (and says so in `over`).
 struct Bounded<'a> {
     out: Cursor<Vec<u8>>,
+    limit: u64,
     over: &'a std::sync::atomic::AtomicBool,
 }
 
 impl std::io::Write for Bounded<'_> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let end = (self.out.position() as usize).saturating_add(buf.len());
-        if end > MAX_OBJECT {
+        let end = self.out.position().saturating_add(buf.len() as u64);
+        if end > self.limit {
             self.over.store(true, std::sync::atomic::Ordering::Relaxed);
             return Err(std::io::Error::other("larger than an arena object"));
         }
@@ -128,20 +150,28 @@ impl std::io::Seek for Bounded<'_> {
     }
 }
 
-/// The object archive of `obj`, built in memory; `None` when it is larger than
-/// [`MAX_OBJECT`] (found out while writing: at most that much is buffered). `size_hint`:
-/// the payload's size when known (an array, bytes): the buffer is made that large plus room
-/// for the archive's own bytes at once, not grown (and copied) step by step while writing.
+/// The object archive of `obj`, built in memory; `None` when it is larger than an arena
+/// takes (found out while writing: at most that much is buffered): [`MAX_BUFFERED`], or,
+/// for a larger payload of known size (`size_hint`: an array, bytes; this way only when
+/// encoding it straight into a chunk overflowed the room reserved for its archive's own
+/// bytes), that payload and [`ARCHIVE_ROOM`]. For a known size the buffer is made that
+/// large at once, not grown (and copied) step by step while writing.
 pub(crate) fn encode_small(
     obj: &Bound<'_, PyAny>,
     size_hint: Option<u64>,
 ) -> PyResult<Option<Vec<u8>>> {
     let over = std::sync::atomic::AtomicBool::new(false);
-    let room = size_hint
-        .and_then(|n| usize::try_from(n).ok())
-        .map_or(0, |n| n.min(MAX_PAYLOAD).saturating_add(ARCHIVE_ROOM));
+    let (limit, room) = match size_hint {
+        Some(n) if n <= max_payload() => {
+            let room = n.saturating_add(ARCHIVE_ROOM as u64);
+            (room.max(MAX_BUFFERED), usize::try_from(room).unwrap_or(0))
+        }
+        Some(_) => return Ok(None),
+        None => (MAX_BUFFERED, 0),
+    };
     let sink = Bounded {
         out: Cursor::new(Vec::with_capacity(room)),
+        limit,
         over: &over,
     };
     let archive_err = |err| Error::Archive {
@@ -363,7 +393,7 @@ pub(crate) fn _arena_gil_handbacks() -> std::collections::HashMap<&'static str, 
 
 /// Whether an archive of up to `max_len` bytes may go into an arena at all.
 fn fits(max_len: u64) -> bool {
-    max_len <= MAX_OBJECT as u64 && ARENAS.room_for(max_len)
+    max_len <= max_payload().saturating_add(ARCHIVE_ROOM as u64) && ARENAS.room_for(max_len)
 }
 
 /// A chunk for an archive of up to `max_len` bytes in one of this process's arenas in `dir`
@@ -400,7 +430,7 @@ fn reserve(py: Python<'_>, max_len: u64, dir: Option<&Path>) -> PyResult<Option<
     match placed {
         Ok(p) => Ok(Some(p)),
         Err(made) => {
-            let Some(new) = new_arena(py, dir.clone().into_owned(), made)? else {
+            let Some(new) = new_arena(py, dir.clone().into_owned(), made, max_len)? else {
                 return Ok(None);
             };
             let placed = py.detach(|| ARENAS.adopt(new, &dir, max_len));

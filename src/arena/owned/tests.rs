@@ -51,7 +51,7 @@ const MIB: u64 = 1 << 20;
 /// The next arena of `arenas` in `dir`, as the binding layer makes it (sized by how many
 /// this process holds).
 fn new_arena(arenas: &Arenas<Use>, dir: &Path, made: usize) -> Owned<Use> {
-    let cap = arenas.next_capacity(made);
+    let cap = arenas.next_capacity(made, 0);
     let (writer, file) = make_arena(dir, &segment::random_name(), cap).unwrap();
     let u = Arc::new(Use { file });
     MADE.with(|m| m.borrow_mut().push(u.clone()));
@@ -120,9 +120,9 @@ fn capacities(arenas: &Arenas<Use>) -> Vec<u64> {
 }
 
 #[test]
-fn each_arena_is_twice_the_last_up_to_the_largest() {
+fn each_arena_is_twice_the_last_or_room_for_three_large_chunks_up_to_the_largest() {
     let arenas = Arenas::<Use>::with_limits(64 * MIB, DEFAULT_IDLE);
-    let sizes: Vec<u64> = (0..7).map(|made| arenas.next_capacity(made)).collect();
+    let sizes: Vec<u64> = (0..7).map(|made| arenas.next_capacity(made, 0)).collect();
     assert_eq!(
         sizes,
         [
@@ -136,11 +136,17 @@ fn each_arena_is_twice_the_last_up_to_the_largest() {
         ]
     );
     // However many there are (no overflow).
-    assert_eq!(arenas.next_capacity(usize::MAX), 64 * MIB);
+    assert_eq!(arenas.next_capacity(usize::MAX, u64::MAX), 64 * MIB);
+    // An arena made for a large chunk holds three like it (whole MiB), at least twice the
+    // last, at most the largest; up to 1 MiB objects the growth is as for any.
+    assert_eq!(arenas.next_capacity(0, MIB + 4 * KIB), 4 * MIB);
+    assert_eq!(arenas.next_capacity(0, 8 * MIB + 4 * KIB), 25 * MIB);
+    assert_eq!(arenas.next_capacity(3, 8 * MIB), 32 * MIB);
+    assert_eq!(arenas.next_capacity(0, 30 * MIB), 64 * MIB);
     // A largest arena below the first size: every arena is that large.
     let small = Arenas::<Use>::with_limits(256 * KIB, DEFAULT_IDLE);
-    assert_eq!(small.next_capacity(0), 256 * KIB);
-    assert_eq!(small.next_capacity(3), 256 * KIB);
+    assert_eq!(small.next_capacity(0, 0), 256 * KIB);
+    assert_eq!(small.next_capacity(3, 100 * KIB), 256 * KIB);
     // What fits: the largest arena, less a chunk header.
     assert!(small.room_for(256 * KIB - 64));
     assert!(!small.room_for(256 * KIB - 63));
