@@ -17,7 +17,8 @@ process runs a Python loop (as a progress bar, a prefetching or a logging thread
 time a call gives the GIL back, the busy thread may keep it for the interpreter's switch
 interval (5 ms). Per call, the median of `--rounds` rounds of `--ops` calls, alone and
 beside the busy thread: `put` then `close`, a `Channel`'s put then get, and unpickling a
-`Ref` then its get (a fresh handle each time, as a receiving process opens one).
+`Ref` then its get (a fresh handle each time, as a receiving process opens one); and a
+16-byte `put` with `arena=False` (a segment of its own) then `close`.
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ def beside_busy(sizes_kib: list[int], ops: int, rounds: int) -> str:
         steps[f"Channel put + get, {kib} KiB"] = lambda a=a: (ch.put(a), ch.get())
         steps[f"unpickle a Ref + get, {kib} KiB"] = lambda d=data: pickle.loads(d).get()
         refs.append(ref)
+    # A segment of its own: the supervisor's round trip and the file work are done without
+    # the GIL, each stretch a chance for the busy thread to keep it (docs/lifecycle.md).
+    tiny = np.zeros(2)
+    steps["put(16 B, arena=False) + close"] = lambda: shmstore.put(tiny, arena=False).close()
     rows = []
     stop = threading.Event()
 

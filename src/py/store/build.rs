@@ -25,8 +25,10 @@ pub(crate) fn build(
     };
     // The supervisor knows the segment before anything of it exists (docs/invariants.md, 5),
     // so the death of this process at any point (even mid-build) is noticed and cleaned up.
-    let mut reg = Registration::new(py, dir.join(&name), true);
-    let writer = SegmentWriter::create(&dir, &name, fallback.as_deref()).map_err(Error::from)?;
+    let (mut reg, writer) = Registration::created_then(py, dir.join(&name), || {
+        SegmentWriter::create(&dir, &name, fallback.as_deref())
+    });
+    let writer = writer.map_err(Error::from)?;
     let mut builder = Builder::new(writer, kind, std::process::id()).map_err(archive_err)?;
     feed(&mut builder)?;
     let now_ms = std::time::SystemTime::now()
@@ -64,7 +66,8 @@ impl Sealed {
 }
 
 /// Seal and publish what `writer` holds, map it from the still-open descriptor and make
-/// the `Store` (registered as `reg`).
+/// the `Store` (registered as `reg`). The file work is one stretch without the GIL (see
+/// [`Registration::created_then`]).
 pub(super) fn publish(
     py: Python<'_>,
     writer: SegmentWriter,
@@ -73,27 +76,29 @@ pub(super) fn publish(
     context: &str,
     sealed: Sealed,
 ) -> PyResult<Arc<Store>> {
-    let (path, file) = py
-        .detach(|| writer.publish_mode(sealed.mode()))
-        .map_err(Error::from)?;
     let registered = reg.active;
     let opened = py.detach(|| {
-        let mapping = Mapping::from_file(file, &path, true).map_err(StoreErr::Segment)?;
-        if !registered {
-            // No supervisor: this process owns the name and removes it when done.
-            mapping.take_ownership();
+        let (path, file) = writer.publish_mode(sealed.mode())?;
+        let opened = (|| {
+            let mapping = Mapping::from_file(file, &path, true).map_err(StoreErr::Segment)?;
+            if !registered {
+                // No supervisor: this process owns the name and removes it when done.
+                mapping.take_ownership();
+            }
+            let ident = file_ident(&path).unwrap_or((0, 0));
+            reg.lock_if_unsupervised(ident).map_err(StoreErr::Segment)?;
+            let reader = Reader::open(mapping).map_err(StoreErr::Archive)?;
+            Ok::<_, StoreErr>((reader, ident))
+        })();
+        if opened.is_err() {
+            let _ = std::fs::remove_file(&path);
         }
-        let ident = file_ident(&path).unwrap_or((0, 0));
-        reg.lock_if_unsupervised(ident).map_err(StoreErr::Segment)?;
-        let reader = Reader::open(mapping).map_err(StoreErr::Archive)?;
-        Ok::<_, StoreErr>((reader, ident))
+        Ok::<_, segment::SegmentError>((path, opened))
     });
+    let (path, opened) = opened.map_err(Error::from)?;
     let (reader, ident) = match opened {
         Ok(x) => x,
-        Err(e) => {
-            let _ = std::fs::remove_file(&path);
-            return Err(e.into_error(context).into()); // `reg` drops the registration
-        }
+        Err(e) => return Err(e.into_error(context).into()), // `reg` drops the registration
     };
     let store = Arc::new(Store {
         reader,
@@ -120,8 +125,10 @@ pub(crate) fn import(
 ) -> PyResult<Arc<Store>> {
     let name = segment::normalize_name(name).map_err(Error::from)?;
     let context = format!("store {name:?}");
-    let reg = Registration::new(py, dir.join(&name), true);
-    let mut writer = SegmentWriter::create(dir, &name, None).map_err(Error::from)?;
+    let (reg, writer) = Registration::created_then(py, dir.join(&name), || {
+        SegmentWriter::create(dir, &name, None)
+    });
+    let mut writer = writer.map_err(Error::from)?;
     feed(&mut writer)?;
     let store = publish(py, writer, reg, name, &context, Sealed::Fetched)?;
     log::debug!("fetched {} ({} bytes)", store.source.name(), store.nbytes());

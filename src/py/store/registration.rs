@@ -28,6 +28,25 @@ impl Registration {
         Registration::new(py, path, true)
     }
 
+    /// [`Self::created`], then `then` (making the file), in one stretch without the GIL:
+    /// each time the GIL is given back, a thread running Python may keep it for the
+    /// interpreter's switch interval (5 ms), so a segment's build gives it back as few
+    /// times as it can (the supervisor still knows the segment before it exists).
+    pub(super) fn created_then<T: Send>(
+        py: Python<'_>,
+        path: PathBuf,
+        then: impl FnOnce() -> T + Send,
+    ) -> (Self, T) {
+        let (told, made) = py.detach(|| (supervisor::client::use_segment(&path, true), then()));
+        let active = told_supervisor(&path, told);
+        let reg = Registration {
+            path,
+            active,
+            lock: None,
+        };
+        (reg, made)
+    }
+
     /// This process is about to map the existing file at `path` (a round trip: the
     /// supervisor knows before the file is mapped).
     pub(crate) fn used(py: Python<'_>, path: PathBuf) -> Self {
@@ -100,7 +119,13 @@ impl Drop for Registration {
 /// WARNING once per process (with what it means and how to fix it), unless disabled on
 /// purpose.
 pub(super) fn register(py: Python<'_>, path: &Path, created: bool) -> bool {
-    match py.detach(|| supervisor::client::use_segment(path, created)) {
+    let told = py.detach(|| supervisor::client::use_segment(path, created));
+    told_supervisor(path, told)
+}
+
+/// Whether the supervisor knows `path`, from its answer (`told`); what was learnt said.
+fn told_supervisor(path: &Path, told: Result<(), supervisor::client::Unavailable>) -> bool {
+    match told {
         Ok(()) => {
             late_news();
             true
