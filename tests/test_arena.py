@@ -190,6 +190,25 @@ def test_the_largest_arena_sets_the_limit_of_known_size_objects(
     assert int(out.stdout) == first_arena
 
 
+def test_a_stream_of_large_arrays_with_a_few_in_flight_stays_in_one_arena() -> None:
+    """6 MiB arrays put one after another, each closed once two newer ones exist: the arena
+    made for the first has room for three (docs/arena.md, "The threshold"), and the chunks
+    let go of are reused, so forty of them need no second arena and values never mix."""
+    mib = 1 << 20
+    live: list[shmstore.Ref] = []
+    for i in range(40):
+        live.append(shmstore.put(np.full(6 * mib, i % 251, dtype=np.uint8)))
+        assert "@" in live[-1].name
+        if len(live) > 2:
+            live.pop(0).close()
+        assert [int(r.get()[-1]) for r in live] == [(i - k) % 251 for k in range(len(live))][::-1]
+    usage = _native._arena_usage()
+    assert len(usage) == 1, usage
+    assert usage[0][2] == 19 * mib  # three 6 MiB chunks with their headers, whole MiB
+    for r in live:
+        r.close()
+
+
 @pytest.mark.parametrize(
     "name",
     [
