@@ -114,7 +114,7 @@ def main() -> None:
     client.wait_for_workers(n_workers, timeout=300)
     records = make_records(300)
     lst = shmstore.SharedList(records)
-    # 800 KB: a chunk of this process's arena (put's default below 1 MiB), which share()
+    # 800 KB: a chunk of this process's arena (put's default up to 8 MiB), which share()
     # copies into a segment of its own; tasks are given the chunk's handle.
     arr = shmstore.put(np.arange(100_000, dtype=np.float64))
     assert "@" in arr.name

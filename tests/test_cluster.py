@@ -124,7 +124,7 @@ def test_a_small_put_in_an_arena_is_shared_as_a_segment_of_its_own(tmp_path):
 
     value = {"a": [1, 2.5, "x"], "arr": np.arange(6, dtype=np.int32)}
     r = shmstore.put(value)
-    assert "@" in r.name  # a chunk of the arena (the default below 1 MiB)
+    assert "@" in r.name  # a chunk of the arena (the default for small objects)
     ref = sc.share(r, path=tmp_path / "small.shm")
     assert "@" not in ref.name
     pkl = tmp_path / "ref.pkl"
