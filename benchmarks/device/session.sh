@@ -11,6 +11,9 @@
 #   ft            the format part and bench_threads.py on a carried free-threaded 3.14t
 #   ca            the Channel and arrays parts, idle then busy
 #   arrays_busy   the arrays part with busy loops alone, ARRAYS_TIMEOUT s at most (240)
+#   small         bench_segment_churn.py (segments and large arena objects put and closed
+#                 in a loop: the supervisor's /proc scan grows with a machine's processes)
+#                 and bench_threads.py --beside-busy (calls beside a thread running Python)
 #   gpu           benchmarks/device/gpu_pin.py
 #
 # From the repository root, with shmstore's cp312 wheel and py-lmdb's in WHEELS (default
@@ -130,13 +133,19 @@ arrays_busy() {
         "$py" "${ARRAYS_TIMEOUT:-240}"
 }
 
+small() {
+    step "bench_segment_churn" 40 $py benchmarks/bench_segment_churn.py --out "$out/segment-churn.md"
+    step "bench_threads --beside-busy" 90 $py benchmarks/bench_threads.py --beside-busy \
+        --out "$out/beside-busy.md"
+}
+
 gpu() {
     step "GPU pinning" 120 $py benchmarks/device/gpu_pin.py --out "$out/gpu-pin.md"
 }
 
 for s in ${STEPS:-probe reads ft ca}; do
     case $s in
-    probe | reads | format_again | ft | ca | arrays_busy | gpu) "$s" ;;
+    probe | reads | format_again | ft | ca | arrays_busy | small | gpu) "$s" ;;
     *) say "unknown step $s" ;;
     esac
 done
