@@ -8,11 +8,12 @@ import pickle
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import shmstore
-from conftest import gather_a_reclaim, segment_dir
+from conftest import gather_a_reclaim, mounted_tmpfs, segment_dir
 from shmstore import _native
 
 
@@ -207,6 +208,33 @@ def test_a_stream_of_large_arrays_with_a_few_in_flight_stays_in_one_arena() -> N
     assert usage[0][2] == 19 * mib  # three 6 MiB chunks with their headers, whole MiB
     for r in live:
         r.close()
+
+
+def test_an_arena_for_large_arrays_leaves_most_of_a_small_dev_shm_to_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a 64 MiB tmpfs (a container's default /dev/shm) an 8 MiB array gets a segment of
+    its own: the arena made for it (25 MiB) would take more than a quarter of the room, and
+    stay reserved while the process lives. A 2 MiB array's (7 MiB) and a small object's
+    (4 MiB) arenas fit that rule and are made (docs/arena.md, "The threshold")."""
+    mib = 1 << 20
+    with mounted_tmpfs(tmp_path, "64m") as mnt:
+        monkeypatch.setenv("SHMSTORE_DIR", str(mnt))
+        big = shmstore.put(np.ones(8 * mib, dtype=np.uint8))
+        assert "@" not in big.name and (mnt / big.name).is_file()
+        assert _native._arena_usage() == []
+        medium = shmstore.put(np.ones(2 * mib, dtype=np.uint8))
+        assert "@" in medium.name
+        assert [cap for _, _, cap in _native._arena_usage()] == [7 * mib]
+        assert int(big.get().sum()) == 8 * mib and int(medium.get().sum()) == 2 * mib
+        for r in (big, medium):
+            r.close()
+        _native._arena_release()
+        small = shmstore.put(np.ones(1000, dtype=np.uint8))
+        assert "@" in small.name
+        assert [cap for _, _, cap in _native._arena_usage()] == [4 * mib]
+        small.close()
+        _native._arena_release()
 
 
 @pytest.mark.parametrize(

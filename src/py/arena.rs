@@ -39,6 +39,10 @@ const PAYLOAD_SHARE: u64 = 8;
 /// `SHMSTORE_ARENA_SIZE` says, as long as it fits in an arena.
 const MIN_PAYLOAD: u64 = 1 << 20;
 
+/// An arena made for a large chunk takes at most this share of its directory's room
+/// ([`new_arena`]).
+const LARGE_ARENA_SHARE: u64 = 4;
+
 /// Largest archive of an object of unknown size (a dict, a list) that goes into an arena:
 /// it is built in memory first ([`encode_small`]), so its size is found out by encoding,
 /// at most this much buffered: 1 MiB and the archive's own bytes ([`ARCHIVE_ROOM`]).
@@ -68,6 +72,11 @@ impl ArenaUser for ArenaUse {
 /// objects get segments of their own instead.
 /// Also `None` when the segment directory has no room for a whole arena: a small object
 /// that fits gets a segment of its own there (an arena is only a way to make puts cheaper).
+/// An arena made for a chunk larger than [`MAX_BUFFERED`] (an array or `bytes` over 1 MiB)
+/// takes at most a [`LARGE_ARENA_SHARE`]th of the room left in the directory, else the
+/// object gets a segment of its own: such an arena stays reserved while its process lives,
+/// and must not crowd other processes' segments out of a small /dev/shm (a container's is
+/// 64 MiB by default).
 fn new_arena(
     py: Python<'_>,
     dir: PathBuf,
@@ -75,7 +84,12 @@ fn new_arena(
     max_len: u64,
 ) -> PyResult<Option<Owned<ArenaUse>>> {
     let cap = ARENAS.next_capacity(made, max_len);
-    if py.detach(|| owned::no_room(&dir, cap)) {
+    let room = if max_len > MAX_BUFFERED {
+        cap.saturating_mul(LARGE_ARENA_SHARE)
+    } else {
+        cap
+    };
+    if py.detach(|| owned::no_room(&dir, room)) {
         log::debug!(
             "no room for an arena in {}: a segment per object",
             dir.display()
