@@ -38,20 +38,32 @@ def main() -> None:
     args = ap.parse_args()
     records = [{"a": i, "b": [1, 2, 3]} for i in range(100)]
     small = np.zeros(2)
-    steps: dict[str, Callable[[], Any]] = {
-        "put(16 B, arena=False) + close": lambda: shmstore.put(small, arena=False).close(),
-        "SharedList(100 records) + close": lambda: shmstore.SharedList(records).close(),
+    large_ops = max(10, args.ops // 4)
+    # name -> (the call, calls per round)
+    steps: dict[str, tuple[Callable[[], Any], int]] = {
+        "put(16 B, arena=False) + close": (
+            lambda: shmstore.put(small, arena=False).close(),
+            args.ops,
+        ),
+        "SharedList(100 records) + close": (
+            lambda: shmstore.SharedList(records).close(),
+            args.ops,
+        ),
     }
     for mib in (2, 8):
         big = np.zeros(mib << 20, dtype=np.uint8)
-        steps[f"put({mib} MiB array, arena=False) + close"] = lambda big=big: shmstore.put(
-            big, arena=False
-        ).close()
-        steps[f"put({mib} MiB array) + close (arena)"] = lambda big=big: shmstore.put(big).close()
-    rows = []
-    for name, step in steps.items():
-        ops = max(10, args.ops // 4) if "MiB" in name else args.ops  # the large: fewer
-        rows.append([name, f"{per_call(step, ops, args.rounds) * 1e6:.0f} µs"])
+        steps[f"put({mib} MiB array, arena=False) + close"] = (
+            lambda big=big: shmstore.put(big, arena=False).close(),
+            large_ops,
+        )
+        steps[f"put({mib} MiB array) + close (arena)"] = (
+            lambda big=big: shmstore.put(big).close(),
+            large_ops,
+        )
+    rows = [
+        [name, f"{per_call(step, ops, args.rounds) * 1e6:.0f} µs"]
+        for name, (step, ops) in steps.items()
+    ]
     head = (
         f"Per call, median of {args.rounds} rounds of {args.ops} (of the MiB arrays a "
         f"quarter as many, at least 10). CPython "

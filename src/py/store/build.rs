@@ -76,30 +76,16 @@ pub(super) fn publish(
     context: &str,
     sealed: Sealed,
 ) -> PyResult<Arc<Store>> {
-    let registered = reg.active;
-    let opened = py.detach(|| {
+    let published = py.detach(|| {
         let (path, file) = writer.publish_mode(sealed.mode())?;
-        let opened = (|| {
-            let mapping = Mapping::from_file(file, &path, true).map_err(StoreErr::Segment)?;
-            if !registered {
-                // No supervisor: this process owns the name and removes it when done.
-                mapping.take_ownership();
-            }
-            let ident = file_ident(&path).unwrap_or((0, 0));
-            reg.lock_if_unsupervised(ident).map_err(StoreErr::Segment)?;
-            let reader = Reader::open(mapping).map_err(StoreErr::Archive)?;
-            Ok::<_, StoreErr>((reader, ident))
-        })();
+        let opened = open_published(file, &path, &mut reg);
         if opened.is_err() {
             let _ = std::fs::remove_file(&path);
         }
         Ok::<_, segment::SegmentError>((path, opened))
     });
-    let (path, opened) = opened.map_err(Error::from)?;
-    let (reader, ident) = match opened {
-        Ok(x) => x,
-        Err(e) => return Err(e.into_error(context).into()), // `reg` drops the registration
-    };
+    let (path, opened) = published.map_err(Error::from)?;
+    let (reader, ident) = opened.map_err(|e| e.into_error(context))?; // `reg` drops the registration
     let store = Arc::new(Store {
         reader,
         source: Source::Segment { name, path },
@@ -111,6 +97,25 @@ pub(super) fn publish(
     });
     remember(&store);
     Ok(store)
+}
+
+/// Map the segment just published at `path` from its still-open descriptor `file` and open
+/// its archive; without a supervisor (`reg` not active) this process owns the name and holds
+/// the file's shared lock. With the file's identity (device, inode).
+fn open_published(
+    file: std::fs::File,
+    path: &Path,
+    reg: &mut Registration,
+) -> Result<(Reader<Mapping>, (u64, u64)), StoreErr> {
+    let mapping = Mapping::from_file(file, path, true).map_err(StoreErr::Segment)?;
+    if !reg.active {
+        // No supervisor: this process owns the name and removes it when done.
+        mapping.take_ownership();
+    }
+    let ident = file_ident(path).unwrap_or((0, 0));
+    reg.lock_if_unsupervised(ident).map_err(StoreErr::Segment)?;
+    let reader = Reader::open(mapping).map_err(StoreErr::Archive)?;
+    Ok((reader, ident))
 }
 
 /// Make a segment `name` in `dir` from archive bytes produced elsewhere (a copy fetched

@@ -62,13 +62,8 @@ impl Registration {
     /// (`Mapping::open_locked`: the lock lasts as long as the mapping): tell the supervisor
     /// without waiting for its answer when possible (`client::use_segment_nowait`).
     pub(super) fn attached(py: Python<'_>, path: PathBuf) -> Self {
-        let active = match py.detach(|| supervisor::client::use_segment_nowait(&path)) {
-            Ok(()) => {
-                late_news();
-                true
-            }
-            Err(e) => unavailable(&path, e),
-        };
+        let told = py.detach(|| supervisor::client::use_segment_nowait(&path));
+        let active = told_supervisor(&path, told);
         Registration {
             path,
             active,
