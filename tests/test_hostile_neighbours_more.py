@@ -270,6 +270,65 @@ def test_deep_values_in_a_thread_with_a_small_stack_raise_instead_of_crashing():
     assert all(got[f"4096:{n}"] == "ok" for n in ("to_python", "eq", "put")), got
 
 
+MAIN_STACK = r"""
+import os, resource, sys, threading
+import shmstore
+x = []
+for _ in range(99):
+    x = [x]
+v = shmstore.put(x).get()
+out = {}
+def run(name, f):
+    try:
+        f()
+        out[name] = "ok"
+    except RecursionError as e:
+        out[name] = "stack" if "threading.stack_size" in str(e) else repr(e)
+run("to_python", v.to_python)
+run("eq", lambda: v == x)
+run("put", lambda: shmstore.put(v).close())
+# A child forked from a thread with a small stack: its one thread is its main thread now,
+# on that thread's stack, not the process's first one.
+def fork_from_thread():
+    pid = os.fork()
+    if pid == 0:
+        try:
+            v.to_python()
+            os._exit(10)
+        except RecursionError as e:
+            os._exit(11 if "threading.stack_size" in str(e) else 12)
+    out["forked"] = {10: "ok", 11: "stack"}.get(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), "?")
+threading.stack_size(64 * 1024)
+t = threading.Thread(target=fork_from_thread)
+t.start()
+t.join()
+print(sorted(out.items()))
+"""
+
+
+@pytest.mark.parametrize("kib", [128, 8192])
+def test_deep_values_in_the_main_thread_with_a_small_stack_limit_raise_instead_of_crashing(kib):
+    """The main thread's stack is found from the kernel's account of the process (its size
+    limit below the end of the environment) rather than by pthreads, which read all of
+    /proc/self/maps for it. Under a 128 KiB stack limit the 99-deep list's conversion raises
+    RecursionError saying what to do, as in a thread with a small stack; with 8 MiB it
+    converts; a child forked from a thread with a 64 KiB stack still finds that stack."""
+    import resource
+
+    def limit_stack() -> None:
+        hard = resource.getrlimit(resource.RLIMIT_STACK)[1]
+        resource.setrlimit(resource.RLIMIT_STACK, (kib * 1024, hard))
+
+    out = run_checked([sys.executable, "-c", MAIN_STACK], preexec_fn=limit_stack).stdout
+    got = dict(ast.literal_eval(out))
+    assert got["forked"] == "stack", got
+    if kib == 8192:
+        assert all(got[n] == "ok" for n in ("to_python", "eq", "put")), got
+    else:
+        assert got["to_python"] == "stack" and got["eq"] == "stack", got
+        assert got["put"] in ("ok", "stack"), got
+
+
 # --- swapped stores in a group-writable directory -----------------------------------------
 
 ATTACH_TRAIN = r"""
