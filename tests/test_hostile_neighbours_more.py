@@ -297,7 +297,8 @@ def fork_from_thread():
             os._exit(10)
         except RecursionError as e:
             os._exit(11 if "threading.stack_size" in str(e) else 12)
-    out["forked"] = {10: "ok", 11: "stack"}.get(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), "?")
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    out["forked"] = {10: "ok", 11: "stack"}.get(code, code)
 threading.stack_size(64 * 1024)
 t = threading.Thread(target=fork_from_thread)
 t.start()
