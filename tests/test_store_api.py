@@ -795,3 +795,41 @@ def test_a_large_array_is_hashed_as_written_and_verify_finds_a_changed_byte(tmp_
         pytest.raises(shmstore.CorruptStoreError, match="modified"),
     ):
         opened.verify()
+
+
+LAZY_TOOLS = r"""
+import sys
+import shmstore
+heavy = ("multiprocessing", "subprocess", "tempfile", "tracemalloc", "csv",
+         "shmstore.cow", "shmstore.leaks", "shmstore.memory")
+print(sorted(m for m in heavy if m in sys.modules))
+print("cow" in dir(shmstore), shmstore.cow.__name__)
+from shmstore import leaks
+import shmstore.memory
+print(leaks.__name__, shmstore.memory.__name__, shmstore.leaks is leaks)
+ns = {}
+exec("from shmstore import *", ns)
+print(sorted(n for n in ("cow", "leaks", "memory", "put") if n in ns))
+try:
+    shmstore.no_such_thing
+except AttributeError as e:
+    print(e)
+"""
+
+
+def test_importing_the_package_leaves_the_tools_beside_it_for_their_first_use():
+    """``import shmstore`` in a fresh process (a spawned worker that only reads) does not
+    import ``cow``, ``leaks`` and ``memory`` and the standard library they need (~75 ms of
+    start-up); each is there on first use, by attribute, ``from`` import or ``import``."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", LAZY_TOOLS], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.splitlines()
+    assert out == [
+        "[]",
+        "True shmstore.cow",
+        "shmstore.leaks shmstore.memory True",
+        "['cow', 'leaks', 'memory', 'put']",
+        "module 'shmstore' has no attribute 'no_such_thing'",
+    ], out

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import atexit
 import collections.abc as _abc
+import importlib as _importlib
+from typing import TYPE_CHECKING, Any
 
-from shmstore import _native, cow, leaks, memory
+from shmstore import _native
 from shmstore._native import (
     Channel,
     CorruptStoreError,
@@ -59,6 +61,27 @@ del _f
 
 # Names this process created and still owns are removed when the interpreter exits.
 atexit.register(_native._cleanup_at_exit)
+
+# The tools beside the store (`cow`, `leaks`, `memory`) are imported on first use: they need
+# much of the standard library (multiprocessing, subprocess, tempfile, pathlib, tracemalloc,
+# csv), ~75 ms of a fresh process's start, which a DataLoader's spawned worker that only
+# reads a store would pay for nothing. `shmstore.cow`, `from shmstore import cow` and
+# `import shmstore.cow` all work as before.
+_LAZY = ("cow", "leaks", "memory")
+
+if TYPE_CHECKING:
+    from shmstore import cow, leaks, memory
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return _importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __all__ = [
     "Channel",
