@@ -320,3 +320,51 @@ def test_rust_logs_use_public_logger_names_one_line_per_event(caplog):
     assert {r.name for r in mine} == {"shmstore.store"}, [(r.name, r.getMessage()) for r in mine]
     unlinked = [r for r in mine if r.getMessage().startswith("unlinked")]
     assert len(unlinked) == 1, [r.getMessage() for r in mine]
+
+
+LATE_LOGGING = r"""
+import sys
+before = "logging" in sys.modules  # a site hook may have imported it
+import shmstore
+lst = shmstore.SharedList([1, 2])
+lst.unlink()
+print("logging imported by shmstore:", "logging" in sys.modules and not before)
+import logging
+logging.basicConfig(
+    level=logging.DEBUG, stream=sys.stdout, format="%(name)s %(levelname)s %(message)s"
+)
+lst = shmstore.SharedList([1, 2])
+print("made", lst.name)
+lst.unlink()
+"""
+
+
+def test_logging_is_imported_by_the_first_record_that_needs_it():
+    """``import shmstore`` and DEBUG records leave ``logging`` unimported (no level or
+    handler can be set without it, so they would be dropped anyway); a program that sets
+    logging up later gets the records from then on; a WARNING is shown unconfigured, as
+    Python's logging shows one (the supervisor unavailable: its state directory cannot be
+    made)."""
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", LATE_LOGGING],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.splitlines()
+    assert out[0] == "logging imported by shmstore: False", out
+    name = next(line.split()[1] for line in out if line.startswith("made "))
+    assert f"shmstore.store DEBUG created {name}" in [" ".join(x.split()[:4]) for x in out], out
+
+    env = {**os.environ, "XDG_RUNTIME_DIR": "/proc/self/no-such-directory"}
+    warned = subprocess.run(
+        [sys.executable, "-c", "import shmstore; shmstore.SharedList([1]).unlink()"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        env=env,
+    ).stderr
+    assert "shmstore runs without its supervisor" in warned, warned
