@@ -232,7 +232,10 @@ def test_a_fetch_lock_planted_by_another_user_blocks_nothing(sticky_tmp, other_u
 
 # --- deep values in threads with small stacks ----------------------------------------------
 
-SMALL_STACK = r"""
+# A list nested 99 deep (the builder takes up to 100), its view `v`, and `run(name, f)`,
+# which notes in `out` whether `f()` converted ("ok") or raised the RecursionError that
+# says what to do ("stack").
+DEEP_VALUE = r"""
 import threading
 import shmstore
 x = []
@@ -246,6 +249,11 @@ def run(name, f):
         out[name] = "ok"
     except RecursionError as e:
         out[name] = "stack" if "threading.stack_size" in str(e) else repr(e)
+"""
+
+SMALL_STACK = (
+    DEEP_VALUE
+    + r"""
 for kib in (64, 128, 4096):
     threading.stack_size(kib * 1024)
     for name, f in (("to_python", v.to_python), ("eq", lambda: v == x),
@@ -255,6 +263,7 @@ for kib in (64, 128, 4096):
         t.join()
 print(sorted(out.items()))
 """
+)
 
 
 def test_deep_values_in_a_thread_with_a_small_stack_raise_instead_of_crashing():
@@ -270,20 +279,10 @@ def test_deep_values_in_a_thread_with_a_small_stack_raise_instead_of_crashing():
     assert all(got[f"4096:{n}"] == "ok" for n in ("to_python", "eq", "put")), got
 
 
-MAIN_STACK = r"""
-import os, resource, sys, threading
-import shmstore
-x = []
-for _ in range(99):
-    x = [x]
-v = shmstore.put(x).get()
-out = {}
-def run(name, f):
-    try:
-        f()
-        out[name] = "ok"
-    except RecursionError as e:
-        out[name] = "stack" if "threading.stack_size" in str(e) else repr(e)
+MAIN_STACK = (
+    DEEP_VALUE
+    + r"""
+import os
 run("to_python", v.to_python)
 run("eq", lambda: v == x)
 run("put", lambda: shmstore.put(v).close())
@@ -305,6 +304,7 @@ t.start()
 t.join()
 print(sorted(out.items()))
 """
+)
 
 
 @pytest.mark.parametrize("kib", [128, 8192])

@@ -11,7 +11,7 @@ import weakref
 from collections.abc import Callable
 
 import shmstore
-from conftest import mappings_of
+from conftest import mappings_of, run_checked
 
 
 def run_in_threads(n: int, body: Callable[[int], None]) -> None:
@@ -345,26 +345,13 @@ def test_logging_is_imported_by_the_first_record_that_needs_it():
     logging up later gets the records from then on; a WARNING is shown unconfigured, as
     Python's logging shows one (the supervisor unavailable: its state directory cannot be
     made)."""
-    import subprocess
-
-    out = subprocess.run(
-        [sys.executable, "-c", LATE_LOGGING],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout.splitlines()
+    out = run_checked([sys.executable, "-c", LATE_LOGGING]).stdout.splitlines()
     assert out[0] == "logging imported by shmstore: False", out
     name = next(line.split()[1] for line in out if line.startswith("made "))
     assert f"shmstore.store DEBUG created {name}" in [" ".join(x.split()[:4]) for x in out], out
 
     env = {**os.environ, "XDG_RUNTIME_DIR": "/proc/self/no-such-directory"}
-    warned = subprocess.run(
-        [sys.executable, "-c", "import shmstore; shmstore.SharedList([1]).unlink()"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-        env=env,
+    warned = run_checked(
+        [sys.executable, "-c", "import shmstore; shmstore.SharedList([1]).unlink()"], env=env
     ).stderr
     assert "shmstore runs without its supervisor" in warned, warned
