@@ -63,17 +63,10 @@ impl PublicNames {
 /// Whether the module `name` is in `sys.modules` (an error counts as imported: then the
 /// record goes the usual way).
 fn imported(py: Python<'_>, name: &str) -> bool {
-    let found = py
-        .import("sys")
+    py.import("sys")
         .and_then(|sys| sys.getattr("modules"))
-        .and_then(|modules| modules.contains(name));
-    match found {
-        Ok(found) => found,
-        Err(e) => {
-            drop(e);
-            true
-        }
-    }
+        .and_then(|modules| modules.contains(name))
+        .unwrap_or(true)
 }
 
 /// The bridge to `logging`, its loggers made and their level caches filled (as a Python

@@ -62,6 +62,12 @@ const ABOVE_ENVIRONMENT: usize = 8 * 1024;
 /// [`ABOVE_ENVIRONMENT`] above the environment's end (the answer errs, by that, on the side
 /// of less room).
 fn main_stack_low(here: usize) -> Option<usize> {
+    // Only the process's main thread (or a child's one thread) has the thread id of the
+    // process: every other thread asks pthreads at once, without reading /proc.
+    // SAFETY: gettid and getpid have no preconditions and cannot fail.
+    if unsafe { libc::gettid() != libc::getpid() } {
+        return None;
+    }
     // Read into a buffer large enough for the line (`fs::read` and `read_to_end` would
     // `statx` the file first and, as /proc reports a size of 0, read it in growing steps).
     let mut buf = [0u8; 2048];
