@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -10,14 +11,15 @@ import os
 import random
 import sys
 import threading
+import tracemalloc
 import weakref
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 from shmstore import leaks
-from shmstore.leaks import _graph
+from shmstore.leaks import _detect, _graph
 from shmstore.leaks._guard import rss_bytes
 
 np = pytest.importorskip("numpy")
@@ -410,6 +412,20 @@ def test_bad_arguments() -> None:
 # -- threads --------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _traced_before_threads() -> Iterator[None]:
+    """What docs/free-threading.md tells users of ``threads="current"`` on a free-threaded
+    interpreter: tracemalloc started before the threads are, stopped after they end."""
+    start = _detect._free_threaded() and not tracemalloc.is_tracing()
+    if start:
+        tracemalloc.start(128)
+    try:
+        yield
+    finally:
+        if start:
+            tracemalloc.stop()
+
+
 def _cycle_in_thread(go: threading.Event, done: threading.Event) -> None:
     assert go.wait(300)
     Circular(np.zeros(1000))
@@ -420,14 +436,15 @@ def _cycle_in_thread(go: threading.Event, done: threading.Event) -> None:
 def test_other_threads_garbage_attributed_or_excluded(threads: str) -> None:
     go, done = threading.Event(), threading.Event()
     worker = threading.Thread(target=_cycle_in_thread, args=(go, done))
-    worker.start()
-    try:
-        with leaks.detect(threads=threads, trace=128) as report:  # type: ignore[arg-type]
-            go.set()
-            assert done.wait(300)
-            QuantileDMatrix(None)
-    finally:
-        worker.join(300)
+    with _traced_before_threads():
+        worker.start()
+        try:
+            with leaks.detect(threads=threads, trace=128) as report:  # type: ignore[arg-type]
+                go.set()
+                assert done.wait(300)
+                QuantileDMatrix(None)
+        finally:
+            worker.join(300)
     mine = [c for c in report.cycles if "QuantileDMatrix" in c.path]
     assert len(mine) == 1 and mine[0].thread == "current"
     assert mine[0].allocated_at is not None and __file__ in mine[0].allocated_at
@@ -464,7 +481,8 @@ def test_freethreaded_without_stop_the_world_skips_with_reason(
 def test_cycles_are_found_while_other_threads_make_and_free_objects() -> None:
     """Other threads allocating and freeing the whole time (on a free-threaded interpreter
     in parallel with the analysis, changing refcounts under it): the block's own cycles are
-    each found, none of the other threads' live objects is reported, nothing is skipped."""
+    each found, none of the other threads' objects is reported (alive, or let go while the
+    analysis held them), nothing is skipped."""
     stop = threading.Event()
 
     def churn() -> None:
@@ -476,7 +494,9 @@ def test_cycles_are_found_while_other_threads_make_and_free_objects() -> None:
     for w in workers:
         w.start()
     try:
-        with leaks.detect(threads="current") as report:
+        # threads="all": the other threads' objects must stay out for what they are (alive,
+        # or freed by refcounting), not by attribution.
+        with leaks.detect() as report:
             for _ in range(200):
                 a: list[Any] = []
                 a.append(a)
@@ -493,6 +513,80 @@ def test_cycles_are_found_while_other_threads_make_and_free_objects() -> None:
         ("test_leaks.Node", "test_leaks.Pair"): 1,
     }
     assert {c.path for c in report.cycles if "list" in c.types} == {"list[0] -> list"}
+    gc.collect()
+
+
+def test_tracemalloc_is_neither_started_nor_stopped_where_that_is_unsafe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where toggling tracemalloc could crash the interpreter (a free-threaded one with
+    other threads running), a block does not start it: it warns, says so in the report and
+    keeps every cycle; a block that started it and cannot stop it leaves it on, and a later
+    block's exit stops it once that is safe."""
+    if tracemalloc.is_tracing():
+        pytest.skip("tracemalloc is already tracing (PYTHONTRACEMALLOC?): nothing to start")
+    unsafe = [True]
+    monkeypatch.setattr(_detect, "_toggle_unsafe", lambda: unsafe[0])
+    try:
+        with pytest.warns(RuntimeWarning, match=r"start it before the threads do"):
+            with leaks.detect(threads="current") as report:
+                assert not tracemalloc.is_tracing()
+                Node()
+        assert report.unattributed is not None and "PYTHONTRACEMALLOC=128" in report.unattributed
+        assert [(c.thread, c.allocated_at) for c in report.cycles] == [(None, None)]
+        assert "not attributed to threads" in str(report)
+        assert report.to_dict()["unattributed"] == report.unattributed
+
+        unsafe[0] = False
+        with leaks.detect(threads="current") as report:
+            assert tracemalloc.is_tracing()
+            QuantileDMatrix(None)
+            unsafe[0] = True  # e.g. a thread started in the block, still running at exit
+        assert tracemalloc.is_tracing()  # left on
+        assert report.unattributed is None and [c.thread for c in report.cycles] == ["current"]
+        with leaks.detect():  # its exit is not safe either
+            pass
+        assert tracemalloc.is_tracing()
+        unsafe[0] = False
+        with leaks.detect():
+            pass
+        assert not tracemalloc.is_tracing()  # stopped by the first exit where it is safe
+    finally:
+        if tracemalloc.is_tracing():
+            tracemalloc.stop()
+        monkeypatch.setattr(_detect, "_ours", False)
+    gc.collect()
+
+
+def test_objects_another_thread_lets_go_during_the_analysis_are_not_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The analysis holds every new object from its snapshot on. An object whose last owner
+    (another thread) drops it after the snapshot is then held by the analysis alone and is
+    unreachable, but no cycle holds it: refcounting frees it. Such objects, and what only
+    they hold, are neither reported nor counted; a cycle they held is reported."""
+    holder: list[Any] = []  # made before the block: the other thread's object
+    real = _detect.find_unreachable
+
+    def drop_then_analyse(cand: list[Any], **kw: Any) -> list[int]:
+        holder.clear()  # "another thread": after the snapshot, before the refcounts
+        return real(cand, **kw)
+
+    monkeypatch.setattr(_detect, "find_unreachable", drop_then_analyse)
+    with leaks.detect() as report:
+        holder.extend([i] for i in range(50))  # lists of its own
+        holder.append({"big": bytearray(1 << 20)})
+        cyc: list[Any] = []
+        cyc.append(cyc)
+        holder.append([cyc])  # a cycle only a let-go object holds
+        del cyc
+        for _ in range(3):
+            a: list[Any] = []
+            a.append(a)
+        del a
+    assert Counter(tuple(sorted(c.types)) for c in report.cycles) == {("list",): 4}
+    assert {c.path for c in report.cycles} == {"list[0] -> list"}
+    assert report.retained_bytes < 1 << 20  # the let-go bytearray is not counted
     gc.collect()
 
 

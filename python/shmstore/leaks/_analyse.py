@@ -186,18 +186,35 @@ def build_cycles(
     objects, adj = dead.objects, dead.adj
     gadj = [[w for w in adj[v] if w < g] for v in range(g)]
     comp, ncomp = strongly_connected(gadj)
-
-    # Root components: no other garbage component points into them.
-    has_parent = [False] * ncomp
-    for v in range(g):
-        for w in gadj[v]:
-            if comp[w] != comp[v]:
-                has_parent[comp[w]] = True
     members: list[list[int]] = [[] for _ in range(ncomp)]
     for v in range(g):
         members[comp[v]].append(v)
 
-    # Owner of each dead object: the only root component reaching it, or _SHARED.
+    # Only what a cycle holds is garbage the collector must free. An unreachable object that
+    # no cycle reaches was let go by another thread while the analysis held it (between the
+    # snapshot and the refcounts): refcounting frees it once the analysis drops it.
+    held = [False] * g
+    stack = [v for v in range(g) if len(members[comp[v]]) > 1 or v in gadj[v]]
+    for v in stack:
+        held[v] = True
+    while stack:
+        for w in gadj[stack.pop()]:
+            if not held[w]:
+                held[w] = True
+                stack.append(w)
+
+    # Root components: no other held component points into them.
+    has_parent = [False] * ncomp
+    for v in range(g):
+        if not held[v]:
+            has_parent[comp[v]] = True  # not a root: not reported
+            continue
+        for w in gadj[v]:
+            if comp[w] != comp[v]:
+                has_parent[comp[w]] = True
+
+    # Owner of each dead object: the only root component reaching it, or _SHARED; -1 for
+    # what only an object refcounting frees reaches (not counted).
     owner = [-1] * len(objects)
     queue: list[int] = []
     for c in range(ncomp):
@@ -220,9 +237,11 @@ def build_cycles(
     per_owner_types: list[Counter[str]] = [Counter() for _ in range(ncomp)]
     owned: list[list[int]] = [[] for _ in range(ncomp)]
     for v, obj in enumerate(objects):
+        o = owner[v]
+        if o == -1:
+            continue
         size, buf = _sizes(obj, ndarray, mmap_type)
         total += size
-        o = owner[v]
         if o >= 0:
             per_owner_bytes[o] += size
             per_owner_buf[o] += buf

@@ -9,6 +9,7 @@ import sys
 import threading
 import time
 import tracemalloc
+import warnings
 from itertools import compress
 from types import TracebackType
 from typing import Any, Callable, Iterable, Literal, Optional, Sequence, TypeVar, cast
@@ -142,6 +143,49 @@ def _freethreaded_unsafe() -> Optional[str]:
     return None
 
 
+_TRACE_LOCK = threading.Lock()
+_ours = False  # tracemalloc runs because a block started it
+
+
+def _toggle_unsafe() -> bool:
+    """Whether starting or stopping tracemalloc now could crash the interpreter.
+
+    On a free-threaded interpreter (3.14t checked) ``tracemalloc.start()`` and ``stop()``
+    swap the allocator hooks while other threads allocate through them: a thread can call
+    a new hook with the old context, or look up a trace table being cleared, and the process
+    dies (a pure-CPython loop toggling it beside two threads making lists crashed 2 runs in
+    8). With the GIL the swap happens while no other thread runs Python.
+    """
+    return _free_threaded() and threading.active_count() > 1
+
+
+def _start_tracing(nframe: int) -> Optional[str]:
+    """Start tracemalloc for a block; the reason it stays off, else None."""
+    global _ours
+    with _TRACE_LOCK:
+        if tracemalloc.is_tracing():
+            return None
+        if _toggle_unsafe():
+            return (
+                "tracemalloc cannot be started while other threads run on a free-threaded "
+                "interpreter (it crashes there); start it before the threads do: "
+                "tracemalloc.start(128), or PYTHONTRACEMALLOC=128 in the environment"
+            )
+        tracemalloc.start(nframe)
+        _ours = True
+        return None
+
+
+def _stop_tracing() -> None:
+    """At a block's exit: stop the tracemalloc a block started, once no other block needs it
+    and stopping is safe; else it stays on until a later block's exit finds both."""
+    global _ours
+    with _TRACE_LOCK:
+        if _ours and _PAUSE.alone() and not _toggle_unsafe():
+            _ours = False
+            tracemalloc.stop()
+
+
 class _ThreadTagger:
     """Tells whether an object was allocated by the thread that entered the block.
 
@@ -213,7 +257,10 @@ class detect:  # lower case: used like a function, `with detect() as report`
         trace: frames tracemalloc keeps per allocation, to report ``allocated_at`` and the
             thread; ``None`` means 128 with ``threads="current"``, else off (0); raised to
             the current stack depth + 64 so that whole stacks are kept. Ignored when
-            tracemalloc is already tracing (then attribution may say None: unknown).
+            tracemalloc is already tracing (then attribution may say None: unknown). On a
+            free-threaded interpreter tracemalloc is not started while other threads run
+            (it can crash there): a ``RuntimeWarning`` and ``report.unattributed`` say so,
+            and every cycle is kept; start tracemalloc before the threads do.
         min_bytes: cycles retaining fewer bytes are not reported.
         raise_on_leak: raise :class:`LeakError` at exit when cycles were found (not when the
             block itself raised).
@@ -273,18 +320,19 @@ class detect:  # lower case: used like a function, `with detect() as report`
 
     def _enter(self, depth: int) -> LeakReport:
         report = LeakReport()
-        started_tracing = False
         if self.trace and not tracemalloc.is_tracing():
             # Thread attribution needs whole stacks: at least this deep, plus the block's own.
-            tracemalloc.start(min(65535, max(self.trace, _stack_depth() + 64)))
-            started_tracing = True
+            why = _start_tracing(min(65535, max(self.trace, _stack_depth() + 64)))
+            if why is not None:
+                report.unattributed = why
+                warnings.warn(f"leaks.detect(): {why}", RuntimeWarning, stacklevel=depth + 1)
         tagger = _ThreadTagger(depth + 1) if tracemalloc.is_tracing() else None
         _PAUSE.enter()
-        state = (report, started_tracing, tagger, None)
+        state = (report, tagger, None)
         self._stack().append(state)
         # Last: everything made so far (this detector's own state included) counts as old.
         entry = _Entry(self.scope)
-        self._stack()[-1] = (report, started_tracing, tagger, entry)
+        self._stack()[-1] = (report, tagger, entry)
         self.report = report
         return report
 
@@ -300,7 +348,7 @@ class detect:  # lower case: used like a function, `with detect() as report`
         exc: Optional[BaseException],
         tb: Optional[TracebackType],
     ) -> None:
-        report, started_tracing, tagger, entry = self._stack().pop()
+        report, tagger, entry = self._stack().pop()
         found = False
         try:
             exclude = {id(report), id(entry), id(entry.pos)}
@@ -308,8 +356,7 @@ class detect:  # lower case: used like a function, `with detect() as report`
         finally:
             entry.release()
             entry = None
-            if started_tracing:
-                tracemalloc.stop()
+            _stop_tracing()
             outermost, was_enabled = _PAUSE.leave()
             report.complete = True
         if found and self.collect and not self.keep and outermost and was_enabled:

@@ -158,6 +158,9 @@ class LeakReport:
     other_thread_cycles: int = 0
     #: Why no analysis was done (e.g. a facility missing on this interpreter), else None.
     skipped: Optional[str] = None
+    #: Why the cycles carry no allocation site or thread (so ``threads="current"`` could not
+    #: leave out other threads' cycles), else None.
+    unattributed: Optional[str] = None
     #: True once the block has exited and the analysis ran (or was skipped).
     complete: bool = False
     #: "native" or "python": which implementation did the graph work.
@@ -208,6 +211,8 @@ class LeakReport:
         if notes:
             head += "; " + ", ".join(notes)
         parts = [head]
+        if self.unattributed:
+            parts.append(f"(not attributed to threads: {self.unattributed})")
         if verbose:
             for i, c in enumerate(self.cycles, 1):
                 parts.append(f"#{i} {c}")
@@ -239,6 +244,7 @@ class LeakReport:
             "allowed_cycles": self.allowed_cycles,
             "other_thread_cycles": self.other_thread_cycles,
             "skipped": self.skipped,
+            "unattributed": self.unattributed,
             "engine": self.engine,
         }
 
