@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import gc
 import json
@@ -558,6 +559,27 @@ def test_tracemalloc_is_neither_started_nor_stopped_where_that_is_unsafe(
     gc.collect()
 
 
+def test_threads_the_threading_module_does_not_know_count_as_other_threads() -> None:
+    """What decides the Python engine's second analysis and whether tracemalloc may be
+    toggled sees a thread started with ``_thread`` too (as a C thread calling Python)."""
+    if _detect._other_threads():
+        pytest.skip("another thread runs in this process already")
+    started, release = _thread.allocate_lock(), _thread.allocate_lock()
+    started.acquire()
+    release.acquire()
+
+    def run() -> None:
+        started.release()
+        release.acquire()
+
+    _thread.start_new_thread(run, ())
+    assert started.acquire(timeout=300)
+    try:
+        assert threading.active_count() == 1 and _detect._other_threads()
+    finally:
+        release.release()
+
+
 def test_objects_another_thread_lets_go_during_the_analysis_are_not_reported(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -566,7 +588,7 @@ def test_objects_another_thread_lets_go_during_the_analysis_are_not_reported(
     unreachable, but no cycle holds it: refcounting frees it. Such objects, and what only
     they hold, are neither reported nor counted; a cycle they held is reported."""
     holder: list[Any] = []  # made before the block: the other thread's object
-    real = _detect.find_unreachable
+    real = _graph.find_unreachable
 
     def drop_then_analyse(cand: list[Any], **kw: Any) -> list[int]:
         holder.clear()  # "another thread": after the snapshot, before the refcounts

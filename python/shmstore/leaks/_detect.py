@@ -131,11 +131,18 @@ def _free_threaded() -> bool:
     return check is not None and not check()
 
 
+def _other_threads() -> bool:
+    """Whether another thread may run Python code now: one `threading` knows of, or one it
+    does not (``_thread.start_new_thread``, a C thread calling into Python) that is running
+    Python code at this moment."""
+    return threading.active_count() > 1 or len(sys._current_frames()) > 1
+
+
 def _freethreaded_unsafe() -> Optional[str]:
     check = getattr(sys, "_is_gil_enabled", None)
     if check is None or check():
         return None
-    if sys.version_info < (3, 14) and threading.active_count() > 1:
+    if sys.version_info < (3, 14) and _other_threads():
         return (
             "free-threaded CPython < 3.14 traverses objects without stopping other threads; "
             "analysis skipped while other threads run"
@@ -156,7 +163,7 @@ def _toggle_unsafe() -> bool:
     dies (a pure-CPython loop toggling it beside two threads making lists crashed 2 runs in
     8). With the GIL the swap happens while no other thread runs Python.
     """
-    return _free_threaded() and threading.active_count() > 1
+    return _free_threaded() and _other_threads()
 
 
 def _start_tracing(nframe: int) -> Optional[str]:
@@ -424,7 +431,7 @@ def _collect_garbage(scope: str, entry: _Entry, exclude: set[int]) -> tuple[list
     del new
     n = len(cand)
     idx = find_unreachable(cand)
-    if threading.active_count() > 1 and not native_available():
+    if not native_available() and _other_threads():
         idx = _confirmed(cand, idx)
     garbage = [cand[i] for i in idx]
     del cand
