@@ -316,3 +316,47 @@ def test_list_segments_only_sees_ours(own_segment_dir: Path) -> None:
     assert pytest_plugin.list_segments() == {"shmstore-a"}
     os.unlink(own_segment_dir / "shmstore-a")
     assert pytest_plugin.list_segments() == frozenset()
+
+
+THREADED = """
+import threading
+import tracemalloc
+
+import pytest
+
+
+@pytest.fixture
+def worker():
+    go = threading.Event()
+    t = threading.Thread(target=go.wait, args=(300,))
+    t.start()
+    yield
+    go.set()
+    t.join(300)
+
+
+@pytest.mark.no_leaks(threads="%s")
+def test_with_a_thread(worker):
+    assert tracemalloc.is_tracing() is %s
+"""
+
+
+@pytest.mark.parametrize("threads", ["current", "all"])
+def test_tracemalloc_is_started_before_the_tests_where_only_then_it_can_be(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, threads: str
+) -> None:
+    """On a free-threaded interpreter tracemalloc cannot be started once other threads run:
+    the plugin starts it after collection when a selected test asks for threads="current",
+    so a test whose fixture started a thread runs attributed, without a warning; it stops
+    it at the session's end. Nothing is started where no test asks."""
+    import tracemalloc
+
+    from shmstore.leaks import _detect
+
+    if tracemalloc.is_tracing():
+        pytest.skip("tracemalloc is already tracing (PYTHONTRACEMALLOC?)")
+    monkeypatch.setattr(_detect, "_free_threaded", lambda: True)
+    pytester.makepyfile(THREADED % (threads, threads == "current"))
+    result = pytester.runpytest("-p", "no:cacheprovider", "-W", "error::RuntimeWarning")
+    result.assert_outcomes(passed=1)
+    assert not tracemalloc.is_tracing()

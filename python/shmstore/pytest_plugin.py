@@ -14,7 +14,10 @@ Registered through the ``pytest11`` entry point, so installing shmstore enables 
   arenas (small objects' chunks, docs/arena.md) are let go of before and after the test,
   so an arena is reported only while a handle or view of one of its chunks is still alive;
 - ``allow``: types or module names whose cycles are expected (caches); the ini option
-  ``shmstore_leaks_allow`` adds to it for every test.
+  ``shmstore_leaks_allow`` adds to it for every test;
+- ``threads``: ``"current"`` leaves out cycles other threads allocated (tracemalloc; on a
+  free-threaded interpreter the plugin starts it once, after collection, when a selected
+  test asks for this).
 
 Fixtures: ``leak_report`` (a ``detect`` factory with the allowlist applied),
 ``memory_monitor`` (a running :class:`shmstore.memory.Monitor`), ``shm_segments`` (the
@@ -34,6 +37,7 @@ from __future__ import annotations
 import gc
 import inspect
 import time
+import tracemalloc
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -43,7 +47,7 @@ import pytest
 from . import _native, _segments, _versions
 from . import memory as _memory
 from ._util import format_bytes, parse_size
-from .leaks import detect
+from .leaks import _detect, detect
 
 # Loaded into every pytest run of an environment that has shmstore (the pytest11 entry point):
 # on a pytest this plugin cannot serve, say so plainly instead of failing on a hook below.
@@ -147,8 +151,32 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+# Frames kept per allocation when the session starts tracemalloc: whole stacks of a test's
+# body under pytest's own frames (a block asks for its depth + 64).
+_SESSION_FRAMES = 256
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _MARKER_DOC)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """On a free-threaded interpreter, tests marked ``threads="current"`` need tracemalloc,
+    which cannot be started there once other threads run (docs/free-threading.md): start it
+    now, before the tests start any, when one of the selected tests asks for it. Where it
+    cannot be started now either, each such test warns."""
+    if not _detect._free_threaded() or tracemalloc.is_tracing():
+        return
+    for item in session.items:
+        marker = item.get_closest_marker("no_leaks")
+        if marker is not None and marker.kwargs.get("threads") == "current":
+            _detect._start_tracing(_SESSION_FRAMES)
+            return
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop the tracemalloc started for the session (when that is safe; docs/leaks.md)."""
+    _detect._stop_tracing(mine=0)
 
 
 def _uss() -> int:

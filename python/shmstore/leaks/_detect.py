@@ -44,8 +44,12 @@ class _GcPause:
 
     def alone(self) -> bool:
         """Whether exactly one block runs (the caller's, in any thread)."""
+        return self.running() == 1
+
+    def running(self) -> int:
+        """How many blocks run, in all threads."""
         with self._lock:
-            return self._depth == 1
+            return self._depth
 
     def leave(self) -> tuple[bool, bool]:
         """Returns (this was the outermost block, gc was enabled before it)."""
@@ -183,12 +187,13 @@ def _start_tracing(nframe: int) -> Optional[str]:
         return None
 
 
-def _stop_tracing() -> None:
-    """At a block's exit: stop the tracemalloc a block started, once no other block needs it
-    and stopping is safe; else it stays on until a later block's exit finds both."""
+def _stop_tracing(mine: int = 1) -> None:
+    """At a block's exit (``mine``: 1, the block still counted as running) or a session's
+    end (0): stop the tracemalloc a block or the pytest plugin started, once no other block
+    needs it and stopping is safe; else it stays on until a later exit finds both."""
     global _ours
     with _TRACE_LOCK:
-        if _ours and _PAUSE.alone() and not _toggle_unsafe():
+        if _ours and _PAUSE.running() <= mine and not _toggle_unsafe():
             _ours = False
             tracemalloc.stop()
 
