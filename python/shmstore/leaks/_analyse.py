@@ -170,8 +170,10 @@ def build_cycles(
     keep: bool = False,
     thread_of: Optional[Callable[[Iterable[Any]], tuple[Optional[str], Optional[str]]]] = None,
     only_current_thread: bool = False,
-) -> tuple[list[Cycle], int, int, int]:
-    """Group ``garbage`` into cycles. Returns (cycles, total retained bytes, allowed, other).
+) -> tuple[list[Cycle], int, int, int, int]:
+    """Group ``garbage`` into cycles. Returns (cycles, total retained bytes, allowed, other,
+    the garbage objects that cycles hold: the rest, let go by another thread during the
+    analysis, refcounting frees).
 
     ``garbage`` (tracked unreachable objects, in allocation order) is consumed.
     """
@@ -283,4 +285,4 @@ def build_cycles(
             )
         )
     cycles.sort(key=lambda cy: cy.retained_bytes, reverse=True)
-    return cycles, total, allowed, other
+    return cycles, total, allowed, other, sum(held)

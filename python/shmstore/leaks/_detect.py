@@ -408,11 +408,10 @@ class detect:  # lower case: used like a function, `with detect() as report`
         t0 = time.perf_counter()
         garbage, analysed = _collect_garbage(self.scope, entry, exclude)
         report.analysed_objects = analysed
-        report.garbage_objects = len(garbage)
         report.engine = "native" if native_available() else "python"
         found = bool(garbage)
         if garbage:
-            cycles, total, allowed, other = build_cycles(
+            cycles, total, allowed, other, held = build_cycles(
                 garbage,
                 allow=self.allow,
                 keep=self.keep,
@@ -421,6 +420,7 @@ class detect:  # lower case: used like a function, `with detect() as report`
             )
             report.cycles = [c for c in cycles if c.retained_bytes >= self.min_bytes]
             report.retained_bytes = total
+            report.garbage_objects = held
             report.allowed_cycles = allowed
             report.other_thread_cycles = other
         report.seconds = time.perf_counter() - t0
