@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import gc
 import json
@@ -19,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import pytest
+from conftest import run_checked
 from shmstore import leaks
 from shmstore.leaks import _detect, _graph
 from shmstore.leaks._guard import rss_bytes
@@ -559,25 +559,34 @@ def test_tracemalloc_is_neither_started_nor_stopped_where_that_is_unsafe(
     gc.collect()
 
 
-def test_threads_the_threading_module_does_not_know_count_as_other_threads() -> None:
-    """What decides the Python engine's second analysis and whether tracemalloc may be
-    toggled sees a thread started with ``_thread`` too (as a C thread calling Python)."""
-    if _detect._other_threads():
-        pytest.skip("another thread runs in this process already")
-    started, release = _thread.allocate_lock(), _thread.allocate_lock()
-    started.acquire()
+THREAD_FROM_THREAD_MODULE = """
+import _thread, threading
+from shmstore.leaks import _detect
+assert not _detect._other_threads(), threading.enumerate()
+started, release = _thread.allocate_lock(), _thread.allocate_lock()
+started.acquire()
+release.acquire()
+
+def run():
+    started.release()
     release.acquire()
 
-    def run() -> None:
-        started.release()
-        release.acquire()
+_thread.start_new_thread(run, ())
+assert started.acquire(timeout=300)
+try:
+    assert threading.active_count() == 1 and _detect._other_threads()
+finally:
+    release.release()
+print("ok")
+"""
 
-    _thread.start_new_thread(run, ())
-    assert started.acquire(timeout=300)
-    try:
-        assert threading.active_count() == 1 and _detect._other_threads()
-    finally:
-        release.release()
+
+def test_threads_the_threading_module_does_not_know_count_as_other_threads() -> None:
+    """What decides the Python engine's second analysis and whether tracemalloc may be
+    toggled sees a thread started with ``_thread`` too (as a C thread calling Python). In a
+    process of its own: earlier tests may have left threads in this one."""
+    proc = run_checked([sys.executable, "-c", THREAD_FROM_THREAD_MODULE])
+    assert proc.stdout.strip() == "ok"
 
 
 def test_objects_another_thread_lets_go_during_the_analysis_are_not_reported(

@@ -341,22 +341,33 @@ def test_with_a_thread(worker):
 """
 
 
+# The inner session's interpreter taken for a free-threaded one (a no-op on one), and
+# whether tracemalloc still runs once the plugin's session has ended.
+FREE_THREADED_CONFTEST = """
+import tracemalloc
+
+from shmstore.leaks import _detect
+
+_detect._free_threaded = lambda: True
+
+
+def pytest_unconfigure(config):
+    with open("tracing-at-exit", "w") as f:
+        f.write(str(tracemalloc.is_tracing()))
+"""
+
+
 @pytest.mark.parametrize("threads", ["current", "all"])
 def test_tracemalloc_is_started_before_the_tests_where_only_then_it_can_be(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, threads: str
+    pytester: pytest.Pytester, threads: str
 ) -> None:
     """On a free-threaded interpreter tracemalloc cannot be started once other threads run:
     the plugin starts it after collection when a selected test asks for threads="current",
     so a test whose fixture started a thread runs attributed, without a warning; it stops
-    it at the session's end. Nothing is started where no test asks."""
-    import tracemalloc
-
-    from shmstore.leaks import _detect
-
-    if tracemalloc.is_tracing():
-        pytest.skip("tracemalloc is already tracing (PYTHONTRACEMALLOC?)")
-    monkeypatch.setattr(_detect, "_free_threaded", lambda: True)
+    it at the session's end. Nothing is started where no test asks. (A pytest process of
+    its own: earlier tests may have left threads in this one.)"""
+    pytester.makeconftest(FREE_THREADED_CONFTEST)
     pytester.makepyfile(THREADED % (threads, threads == "current"))
-    result = pytester.runpytest("-p", "no:cacheprovider", "-W", "error::RuntimeWarning")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "error::RuntimeWarning")
     result.assert_outcomes(passed=1)
-    assert not tracemalloc.is_tracing()
+    assert (pytester.path / "tracing-at-exit").read_text() == "False"
